@@ -1,0 +1,112 @@
+"""The `placer` command line. The only module that prints."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from placer import __version__
+from placer.diagnostics import Diagnostic, PlacerError, format_report
+
+FORMATS = click.Choice(["text", "json", "github"])
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="placer")
+def main():
+    """Place every layer of a PyTorch model on devices, from one YAML spec.
+
+    \b
+    placer validate spec.yaml   check the spec (schema + semantic rules), file:line:col errors
+    placer plan spec.yaml       per-device memory, copies, collectives, comm bytes, diagrams
+    placer generate spec.yaml   a readable standalone torch program
+    placer run spec.yaml        generate and launch it (simulated on CPU workers if devices are missing)
+
+    The spec language is described in docs/spec.md; error codes in docs/errors.md.
+    Exit codes: 0 ok, 1 invalid spec or failed run, 2 usage error.
+    """
+
+
+def emit_diagnostics(diags: list[Diagnostic], fmt: str, file=None) -> None:
+    """Print diagnostics: best first, then a count of the rest (text)."""
+    if diags:
+        click.echo(format_report(diags, fmt, max_shown=None if fmt != "text" else 10), file=file)
+
+
+def fail(err: PlacerError, fmt: str = "text"):
+    """Report a user-caused error and exit 1 (no traceback)."""
+    if fmt == "json":
+        click.echo(json.dumps({"ok": False, "diagnostics": [d.as_dict() for d in err.diagnostics]}, indent=2))
+    else:
+        emit_diagnostics(err.diagnostics, fmt, file=sys.stderr)
+    sys.exit(1)
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--deep", is_flag=True,
+              help="Also build the model on the meta device and check layer names and shapes. "
+                   "This imports torch and, for `model.module` specs, RUNS THE USER'S MODEL CODE.")
+@click.option("--format", "fmt", type=FORMATS, default="text", show_default=True,
+              help="text for people, json for machines, github for workflow annotations.")
+@click.option("--strict", is_flag=True, help="Treat warnings as errors.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing for valid specs.")
+def validate(specs, deep, fmt, strict, quiet):
+    """Check spec files: schema, names, devices, coverage, batch arithmetic.
+
+    Plain validate never imports torch or user code, so it is fast and safe to
+    run in CI and in pre-commit hooks. Use '-' to read a spec from stdin.
+
+    \b
+    Examples:
+      placer validate specs/*.yaml
+      placer validate --format github specs/*.yaml     # annotations in GitHub Actions
+      cat spec.yaml | placer validate -
+    """
+    from placer.spec import check as checks
+    from placer.spec import load
+
+    results, failed = [], False
+    for path in specs:
+        try:
+            spec, diags = checks.validate_document(load.load_file(path))
+            if spec is not None and deep and not any(d.severity == "error" for d in diags):
+                from placer.model import build
+
+                diags += build.deep_check(spec)
+        except PlacerError as e:
+            spec, diags = None, e.diagnostics
+        errors = [d for d in diags if d.severity == "error" or strict]
+        failed |= bool(errors)
+        results.append((path, spec, diags, not errors))
+    if fmt == "json":
+        click.echo(json.dumps([{"file": p, "valid": ok, "diagnostics": [d.as_dict() for d in ds]}
+                               for p, _, ds, ok in results], indent=2))
+    else:
+        for path, spec, diags, ok in results:
+            emit_diagnostics(diags, fmt, file=sys.stderr if fmt == "text" else None)
+            if ok and not quiet and fmt == "text":
+                what = (f"{len(spec.model.layers)} layers" if spec.model.inline else f"module {spec.model.module}")
+                click.echo(f"{path}: ok ({what}, {len(spec.placement)} segments, {len(spec.devices)} devices)")
+    sys.exit(1 if failed else 0)
+
+
+def _register_optional_commands():
+    """Commands of later stages live in their own modules."""
+    import importlib
+
+    for mod in ("placer.cli.plan_cmd", "placer.cli.generate_cmd", "placer.cli.run_cmd"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        main.add_command(m.command)
+
+
+_register_optional_commands()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Semantic checks: what the JSON Schema cannot say.
+
+Each rule returns diagnostics in file order; `check` runs them all. Nothing
+here imports torch or user code (names come from `torch_names`).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
+from placer.spec import load, schema, select, shapes, torch_names
+from placer.spec.types import Segment, Spec, from_document
+
+# schedule -> (stage layout, rule on microbatches)
+#   layout "single": one stage per device; "loop": stage i on device group i % p; "v": V-shaped, 2 per device
+SCHEDULES = {
+    "gpipe": ("single", None),
+    "1f1b": ("single", "at_least_stages"),
+    "interleaved_1f1b": ("loop", "multiple_of_rounds"),
+    "looped_bfs": ("loop", None),
+    "interleaved_zero_bubble": ("loop", "multiple_of_rounds"),
+    "zbv_zero_bubble": ("v", None),
+    "dualpipev": ("v", "at_least_stages"),
+}
+SPATIAL_KINDS = {"conv", "pool", "elementwise"}
+CHANNEL_KINDS = {"linear", "conv", "pool", "elementwise", "norm"}
+MODE_OPTIONS = {
+    "none": set(),
+    "data": {"sync", "server", "bucket_mb", "overlap", "shard", "sync_batchnorm"},
+    "channel": set(),
+    "tensor": set(),
+    "spatial": {"dim"},
+}
+INT_DTYPES = {"int64", "int32", "bool"}
+
+
+def D(code, msg, loc, hint=None, severity="error"):
+    return Diagnostic(code, msg, loc, hint, severity)
+
+
+def layer_names(spec: Spec) -> list[str] | None:
+    return [l.name for l in spec.model.layers] if spec.model.inline else None
+
+
+def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], list[Diagnostic]]:
+    """Layer indices per segment, and diagnostics for selectors and coverage."""
+    out, diags, owner = [], [], {}
+    for seg in spec.placement:
+        idx: list[int] = []
+        for sel in seg.selectors:
+            hits = select.match(sel.text, names)
+            if isinstance(hits, str):
+                base = sel.text.split("..")[0].rstrip(".*")
+                diags.append(D("P001", f"segment {seg.name!r}: {hits}", sel.loc,
+                               name_hint("layers", base, names)))
+                continue
+            idx += hits
+        for i in idx:
+            if i in owner:
+                prev = spec.placement[owner[i]]
+                where = "twice in this segment" if owner[i] == seg.index else f"also in segment {prev.name!r}"
+                diags.append(D("P002", f"layer {names[i]!r} is placed {where}", seg.selectors[0].loc,
+                               "every layer belongs to exactly one segment"))
+            owner[i] = seg.index
+        out.append(sorted(set(idx)))
+    if not diags:
+        missing = [n for i, n in enumerate(names) if i not in owner]
+        if missing:
+            diags.append(D("P003", f"{len(missing)} layer(s) are placed nowhere: {', '.join(missing[:6])}"
+                           + (" ..." if len(missing) > 6 else ""), spec.doc.loc(("placement",)),
+                           "add them to a segment; segments must cover every layer"))
+        order = [i for seg in out for i in seg]
+        for seg, idx in zip(spec.placement, out):
+            if idx and idx != list(range(idx[0], idx[-1] + 1)):
+                diags.append(D("P004", f"segment {seg.name!r} is not contiguous in model order", seg.loc,
+                               "a segment holds a run of consecutive layers"))
+        if not any(d.code == "P004" for d in diags) and order != sorted(order):
+            diags.append(D("P004", "segments are not in model order", spec.doc.loc(("placement",)),
+                           "list segments in the order the model runs them"))
+    return out, diags
+
+
+def _check_devices(spec: Spec) -> list[Diagnostic]:
+    diags = []
+    seen = {}
+    for i, dev in enumerate(spec.devices):
+        if dev in seen:
+            diags.append(D("P010", f"device {dev!r} is listed twice", spec.doc.loc(("devices", i)),
+                           "each listed device is one worker"))
+        seen.setdefault(dev, i)
+    used = set()
+    for seg in spec.placement:
+        for dev, loc in zip(seg.devices, seg.device_locs):
+            if dev not in spec.devices:
+                diags.append(D("P012", f"segment {seg.name!r} is placed on unknown device {dev!r}", loc,
+                               name_hint("devices", dev, spec.devices)))
+            used.add(dev)
+        dup = sorted({d for d in seg.devices if seg.devices.count(d) > 1})
+        if dup:
+            diags.append(D("P011", f"segment {seg.name!r} lists device {dup[0]!r} more than once", seg.loc,
+                           "a group holds each device once"))
+    server = [s.parallel.server for s in spec.placement if s.parallel.server]
+    for dev in spec.devices:
+        if dev not in used and dev not in server:
+            diags.append(D("W001", f"device {dev!r} is listed but runs nothing", spec.device_loc(dev),
+                           "remove it, or place a segment on it", severity="warning"))
+    names = [s.name for s in spec.placement]
+    for seg in spec.placement:
+        if names.count(seg.name) > 1 and names.index(seg.name) != seg.index:
+            diags.append(D("P013", f"segment name {seg.name!r} is used twice", seg.loc, "names must be unique"))
+    return diags
+
+
+def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]:
+    diags = []
+    layers = spec.model.layers
+    for seg in spec.placement:
+        p, n = seg.parallel, len(seg.devices)
+        ploc = p.loc
+        if p.mode == "none" and n > 1:
+            diags.append(D("P020", f"segment {seg.name!r} lists {n} devices but no parallel mode", seg.loc,
+                           "add 'parallel: data' (or channel, tensor, spatial), or use 'device:' for one device"))
+        if p.mode != "none" and n < 2:
+            diags.append(D("P021", f"segment {seg.name!r}: parallel mode {p.mode!r} needs at least 2 devices",
+                           ploc, "use 'devices: [a, b, ...]', or drop 'parallel'"))
+        for opt in sorted(p.given - {"mode"} - MODE_OPTIONS[p.mode]):
+            owner = next((m for m, o in MODE_OPTIONS.items() if opt in o), "another mode")
+            diags.append(D("P022", f"segment {seg.name!r}: option {opt!r} belongs to mode {owner!r}, not {p.mode!r}",
+                           spec.doc.key_loc(("placement", seg.index, "parallel", opt)), f"remove {opt!r}"))
+        if p.mode == "data":
+            if p.sync == "parameter_server" and not p.server:
+                diags.append(D("P023", f"segment {seg.name!r}: sync 'parameter_server' needs 'server: DEVICE'",
+                               ploc, "name the device that holds the weights, e.g. server: cpu"))
+            if p.server and p.sync != "parameter_server":
+                diags.append(D("P024", f"segment {seg.name!r}: 'server' is only used with sync 'parameter_server'",
+                               spec.doc.loc(("placement", seg.index, "parallel", "server")), "remove it or set sync"))
+            if p.server and p.server not in spec.devices:
+                diags.append(D("P012", f"segment {seg.name!r}: server {p.server!r} is not a listed device",
+                               spec.doc.loc(("placement", seg.index, "parallel", "server")),
+                               name_hint("devices", p.server, spec.devices)))
+            if p.shard != "none" and p.sync != "allreduce":
+                diags.append(D("P025", f"segment {seg.name!r}: shard {p.shard!r} needs sync 'allreduce', not {p.sync!r}",
+                               ploc, "sharding splits what all-reduce replicas hold"))
+            if spec.training.batch_size % n and not spec.pipeline:
+                diags.append(D("P030", f"batch_size {spec.training.batch_size} is not divisible by the "
+                               f"{n} devices of data segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
+                               f"use a multiple of {n}"))
+        if groups is None or p.mode == "none":
+            continue
+        kinds = [shapes.kind(layers[i]) for i in groups[seg.index]]
+        seg_layers = [layers[i] for i in groups[seg.index]]
+        if p.mode == "data" and p.sync_batchnorm and not any(l.op.startswith("BatchNorm") for l in seg_layers):
+            diags.append(D("W002", f"segment {seg.name!r}: sync_batchnorm is set but it has no BatchNorm layer",
+                           ploc, "remove sync_batchnorm", severity="warning"))
+        if p.mode == "spatial":
+            bad = [l for l, k in zip(seg_layers, kinds) if k not in SPATIAL_KINDS]
+            if bad:
+                diags.append(D("P026", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
+                               "spatially", bad[0].loc, "spatial segments hold Conv, Pool and elementwise layers only"))
+        if p.mode == "channel":
+            bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS or l.op in ("LayerNorm", "GroupNorm")]
+            if bad:
+                diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
+                               "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm and "
+                               "elementwise layers"))
+            elif not any(k in ("linear", "conv") for k in kinds):
+                diags.append(D("P027", f"segment {seg.name!r} has no Linear or Conv to split by channel", seg.loc,
+                               "put the Linear/Conv layers in this segment"))
+        if p.mode == "tensor":
+            diags += _check_tensor_pairs(seg, seg_layers, kinds)
+    return diags
+
+
+def _check_tensor_pairs(seg: Segment, seg_layers, kinds) -> list[Diagnostic]:
+    """`tensor` needs (Linear, elementwise*, Linear) pairs."""
+    pattern = "".join({"linear": "L", "elementwise": "e", "dropout": "e"}.get(k, "x") for k in kinds)
+    if re.fullmatch(r"(Le*L)(e*Le*L)*e*", pattern):
+        return []
+    at = next((i for i, c in enumerate(pattern) if c == "x"), 0)
+    lay = seg_layers[at] if seg_layers else None
+    return [D("P028", f"segment {seg.name!r}: tensor parallel needs pairs of Linear layers "
+              f"(column split, then row split) with only elementwise layers between; found {pattern!r}",
+              lay.loc if lay else seg.loc, "L = Linear, e = elementwise, x = other; move other layers "
+              "to another segment")]
+
+
+def _check_pipeline(spec: Spec) -> list[Diagnostic]:
+    pl = spec.pipeline
+    if not pl:
+        return []
+    diags = []
+    stages = spec.placement
+    loc = pl.loc
+    B, m = spec.training.batch_size, pl.microbatches
+    if len(stages) < 2:
+        return [D("P040", "a pipeline needs at least 2 segments (stages)", loc, "split the model into segments")]
+    if B % m:
+        diags.append(D("P041", f"batch_size {B} is not divisible by microbatches {m}",
+                       spec.doc.loc(("training", "batch_size")), f"use a multiple of {m}"))
+    else:
+        for seg in stages:
+            d = len(seg.devices) if seg.mode == "data" else 1
+            if (B // m) % d:
+                diags.append(D("P042", f"micro-batch of {B // m} is not divisible by the {d} devices of "
+                               f"data stage {seg.name!r}", seg.loc, f"make batch_size / microbatches a multiple of {d}"))
+    for a, b in zip(stages, stages[1:]):
+        if set(a.devices) & set(b.devices):
+            diags.append(D("P043", f"pipeline neighbours {a.name!r} and {b.name!r} share device "
+                           f"{sorted(set(a.devices) & set(b.devices))[0]!r}", b.loc,
+                           "neighbouring stages must be on disjoint devices"))
+    layout, rule = SCHEDULES[pl.schedule]
+    groups = []
+    for seg in stages:
+        if tuple(seg.devices) not in groups:
+            groups.append(tuple(seg.devices))
+    p, n = len(groups), len(stages)
+    for seg in stages:
+        for g in groups:
+            if set(g) & set(seg.devices) and g != tuple(seg.devices):
+                diags.append(D("P044", f"stage {seg.name!r} overlaps the device group {list(g)} of another stage "
+                               "without equalling it", seg.loc, "stages that share devices must use the same group"))
+                break
+    degrees = {len(s.devices) if s.mode == "data" else 1 for s in stages}
+    if pl.schedule != "gpipe" and len(degrees) > 1:
+        diags.append(D("P045", f"stages have different data degrees {sorted(degrees)}; schedule {pl.schedule!r} "
+                       "runs one pipeline per data replica", loc, "give every stage the same number of devices"))
+    if layout == "single" and n != p:
+        diags.append(D("P046", f"schedule {pl.schedule!r} takes one stage per device group, but {n} stages share "
+                       f"{p} groups", loc, "use interleaved_1f1b for several stages per device"))
+    if layout in ("loop", "v"):
+        per = n / p
+        if p == n or per != int(per) or (layout == "v" and per != 2):
+            want = "exactly 2" if layout == "v" else "the same number (at least 2) of"
+            diags.append(D("P047", f"schedule {pl.schedule!r} needs {want} stages on every device group; "
+                           f"{n} stages on {p} groups", loc, "place the same number of stages on each group"))
+        else:
+            order = [groups[i % p] for i in range(n)] if layout == "loop" else \
+                [groups[i] if i < p else groups[2 * p - 1 - i] for i in range(n)]
+            for i, (seg, g) in enumerate(zip(stages, order)):
+                if tuple(seg.devices) != g:
+                    shape = "round-robin" if layout == "loop" else "V-shaped (0,1,..,p-1,p-1,..,0)"
+                    diags.append(D("P048", f"stage {i} ({seg.name!r}) is on {list(seg.devices)}; schedule "
+                                   f"{pl.schedule!r} expects {list(g)} ({shape} order)", seg.loc,
+                                   "reorder the device groups of the stages"))
+                    break
+    if rule == "at_least_stages" and m < n:
+        diags.append(D("P049", f"schedule {pl.schedule!r} needs microbatches ({m}) >= stages ({n})", loc,
+                       f"use at least {n} microbatches"))
+    if rule == "multiple_of_rounds":
+        rounds = max(1, m // p)
+        if m % rounds:
+            diags.append(D("P049", f"schedule {pl.schedule!r} needs microbatches ({m}) to be a multiple of "
+                           f"the rounds ({rounds} = microbatches // {p} device groups)", loc,
+                           f"use a multiple of {p} microbatches"))
+    return diags
+
+
+def _check_names(spec: Spec) -> list[Diagnostic]:
+    diags = []
+    m = spec.model
+    for layer in m.layers or ():
+        if layer.op not in torch_names.NN_MODULES:
+            diags.append(D("P050", f"layer {layer.name!r}: op {layer.op!r} is not a torch.nn module",
+                           spec.doc.loc(("model", "layers", _raw_index(spec, layer.loc), "op")),
+                           name_hint("ops", layer.op, sorted(torch_names.NN_MODULES))))
+    if m.loss not in torch_names.NN_LOSSES:
+        diags.append(D("P051", f"loss {m.loss!r} is not a torch.nn loss", spec.doc.loc(("model", "loss")),
+                       name_hint("losses", m.loss, sorted(torch_names.NN_LOSSES))))
+    opt = spec.training.optimizer
+    if opt.op not in torch_names.OPTIMIZERS:
+        diags.append(D("P052", f"optimizer {opt.op!r} is not in torch.optim",
+                       spec.doc.loc(("training", "optimizer", "op")),
+                       name_hint("optimizers", opt.op, sorted(torch_names.OPTIMIZERS))))
+    for key in ("input", "target"):
+        t = getattr(m, key)
+        if t.dtype in INT_DTYPES and t.dtype != "bool" and t.high is None:
+            diags.append(D("P053", f"model.{key} has dtype {t.dtype} but no 'high'", t.loc,
+                           "integer data is drawn in [low, high): set high, e.g. the number of classes"))
+    for path, mod in (("model", m.module), ("training.data", spec.training.data.module)):
+        if mod and ".py:" in mod:
+            rel = mod.rsplit(":", 1)[0]
+            full = os.path.join(os.path.dirname(os.path.abspath(spec.file)), rel)
+            if spec.file not in ("<stdin>", "<spec>") and not os.path.isfile(full):
+                diags.append(D("P054", f"{path}.module file {rel!r} does not exist (relative to the spec)",
+                               spec.doc.loc(tuple(path.split(".")) + ("module",)), f"looked for {full}"))
+    return diags
+
+
+def _raw_index(spec: Spec, loc: Loc) -> int:
+    """Index of the raw (unexpanded) layer entry written at `loc`."""
+    for i in range(len(spec.doc.data["model"]["layers"])):
+        if spec.doc.loc(("model", "layers", i)) == loc:
+            return i
+    return 0
+
+
+def _check_shapes(spec: Spec, groups) -> list[Diagnostic]:
+    m = spec.model
+    if not m.inline or any(d.code.startswith("P05") for d in _check_names(spec)):
+        return []
+    diags = []
+    shape = m.input.concrete(spec.training.batch_size)[1:]
+    for layer, _, out in shapes.chain(m.layers, shape):
+        if isinstance(out, str):
+            diags.append(D("P060", f"layer {layer.name!r}: {out}", layer.loc, "fix the layer's arguments so "
+                           "shapes chain from model.input"))
+            break
+    if groups is not None:
+        diags += _check_spatial(spec, groups)
+    dropout = [l for l in m.layers if shapes.kind(l) == "dropout" and shapes.arg(l, 0, "p", 0.5)]
+    if dropout and len(spec.devices) > 1:
+        diags.append(D("W003", f"layer {dropout[0].name!r} is a Dropout: random masks differ from a one-device "
+                       "run, so run --check cannot match", dropout[0].loc,
+                       "set p: 0 to check equivalence, or accept a mismatch in --check", severity="warning"))
+    return diags
+
+
+def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
+    """Each device's share of the split dim must be whole at every strided layer."""
+    diags = []
+    shape = spec.model.input.concrete(spec.training.batch_size)[1:]
+    shapes_in = {l.name: s for l, s, _ in shapes.chain(spec.model.layers, shape)}
+    for seg in spec.placement:
+        if seg.mode != "spatial":
+            continue
+        d = len(seg.devices)
+        dim = seg.parallel.dim if seg.parallel.dim is not None else "H"
+        for i in groups[seg.index]:
+            layer = spec.model.layers[i]
+            s = shapes_in.get(layer.name)
+            if s is None or shapes.kind(layer) not in ("conv", "pool") or len(s) < 2:
+                continue
+            axis = {"H": len(s) - 2, "W": len(s) - 1}.get(dim, dim - 1 if isinstance(dim, int) else None)
+            if axis is None or not 1 <= axis < len(s):
+                diags.append(D("P029", f"segment {seg.name!r}: split dim {dim!r} is not a spatial dim of "
+                               f"{layer.op} input {list(s)}", seg.parallel.loc, "use H or W"))
+                break
+            pool = shapes.kind(layer) == "pool"
+            k = shapes.arg(layer, 0 if pool else 2, "kernel_size")
+            stride = shapes.arg(layer, 1 if pool else 3, "stride", None) or (k if pool else 1)
+            stride = stride[axis - 1] if isinstance(stride, (list, tuple)) else stride
+            size = s[axis]
+            if isinstance(stride, int) and (size % d or (size // d) % stride):
+                diags.append(D("P029", f"segment {seg.name!r}: {layer.name!r} has {size} rows along {dim} and stride "
+                               f"{stride}; {d} devices cannot each take a whole multiple of the stride", layer.loc,
+                               f"make the input size along {dim} a multiple of {d * stride}"))
+                break
+    return diags
+
+
+def check(spec: Spec) -> list[Diagnostic]:
+    """All semantic diagnostics (errors and warnings), in file order."""
+    names = layer_names(spec)
+    groups, diags = (resolve_segments(spec, names) if names is not None else (None, []))
+    diags += _check_devices(spec) + _check_names(spec) + _check_pipeline(spec)
+    diags += _check_modes(spec, groups if not any(d.severity == "error" for d in diags) else None)
+    if groups is not None and not any(d.code in ("P001", "P002", "P003", "P004") for d in diags):
+        diags += _check_shapes(spec, groups)
+    return sorted(diags, key=lambda d: (d.severity != "error", d.loc.line, d.loc.col))
+
+
+def validate_document(doc: load.Document) -> tuple[Spec | None, list[Diagnostic]]:
+    """Schema, then semantic checks; the Spec is None when the shape is wrong."""
+    shape = schema.check_shape(doc)
+    if shape:
+        return None, shape
+    spec = from_document(doc)
+    return spec, check(spec)
+
+
+def load_spec(path: str) -> Spec:
+    """Load and fully check a spec; raise SpecError on any error."""
+    spec, diags = validate_document(load.load_file(path))
+    errors = [d for d in diags if d.severity == "error"]
+    if errors:
+        raise SpecError(errors)
+    return spec

@@ -1,0 +1,175 @@
+"""Load a spec file: safe YAML with a source position for every node.
+
+Nothing in a spec is ever constructed as an object: YAML is parsed to events,
+bounded (size, depth, aliases, tags) before any node tree is built, then
+composed and turned into plain JSON-like values. Every value and every key
+keeps its `Loc`, addressed by its path (a tuple of keys and indices).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import yaml
+
+from placer.diagnostics import Diagnostic, Loc, SpecError
+
+MAX_BYTES = 1 << 20  # 1 MiB: a spec for a billion-parameter model is a few KiB
+MAX_DEPTH = 64
+MAX_ALIASES = 100
+MAX_NODES = 100_000  # after alias expansion
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_CORE = "tag:yaml.org,2002:"
+_ALLOWED_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "timestamp")}
+_scalars = yaml.constructor.SafeConstructor()
+
+Path = tuple
+
+
+@dataclass(frozen=True)
+class Document:
+    """A loaded spec: plain data plus where each value and key was written."""
+
+    file: str
+    data: object
+    locs: dict  # path -> Loc of the value
+    key_locs: dict  # path -> Loc of the mapping key that names it
+
+    def loc(self, path: Path = ()) -> Loc:
+        """Best location for `path`: the value, else the nearest ancestor."""
+        path = tuple(path)
+        while path not in self.locs and path:
+            path = path[:-1]
+        return self.locs.get(path, Loc(self.file, 1, 1))
+
+    def key_loc(self, path: Path) -> Loc:
+        return self.key_locs.get(tuple(path)) or self.loc(path)
+
+
+def _loc(file: str, mark) -> Loc:
+    return Loc(file, mark.line + 1, mark.column + 1)
+
+
+def _fail(code: str, msg: str, loc: Loc, hint: str | None = None):
+    raise SpecError(Diagnostic(code, msg, loc, hint))
+
+
+def _decode(raw: bytes, file: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = raw[: e.start]
+        line = before.count(b"\n") + 1
+        col = e.start - (before.rfind(b"\n") + 1) + 1
+        _fail("L002", f"file is not valid UTF-8 (byte 0x{raw[e.start]:02x})", Loc(file, line, col),
+              "save the spec as UTF-8")
+
+
+def _prescan(text: str, file: str) -> None:
+    """Bound depth, aliases and tags on the event stream, before composing."""
+    depth = aliases = docs = 0
+    for ev in yaml.parse(text, Loader=_Loader):
+        if isinstance(ev, yaml.DocumentStartEvent):
+            docs += 1
+            if docs > 1:
+                _fail("L008", "a spec is one YAML document; found a second one", _loc(file, ev.start_mark),
+                      "remove the '---' separator and what follows, or split into two files")
+        elif isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                _fail("L007", f"nesting deeper than {MAX_DEPTH} levels", _loc(file, ev.start_mark),
+                      "a spec needs only a few levels of nesting")
+        elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+        elif isinstance(ev, yaml.AliasEvent):
+            aliases += 1
+            if aliases > MAX_ALIASES:
+                _fail("L006", f"more than {MAX_ALIASES} YAML aliases", _loc(file, ev.start_mark),
+                      "write the values out instead of repeating anchors")
+        tag = getattr(ev, "tag", None)
+        if tag and tag not in ("!", "?") and tag not in _ALLOWED_TAGS:
+            _fail("L004", f"YAML tag {tag!r} is not allowed", _loc(file, ev.start_mark),
+                  "specs are plain data: remove the tag")
+
+
+def _to_data(root, file: str):
+    """Compose node tree -> (data, locs, key_locs), expanding aliases with a node budget."""
+    locs: dict = {}
+    key_locs: dict = {}
+    budget = [MAX_NODES]
+
+    def walk(node, path):
+        budget[0] -= 1
+        if budget[0] < 0:
+            _fail("L006", f"the spec expands to more than {MAX_NODES} values (alias bomb?)",
+                  _loc(file, node.start_mark), "write the values out instead of repeating anchors")
+        locs[path] = _loc(file, node.start_mark)
+        if isinstance(node, yaml.MappingNode):
+            out = {}
+            for knode, vnode in node.value:
+                if not isinstance(knode, yaml.ScalarNode):
+                    _fail("L009", "mapping keys must be plain names", _loc(file, knode.start_mark))
+                if knode.tag == _CORE + "merge":
+                    _fail("L004", "YAML merge keys ('<<') are not allowed", _loc(file, knode.start_mark),
+                          "write the keys out")
+                key = knode.value
+                if key in out:
+                    first = key_locs[path + (key,)]
+                    _fail("L005", f"duplicate key {key!r} (first written at line {first.line})",
+                          _loc(file, knode.start_mark), "keep one of them")
+                key_locs[path + (key,)] = _loc(file, knode.start_mark)
+                out[key] = walk(vnode, path + (key,))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [walk(v, path + (i,)) for i, v in enumerate(node.value)]
+        if node.tag == _CORE + "timestamp":
+            return node.value  # keep dates as written
+        return _scalars.construct_object(node)
+
+    return walk(root, ()), locs, key_locs
+
+
+def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
+    """Parse spec text (bytes are checked for size and UTF-8 first)."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape")
+    if len(raw) > MAX_BYTES:
+        _fail("L001", f"file is {len(raw)} bytes; the limit is {MAX_BYTES}", Loc(file, 1, 1),
+              "a spec is a few KiB: is this the right file?")
+    text = _decode(raw, file)
+    try:
+        _prescan(text, file)
+        root = yaml.compose(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        msg = (e.problem or e.context or "invalid YAML").strip()
+        _fail("L003", f"YAML syntax: {msg}", _loc(file, mark) if mark else Loc(file, 1, 1))
+    except yaml.YAMLError as e:  # reader errors (control characters) and the like
+        mark = getattr(e, "problem_mark", None)
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        _fail("L003", f"YAML: {str(e).splitlines()[0]}", Loc(file, line, col))
+    if root is None:
+        _fail("L010", "the spec is empty", Loc(file, 1, 1), "start from an example in specs/")
+    data, locs, key_locs = _to_data(root, file)
+    if not isinstance(data, dict):
+        _fail("L011", f"a spec is a mapping of keys; found a {type(data).__name__}", locs[()],
+              "start with 'placer: 1' and 'name: ...'")
+    return Document(file, data, locs, key_locs)
+
+
+def load_file(path: str) -> Document:
+    """Read and parse a spec file; '-' reads standard input."""
+    if path == "-":
+        raw = sys.stdin.buffer.read(MAX_BYTES + 1)
+        return load_text(raw, "<stdin>")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)  # never read a huge file whole
+            if len(raw) > MAX_BYTES:
+                _fail("L001", f"file is {os.path.getsize(path)} bytes; the limit is {MAX_BYTES}",
+                      Loc(path, 1, 1), "a spec is a few KiB: is this the right file?")
+    except OSError as e:
+        _fail("L000", f"cannot read spec: {e.strerror or e}", Loc(path))
+    return load_text(raw, path)

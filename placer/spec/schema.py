@@ -1,0 +1,92 @@
+"""Shape checks: the JSON Schema (the one source of truth for a spec's shape),
+with jsonschema's errors turned into located, hinted diagnostics."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match, relevance
+
+from placer.diagnostics import Diagnostic, did_you_mean
+from placer.spec.load import Document
+
+SCHEMA_FILE = "placer-spec.schema.json"
+
+
+@lru_cache(maxsize=1)
+def schema() -> dict:
+    return json.loads(resources.files("placer").joinpath("schemas", SCHEMA_FILE).read_text("utf-8"))
+
+
+@lru_cache(maxsize=1)
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(schema())
+
+
+def where(path) -> str:
+    """`placement[1].parallel` style name of a path."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "the spec"
+
+
+def _allowed_keys(subschema: dict) -> list[str]:
+    return list(subschema.get("properties", {}))
+
+
+def _diagnose(doc: Document, err) -> list[Diagnostic]:
+    # Descend into oneOf/anyOf to the branch that fits best.
+    if err.context:
+        err = best_match(err.context)
+    path = tuple(err.absolute_path)
+    v, inst, sch = err.validator, err.instance, err.schema
+    at = where(path)
+    if v in ("additionalProperties", "unevaluatedProperties") and isinstance(inst, dict):
+        allowed = _allowed_keys(sch)
+        out = []
+        for k in inst:
+            if k in allowed:
+                continue
+            dym = did_you_mean(k, allowed)
+            hint = (dym + " " if dym else "") + f"keys of {at} are: {', '.join(allowed)}"
+            out.append(Diagnostic("S001", f"unknown key {k!r} in {at}", doc.key_loc(path + (k,)), hint))
+        if out:
+            return out
+    if v == "required":
+        missing = [k for k in err.validator_value if isinstance(inst, dict) and k not in inst]
+        key = missing[0] if missing else err.message
+        desc = sch.get("properties", {}).get(key, {}).get("description", "")
+        return [Diagnostic("S002", f"missing required key {key!r} in {at}", doc.loc(path),
+                           f"{key}: {desc}" if desc else None)]
+    if v in ("enum", "const"):
+        choices = err.validator_value if v == "enum" else [err.validator_value]
+        dym = did_you_mean(inst, choices) if isinstance(inst, str) else None
+        hint = (dym + " " if dym else "") + "allowed: " + ", ".join(json.dumps(c) for c in choices)
+        return [Diagnostic("S004", f"{at} is {json.dumps(inst)}; not an allowed value", doc.loc(path), hint)]
+    if v == "type":
+        want = err.validator_value if isinstance(err.validator_value, str) else " or ".join(err.validator_value)
+        return [Diagnostic("S003", f"{at} must be {'an' if want[0] in 'aeiou' else 'a'} {want}, not "
+                           f"{json.dumps(inst) if not isinstance(inst, (dict, list)) else type(inst).__name__}",
+                           doc.loc(path), sch.get("description"))]
+    if v == "pattern":
+        return [Diagnostic("S005", f"{at} is {json.dumps(inst)}, which is not well formed", doc.loc(path),
+                           sch.get("description") or f"it must match {err.validator_value}")]
+    if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "minLength"):
+        return [Diagnostic("S006", f"{at}: {err.message}", doc.loc(path), sch.get("description"))]
+    return [Diagnostic("S007", f"{at}: {err.message}", doc.loc(path), sch.get("description"))]
+
+
+def check_shape(doc: Document) -> list[Diagnostic]:
+    """All schema violations, best first."""
+    errors = sorted(_validator().iter_errors(doc.data), key=relevance, reverse=True)
+    out: list[Diagnostic] = []
+    seen = set()
+    for e in errors:
+        for d in _diagnose(doc, e):
+            if (d.code, d.message) not in seen:
+                seen.add((d.code, d.message))
+                out.append(d)
+    return out

@@ -1,0 +1,265 @@
+"""The spec as frozen, typed objects, each carrying where the user wrote it.
+
+Built from a schema-valid `Document` by `from_document`; defaults here are the
+ones SPEC.md and the JSON Schema state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from placer.diagnostics import Loc
+from placer.spec.load import Document
+
+MODES = ("none", "data", "channel", "tensor", "spatial")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    shape: tuple
+    """Entries are positive ints or "B" (the global batch size)."""
+    dtype: str = "float32"
+    high: int | None = None
+    """Integer tensors are drawn in [low, high)."""
+    low: int = 0
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+    def concrete(self, batch: int) -> tuple:
+        return tuple(batch if d == "B" else d for d in self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    name: str
+    """Expanded name (`block.2` for the third of `repeat: 4`)."""
+    op: str
+    """A `torch.nn` class name."""
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    layers: tuple[Layer, ...] | None = None
+    """Inline layers, expanded (repeat), in model order; None for a module model."""
+    module: str | None = None
+    """`path/to/file.py:Class` (relative to the spec) or `pkg.mod:Class`."""
+    kwargs: dict = field(default_factory=dict)
+    input: TensorSpec
+    target: TensorSpec
+    loss: str
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+    @property
+    def inline(self) -> bool:
+        return self.layers is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    mode: str = "none"
+    sync: str = "allreduce"
+    server: str | None = None
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    shard: str = "none"
+    sync_batchnorm: bool = False
+    dim: str | int | None = None
+    """`spatial` split dim: "H", "W" or a tensor dim index."""
+    loc: Loc = field(default_factory=Loc, compare=False)
+    given: frozenset = frozenset()
+    """Option names the user wrote (to reject options of another mode)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Selector:
+    text: str
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    index: int
+    name: str
+    """User name, or `s{index}`."""
+    selectors: tuple[Selector, ...]
+    devices: tuple[str, ...]
+    """One device for `device:`, the group for `devices:`."""
+    parallel: Parallel
+    route: str | None = None
+    """Per-segment copy route for its input; None means the spec-wide route."""
+    loc: Loc = field(default_factory=Loc, compare=False)
+    device_locs: tuple[Loc, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        return self.parallel.mode
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    microbatches: int
+    schedule: str = "1f1b"
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    op: str
+    lr: float | None = None
+    kwargs: dict = field(default_factory=dict)
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    dir: str
+    every: int
+    keep: int = 3
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Data:
+    module: str | None = None
+    """None for synthetic data; else `file.py:function` returning an iterator of (input, target)."""
+    kwargs: dict = field(default_factory=dict)
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    batch_size: int
+    steps: int
+    optimizer: Optimizer
+    seed: int = 0
+    data: Data = field(default_factory=Data)
+    prefetch: int = 2
+    checkpoint: Checkpoint | None = None
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    backend: str = "auto"
+    simulate: str = "auto"
+    """auto | always | never."""
+    timeout_s: float = 300.0
+    max_restarts: int = 0
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    name: str
+    description: str | None
+    model: Model
+    devices: tuple[str, ...]
+    placement: tuple[Segment, ...]
+    pipeline: Pipeline | None
+    route: str
+    """Spec-wide copy route: direct | via_host."""
+    training: Training
+    runtime: Runtime
+    file: str
+    """The spec file (for resolving relative module paths)."""
+    doc: Document = field(repr=False, compare=False)
+    """The loaded document, for locations of anything else."""
+
+    def device_loc(self, device: str) -> Loc:
+        return self.doc.loc(("devices", self.devices.index(device)))
+
+
+def _expand_layers(doc: Document, raw: list) -> tuple[Layer, ...]:
+    out = []
+    for i, l in enumerate(raw):
+        loc = doc.loc(("model", "layers", i))
+        common = dict(op=l["op"], args=tuple(l.get("args", ())), kwargs=dict(l.get("kwargs", {})), loc=loc)
+        if "repeat" in l:
+            out += [Layer(name=f"{l['name']}.{k}", **common) for k in range(l["repeat"])]
+        else:
+            out.append(Layer(name=l["name"], **common))
+    return tuple(out)
+
+
+def _tensor(doc: Document, path: tuple, raw: dict) -> TensorSpec:
+    return TensorSpec(shape=tuple(raw["shape"]), dtype=raw.get("dtype", "float32"), high=raw.get("high"),
+                      low=raw.get("low", 0), loc=doc.loc(path))
+
+
+def _parallel(doc: Document, path: tuple, raw) -> Parallel:
+    if raw is None:
+        return Parallel(loc=doc.loc(path))
+    if isinstance(raw, str):
+        return Parallel(mode=raw, loc=doc.loc(path), given=frozenset({"mode"}))
+    return Parallel(loc=doc.loc(path), given=frozenset(raw), **raw)
+
+
+def from_document(doc: Document) -> Spec:
+    """Typed spec from a document that already passed the JSON Schema."""
+    d = doc.data
+    m = d["model"]
+    model = Model(
+        layers=_expand_layers(doc, m["layers"]) if "layers" in m else None,
+        module=m.get("module"),
+        kwargs=dict(m.get("kwargs", {})),
+        input=_tensor(doc, ("model", "input"), m["input"]),
+        target=_tensor(doc, ("model", "target"), m["target"]),
+        loss=m["loss"],
+        loc=doc.loc(("model",)),
+    )
+    segments = []
+    for i, s in enumerate(d["placement"]):
+        p = ("placement", i)
+        if "devices" in s:
+            devs, dlocs = tuple(s["devices"]), tuple(doc.loc(p + ("devices", k)) for k in range(len(s["devices"])))
+        else:
+            devs, dlocs = (s["device"],), (doc.loc(p + ("device",)),)
+        sels = s["layers"] if isinstance(s["layers"], list) else [s["layers"]]
+        sel_paths = [p + ("layers", k) for k in range(len(sels))] if isinstance(s["layers"], list) else [p + ("layers",)]
+        segments.append(Segment(
+            index=i,
+            name=s.get("name", f"s{i}"),
+            selectors=tuple(Selector(text=t, loc=doc.loc(sp)) for t, sp in zip(sels, sel_paths)),
+            devices=devs,
+            device_locs=dlocs,
+            parallel=_parallel(doc, p + ("parallel",), s.get("parallel")),
+            route=s.get("copies", {}).get("route"),
+            loc=doc.loc(p),
+        ))
+    t = d["training"]
+    opt = t["optimizer"]
+    data = t.get("data", "synthetic")
+    ck = t.get("checkpoint")
+    rt = d.get("runtime", {})
+    pl = d.get("pipeline")
+    simulate = rt.get("simulate", "auto")
+    simulate = {True: "always", False: "never"}.get(simulate, simulate)
+    return Spec(
+        name=d["name"],
+        description=d.get("description"),
+        model=model,
+        devices=tuple(d["devices"]),
+        placement=tuple(segments),
+        pipeline=Pipeline(microbatches=pl["microbatches"], schedule=pl.get("schedule", "1f1b"),
+                          loc=doc.loc(("pipeline",))) if pl else None,
+        route=d.get("copies", {}).get("route", "direct"),
+        training=Training(
+            batch_size=t["batch_size"],
+            steps=t["steps"],
+            optimizer=Optimizer(op=opt["op"], lr=opt.get("lr"), kwargs=dict(opt.get("kwargs", {})),
+                                loc=doc.loc(("training", "optimizer"))),
+            seed=t.get("seed", 0),
+            data=Data(loc=doc.loc(("training", "data"))) if data == "synthetic"
+            else Data(module=data["module"], kwargs=dict(data.get("kwargs", {})), loc=doc.loc(("training", "data"))),
+            prefetch=t.get("prefetch", 2),
+            checkpoint=Checkpoint(dir=ck["dir"], every=ck["every"], keep=ck.get("keep", 3),
+                                  loc=doc.loc(("training", "checkpoint"))) if ck else None,
+            loc=doc.loc(("training",)),
+        ),
+        runtime=Runtime(backend=rt.get("backend", "auto"), simulate=simulate,
+                        timeout_s=float(rt.get("timeout_s", 300)), max_restarts=rt.get("max_restarts", 0),
+                        loc=doc.loc(("runtime",))),
+        file=doc.file,
+        doc=doc,
+    )
