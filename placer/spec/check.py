@@ -24,7 +24,7 @@ SCHEDULES = {
     "dualpipev": ("v", "at_least_stages"),
 }
 SPATIAL_KINDS = {"conv", "pool", "elementwise"}
-CHANNEL_KINDS = {"linear", "conv", "pool", "elementwise", "norm"}
+CHANNEL_KINDS = {"linear", "conv", "pool", "elementwise", "batchnorm", "norm"}
 MODE_OPTIONS = {
     "none": set(),
     "data": {"sync", "server", "bucket_mb", "overlap", "shard", "sync_batchnorm"},
@@ -159,7 +159,7 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                 diags.append(D("P026", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
                                "spatially", bad[0].loc, "spatial segments hold Conv, Pool and elementwise layers only"))
         if p.mode == "channel":
-            bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS or l.op in ("LayerNorm", "GroupNorm")]
+            bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS]
             if bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
                                "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm and "
@@ -204,12 +204,13 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
             if (B // m) % d:
                 diags.append(D("P042", f"micro-batch of {B // m} is not divisible by the {d} devices of "
                                f"data stage {seg.name!r}", seg.loc, f"make batch_size / microbatches a multiple of {d}"))
-    for a, b in zip(stages, stages[1:]):
-        if set(a.devices) & set(b.devices):
+    layout, rule = SCHEDULES[pl.schedule]
+    turn = len(stages) // 2 if layout == "v" else None  # a V's two middle stages share a group by design
+    for i, (a, b) in enumerate(zip(stages, stages[1:])):
+        if set(a.devices) & set(b.devices) and i + 1 != turn:
             diags.append(D("P043", f"pipeline neighbours {a.name!r} and {b.name!r} share device "
                            f"{sorted(set(a.devices) & set(b.devices))[0]!r}", b.loc,
                            "neighbouring stages must be on disjoint devices"))
-    layout, rule = SCHEDULES[pl.schedule]
     groups = []
     for seg in stages:
         if tuple(seg.devices) not in groups:

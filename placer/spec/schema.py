@@ -37,6 +37,33 @@ def _allowed_keys(subschema: dict) -> list[str]:
     return list(subschema.get("properties", {}))
 
 
+_RULES = ("dependentSchemas", "then", "else", "allOf")
+
+
+def _ruled_by(err) -> tuple[dict, str] | None:
+    """For an error raised inside a rule (`then`, `dependentSchemas`...): the object
+    schema that declares the keys, and the key the rule depends on ('' if none)."""
+    node, owner = schema(), None
+    parts = list(err.absolute_schema_path)
+    for i, part in enumerate(parts[:-1]):
+        while isinstance(node, dict) and part not in node and "$ref" in node:
+            node = _follow(node, "$ref")  # jsonschema leaves $ref out of the path
+        if part in _RULES and isinstance(node, dict) and "properties" in node:
+            dep = parts[i + 1] if part == "dependentSchemas" else ""
+            owner = (node, dep)
+        node = _follow(node, part)
+    return owner
+
+
+def _follow(node, part):
+    if part == "$ref":
+        target = schema()
+        for p in node["$ref"].lstrip("#/").split("/"):
+            target = target[p]
+        return target
+    return node[part]
+
+
 def _diagnose(doc: Document, err) -> list[Diagnostic]:
     # Descend into oneOf/anyOf to the branch that fits best.
     if err.context:
@@ -46,9 +73,17 @@ def _diagnose(doc: Document, err) -> list[Diagnostic]:
     at = where(path)
     if v in ("additionalProperties", "unevaluatedProperties") and isinstance(inst, dict):
         allowed = _allowed_keys(sch)
+        ruled = _ruled_by(err)
         out = []
         for k in inst:
             if k in allowed:
+                continue
+            declared = ruled[0].get("properties", {}) if ruled else {}
+            if k in declared:  # a known key that a rule excludes here
+                why = (f"together with {ruled[1]!r}" if ruled[1]
+                       else f"with mode {inst['mode']!r}" if isinstance(inst.get("mode"), str) else "here")
+                out.append(Diagnostic("S008", f"key {k!r} in {at} cannot be used {why}",
+                                      doc.key_loc(path + (k,)), declared[k].get("description")))
                 continue
             dym = did_you_mean(k, allowed)
             hint = (dym + " " if dym else "") + f"keys of {at} are: {', '.join(allowed)}"

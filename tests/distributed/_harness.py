@@ -85,7 +85,7 @@ def build_model(sc: Scenario) -> nn.Sequential:
 
 def activation_shapes(sc: Scenario, model: nn.Sequential) -> list[list[int]]:
     """Full-batch input shape of every segment, from a meta-device trace (what codegen knows)."""
-    meta = copy.deepcopy(model).to("meta")
+    meta = copy.deepcopy(model).to("meta").eval()
     h = torch.empty(sc.batch, *sc.in_shape, device="meta")
     shapes = []
     for seg in sc.segments:
@@ -209,8 +209,10 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
             if rank not in s["sync_ranks"]:
                 continue
             if seg.sync == "parameter_server":
+                outside = seg.server not in seg.ranks
                 rt["param_server_step"](s["params"], s["opt"], s["sync_group"], seg.server,
-                                        seg.bucket_mb)
+                                        seg.bucket_mb, buffers=list(s["module"].buffers()),
+                                        buffers_from=seg.ranks[0] if outside else None)
             elif seg.sync == "broadcast":
                 rt["broadcast_sync_after_backward"](s["params"], s["opt"], s["group"],
                                                     seg.ranks[0], seg.bucket_mb)

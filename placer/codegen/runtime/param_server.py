@@ -7,10 +7,15 @@ import torch.distributed as dist
 from .buckets import broadcast_params, reduce_grads
 
 
-def param_server_step(params, optimizer, group, server, bucket_mb=25.0):
-    """Call on every rank of group after backward; optimizer is None except on server."""
+def param_server_step(params, optimizer, group, server, bucket_mb=25.0,
+                      buffers=(), buffers_from=None):
+    """Call on every rank of group after backward; optimizer is None except on server.
+    A server outside the data ranks ran no forward, so its buffers (BatchNorm running
+    statistics) are stale: pass them, with buffers_from = the first data rank."""
     params = list(params)
     reduce_grads(params, server, group, bucket_mb)
     if dist.get_rank() == server:
         optimizer.step()
     broadcast_params(params, server, group, bucket_mb)
+    if buffers_from is not None:
+        broadcast_params(buffers, buffers_from, group, bucket_mb)

@@ -52,11 +52,22 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return dx, grad_weight, grad_bias, None, None, None, None, None
 
 
-class CPUSyncBatchNorm(nn.SyncBatchNorm):
-    """nn.SyncBatchNorm (same parameters, buffers, state_dict keys) that syncs with plain
-    collectives over process_group, so it runs on any device and backend."""
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm (same parameters, buffers, state_dict keys) whose batch statistics are
+    those of the whole group's batch, synced with plain collectives over process_group.
+    Not a subclass of nn.SyncBatchNorm: DDP refuses that class on CPU."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, process_group=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group  # None: the default group
+
+    def _check_input_dim(self, x):
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x):
+        self._check_input_dim(x)
         if not self.training:  # eval: no sync, like torch's SyncBatchNorm
             use_batch = self.running_mean is None
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight,
@@ -70,7 +81,7 @@ class CPUSyncBatchNorm(nn.SyncBatchNorm):
         return _SyncBatchNormFn.apply(
             x, self.weight, self.bias,
             self.running_mean if track else None, self.running_var if track else None,
-            self.eps, momentum, self.process_group)  # None: the default group
+            self.eps, momentum, self.process_group)
 
 
 def convert_sync_batchnorm_cpu(module, group=None):
