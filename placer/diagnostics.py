@@ -84,20 +84,30 @@ class RunError(PlacerError):
     """A generated program failed or did not match its reference."""
 
 
-def did_you_mean(name: str, candidates, n: int = 1) -> str | None:
+def closest(name: str, candidates) -> str | None:
+    """The candidate `name` most likely meant: same name in another case, else the closest spelling."""
+    cands = [str(c) for c in candidates]
+    folded = {c.lower(): c for c in cands}
+    if str(name).lower() in folded:
+        return folded[str(name).lower()]
+    close = difflib.get_close_matches(str(name).lower(), list(folded), n=1, cutoff=0.6)
+    return folded[close[0]] if close else None
+
+
+def did_you_mean(name: str, candidates) -> str | None:
     """`"did you mean 'x'?"` for the closest candidate, or None."""
-    close = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=n, cutoff=0.6)
-    if not close:
-        return None
-    return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    best = closest(name, candidates)
+    return f"did you mean {best!r}?" if best is not None else None
 
 
 def name_hint(kind: str, name: str, candidates, limit: int = 8) -> str:
-    """Hint listing valid names (a few) and the closest one."""
+    """Hint naming the closest valid name; lists the valid names when they are few."""
     cands = list(candidates)
-    shown = ", ".join(str(c) for c in cands[:limit]) + (", ..." if len(cands) > limit else "")
     dym = did_you_mean(name, cands)
-    return f"{kind} are {shown}" + (f" ({dym})" if dym else "")
+    if len(cands) > limit:  # a long alphabetical list says nothing: lead with the guess
+        shown = ", ".join(str(c) for c in cands[:limit])
+        return dym or f"{kind} are {shown}, ... ({len(cands)} in all)"
+    return f"{kind} are {', '.join(str(c) for c in cands)}" + (f" ({dym})" if dym else "")
 
 
 def format_report(diagnostics: list[Diagnostic], fmt: str = "text", max_shown: int | None = None) -> str:
@@ -108,7 +118,9 @@ def format_report(diagnostics: list[Diagnostic], fmt: str = "text", max_shown: i
         return "\n".join(d.format_github() for d in diagnostics)
     shown = diagnostics if max_shown is None else diagnostics[:max_shown]
     lines = [d.format() for d in shown]
-    rest = len(diagnostics) - len(shown)
-    if rest > 0:
-        lines.append(f"{rest} more error{'s' if rest != 1 else ''}")
+    rest = diagnostics[len(shown):]
+    counts = [(sum(d.severity == sev for d in rest), sev) for sev in ("error", "warning")]
+    more = [f"{n} more {sev}{'s' if n != 1 else ''}" for n, sev in counts if n]
+    if more:
+        lines.append(", ".join(more))
     return "\n".join(lines)

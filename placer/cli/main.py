@@ -87,9 +87,15 @@ def validate(specs, deep, fmt, strict, quiet):
         for path, spec, diags, ok in results:
             emit_diagnostics(diags, fmt, file=sys.stderr if fmt == "text" else None)
             if ok and not quiet and fmt == "text":
-                what = (f"{len(spec.model.layers)} layers" if spec.model.inline else f"module {spec.model.module}")
-                click.echo(f"{path}: ok ({what}, {len(spec.placement)} segments, {len(spec.devices)} devices)")
+                what = _count(len(spec.model.layers), "layer") if spec.model.inline else f"module {spec.model.module}"
+                warned = f", {_count(len(diags), 'warning')}" if diags else ""
+                click.echo(f"{path}: ok ({what}, {_count(len(spec.placement), 'segment')}, "
+                           f"{_count(len(spec.devices), 'device')}{warned})")
     sys.exit(1 if failed else 0)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _register_optional_commands():

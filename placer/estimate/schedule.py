@@ -143,9 +143,13 @@ def _torch_v_orders(schedule: str, p: int, m: int) -> list[list[Action]]:
     DualPipeV's overlapped F+B pairs are run one after the other here: the
     simulation does not model compute/communication overlap inside a pair.
     """
-    from torch.distributed.pipelining import schedules as ts
+    try:
+        from torch.distributed.pipelining import schedules as ts
 
-    cls = ts.ScheduleZBVZeroBubble if schedule == "zbv_zero_bubble" else ts.ScheduleDualPipeV
+        cls = ts.ScheduleZBVZeroBubble if schedule == "zbv_zero_bubble" else ts.ScheduleDualPipeV
+    except (ImportError, AttributeError):
+        raise _fail(f"schedule {schedule!r} needs torch.distributed.pipelining with that schedule",
+                    "install a torch release that has it (2.9 or later), or pick another schedule") from None
     gen = object.__new__(cls)  # skips __init__, which wants real stages and a process group
     gen.pp_group_size, gen.num_stages, gen._n_microbatches = p, 2 * p, m
     letter = {ts.FORWARD: "F", ts.FULL_BACKWARD: "B", ts.BACKWARD_INPUT: "I", ts.BACKWARD_WEIGHT: "W"}
@@ -173,8 +177,8 @@ def action_orders(schedule: str, p: int, n_stages: int, m: int) -> list[list[Act
 
 # ---- simulation ------------------------------------------------------------------------------------
 
-def _fail(msg: str, hint: str) -> PlanError:
-    return PlanError(Diagnostic("P090", msg, hint=hint))
+def _fail(msg: str, hint: str, code: str = "R010") -> PlanError:
+    return PlanError(Diagnostic(code, msg, hint=hint))
 
 
 def _expected_layout(schedule: str, p: int, n: int) -> list[int] | None:
@@ -265,7 +269,7 @@ def simulate(schedule: str, stage_groups: Sequence[int], microbatches: int, *,
                 progress = True
     stuck = [f"group {g} at {orders[g][nxt[g]]}" for g in range(p) if nxt[g] < len(orders[g])]
     if stuck:  # an order that waits on itself: a bug in an order generator, not in the spec
-        raise _fail(f"schedule {schedule!r} deadlocks: " + ", ".join(stuck), "report this as a placer bug")
+        raise _fail(f"schedule {schedule!r} deadlocks: " + ", ".join(stuck), "report this as a placer bug", "R011")
 
     makespan = max(free)
     slots, idle = [], 0.0

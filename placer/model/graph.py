@@ -27,9 +27,34 @@ class LayerInfo:
     """Bytes of the output activation on the global batch (what a copy moves forward)."""
     in_bytes: int = 0
     saved_bytes: int = 0
-    """Activation bytes kept for backward (global batch)."""
+    """Activation bytes kept for backward (global batch). Each storage counts once, for the
+    first layer that saves it (a ReLU output that the next Linear also saves counts for the ReLU);
+    parameters do not count. Work between layers counts for the layer that runs next."""
+    saves_input: bool = False
+    """Whether this layer keeps (a view of) its input for backward. Where a segment starts with
+    it, the received copy of the input is kept there too: add `in_bytes` for that segment."""
     flops: int = 0
     """Forward FLOPs on the global batch (backward is counted as 2x forward by estimates)."""
+    shared_params: int = 0
+    """Parameter elements this layer uses that an earlier layer owns (tied weights); not in `params`."""
+    inputs: tuple[str, ...] | None = None
+    """Layers (or `input`, the model input) whose outputs reach this layer's inputs, through work
+    owned by no layer; None when unknown (the model did not trace with fx)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootParam:
+    """A parameter or buffer owned by no placeable layer (`self.pos` used in the root's forward).
+
+    It lives on the device of the segment that consumes it (SPEC.md)."""
+
+    name: str
+    numel: int
+    bytes: int
+    trainable: bool
+    """False for buffers and frozen parameters."""
+    consumer: str | None
+    """The layer whose segment first uses it; None if the forward never uses it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +66,10 @@ class ModelGraph:
     input_dtype: str
     traced_with: str = "inline"
     """How shapes were found: inline | fx | export | hooks."""
+    output_shape: tuple | None = None
+    """Shape of the model output on the global batch; None if it is not a tensor."""
+    output_dtype: str | None = None
+    root_params: tuple[RootParam, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -51,4 +80,5 @@ class ModelGraph:
 
     @property
     def total_params(self) -> int:
-        return sum(l.params for l in self.layers)
+        """Trainable parameter elements, root parameters included."""
+        return sum(l.params for l in self.layers) + sum(r.numel for r in self.root_params if r.trainable)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 
-from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
+from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Segment, Spec, from_document
 
@@ -24,7 +24,10 @@ SCHEDULES = {
     "dualpipev": ("v", "at_least_stages"),
 }
 SPATIAL_KINDS = {"conv", "pool", "elementwise"}
-CHANNEL_KINDS = {"linear", "conv", "pool", "elementwise", "batchnorm", "norm"}
+CHANNEL_KINDS = {"linear", "conv", "pool", "elementwise", "batchnorm"}
+# Norms with per-channel statistics split by channel; LayerNorm, GroupNorm, RMSNorm and
+# LocalResponseNorm mix channels and do not.
+CHANNEL_NORMS = {"InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"}
 MODE_OPTIONS = {
     "none": set(),
     "data": {"sync", "server", "bucket_mb", "overlap", "shard", "sync_batchnorm"},
@@ -51,25 +54,25 @@ def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], lis
         for sel in seg.selectors:
             hits = select.match(sel.text, names)
             if isinstance(hits, str):
-                base = sel.text.split("..")[0].rstrip(".*")
-                diags.append(D("P001", f"segment {seg.name!r}: {hits}", sel.loc,
-                               name_hint("layers", base, names)))
+                diags.append(D("P001", f"segment {seg.name!r}: {hits}", sel.loc, _selector_hint(sel.text, names)))
                 continue
+            for i in hits:
+                if i in owner or i in idx:
+                    where = ("twice in segment " if i in idx else "also in segment ") + \
+                        repr(seg.name if i in idx else spec.placement[owner[i]].name)
+                    diags.append(D("P002", f"layer {names[i]!r} is {where}", sel.loc,
+                                   "every layer belongs to exactly one segment"))
             idx += hits
         for i in idx:
-            if i in owner:
-                prev = spec.placement[owner[i]]
-                where = "twice in this segment" if owner[i] == seg.index else f"also in segment {prev.name!r}"
-                diags.append(D("P002", f"layer {names[i]!r} is placed {where}", seg.selectors[0].loc,
-                               "every layer belongs to exactly one segment"))
-            owner[i] = seg.index
+            owner.setdefault(i, seg.index)
         out.append(sorted(set(idx)))
     if not diags:
         missing = [n for i, n in enumerate(names) if i not in owner]
         if missing:
-            diags.append(D("P003", f"{len(missing)} layer(s) are placed nowhere: {', '.join(missing[:6])}"
-                           + (" ..." if len(missing) > 6 else ""), spec.doc.loc(("placement",)),
-                           "add them to a segment; segments must cover every layer"))
+            msg = f"layer {missing[0]!r} is placed nowhere" if len(missing) == 1 else \
+                f"{len(missing)} layers are placed nowhere: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else "")
+            diags.append(D("P003", msg, spec.doc.loc(("placement",)),
+                           "every layer must be in exactly one segment: add the missing ones"))
         order = [i for seg in out for i in seg]
         for seg, idx in zip(spec.placement, out):
             if idx and idx != list(range(idx[0], idx[-1] + 1)):
@@ -81,14 +84,32 @@ def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], lis
     return out, diags
 
 
+def _selector_hint(text: str, names: list[str]) -> str:
+    """Hint for a selector that selects nothing: the closest layer or subtree name."""
+    if select.is_range(text):
+        a, _, b = text.partition("..")
+        bad = [p for p in (a, b) if isinstance(select.match(p, names), str)]
+        if not bad:  # both ends exist: the range runs backwards
+            return f"write the range in model order: '{b}..{a}'"
+        text = bad[0]
+    if select.is_glob(text):
+        prefixes = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
+        stem = text.split("*")[0].split("?")[0].split("[")[0].rstrip(".")
+        best = closest(stem, prefixes)
+        return f"did you mean {best + text[len(stem):]!r}?" if best else name_hint("layers", text, names)
+    return name_hint("layers", text, names)
+
+
 def _check_devices(spec: Spec) -> list[Diagnostic]:
     diags = []
     seen = {}
     for i, dev in enumerate(spec.devices):
-        if dev in seen:
-            diags.append(D("P010", f"device {dev!r} is listed twice", spec.doc.loc(("devices", i)),
-                           "each listed device is one worker"))
-        seen.setdefault(dev, i)
+        canon = dev.removeprefix("node0/")  # no prefix means node0
+        if canon in seen and spec.devices[seen[canon]] != dev:  # exact repeats are schema errors
+            diags.append(D("P010", f"device {dev!r} is listed twice (also as {spec.devices[seen[canon]]!r})",
+                           spec.doc.loc(("devices", i)), "a device without a node prefix is on node0; "
+                           "each listed device is one worker: keep one name"))
+        seen.setdefault(canon, i)
     used = set()
     for seg in spec.placement:
         for dev, loc in zip(seg.devices, seg.device_locs):
@@ -159,10 +180,10 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                 diags.append(D("P026", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
                                "spatially", bad[0].loc, "spatial segments hold Conv, Pool and elementwise layers only"))
         if p.mode == "channel":
-            bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS]
+            bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS and l.op not in CHANNEL_NORMS]
             if bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
-                               "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm and "
+                               "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm, InstanceNorm and "
                                "elementwise layers"))
             elif not any(k in ("linear", "conv") for k in kinds):
                 diags.append(D("P027", f"segment {seg.name!r} has no Linear or Conv to split by channel", seg.loc,
@@ -332,7 +353,9 @@ def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
             s = shapes_in.get(layer.name)
             if s is None or shapes.kind(layer) not in ("conv", "pool") or len(s) < 2:
                 continue
-            axis = {"H": len(s) - 2, "W": len(s) - 1}.get(dim, dim - 1 if isinstance(dim, int) else None)
+            # s has no batch dim: tensor dim k >= 0 is s[k - 1]; negative dims count from the end
+            axis = {"H": len(s) - 2, "W": len(s) - 1}.get(dim, (dim - 1 if dim >= 0 else len(s) + dim)
+                                                            if isinstance(dim, int) else None)
             if axis is None or not 1 <= axis < len(s):
                 diags.append(D("P029", f"segment {seg.name!r}: split dim {dim!r} is not a spatial dim of "
                                f"{layer.op} input {list(s)}", seg.parallel.loc, "use H or W"))

@@ -8,6 +8,7 @@ keeps its `Loc`, addressed by its path (a tuple of keys and indices).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CORE = "tag:yaml.org,2002:"
 _ALLOWED_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "timestamp")}
 _scalars = yaml.constructor.SafeConstructor()
+_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 Path = tuple
 
@@ -90,7 +92,8 @@ def _prescan(text: str, file: str) -> None:
                       "write the values out instead of repeating anchors")
         tag = getattr(ev, "tag", None)
         if tag and tag not in ("!", "?") and tag not in _ALLOWED_TAGS:
-            _fail("L004", f"YAML tag {tag!r} is not allowed", _loc(file, ev.start_mark),
+            shown = "!!" + tag[len(_CORE):] if tag.startswith(_CORE) else tag
+            _fail("L004", f"YAML tag {shown!r} is not allowed", _loc(file, ev.start_mark),
                   "specs are plain data: remove the tag")
 
 
@@ -126,6 +129,8 @@ def _to_data(root, file: str):
             return [walk(v, path + (i,)) for i, v in enumerate(node.value)]
         if node.tag == _CORE + "timestamp":
             return node.value  # keep dates as written
+        if node.tag == _CORE + "str" and not node.style and _EXP_FLOAT.match(node.value):
+            return float(node.value)  # YAML 1.2 float (lr: 1e-3) that YAML 1.1 would read as a string
         return _scalars.construct_object(node)
 
     return walk(root, ()), locs, key_locs
@@ -136,7 +141,7 @@ def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogateescape")
     if len(raw) > MAX_BYTES:
-        _fail("L001", f"file is {len(raw)} bytes; the limit is {MAX_BYTES}", Loc(file, 1, 1),
+        _fail("L001", f"the spec is {len(raw)} bytes; the limit is {MAX_BYTES}", Loc(file, 1, 1),
               "a spec is a few KiB: is this the right file?")
     text = _decode(raw, file)
     try:
@@ -145,8 +150,15 @@ def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         msg = (e.problem or e.context or "invalid YAML").strip()
-        _fail("L003", f"YAML syntax: {msg}", _loc(file, mark) if mark else Loc(file, 1, 1))
-    except yaml.YAMLError as e:  # reader errors (control characters) and the like
+        _fail("L003", f"YAML syntax: {msg}", _loc(file, mark) if mark else Loc(file, 1, 1),
+              "check indentation (spaces, not tabs) and brackets here; quote values that contain ': ' or ' #'")
+    except yaml.reader.ReaderError as e:  # control characters: located by character offset
+        before = text[: e.position]
+        line, col = before.count("\n") + 1, e.position - (before.rfind("\n") + 1) + 1
+        code = e.character if isinstance(e.character, int) else ord(e.character)
+        _fail("L003", f"YAML: {e.reason} (found U+{code:04X})", Loc(file, line, col),
+              f'remove it, or write it as an escape ("\\x{code:02x}") in a double-quoted string')
+    except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         _fail("L003", f"YAML: {str(e).splitlines()[0]}", Loc(file, line, col))
@@ -154,7 +166,8 @@ def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
         _fail("L010", "the spec is empty", Loc(file, 1, 1), "start from an example in specs/")
     data, locs, key_locs = _to_data(root, file)
     if not isinstance(data, dict):
-        _fail("L011", f"a spec is a mapping of keys; found a {type(data).__name__}", locs[()],
+        kind = {str: "string", list: "list", bool: "boolean", int: "number", float: "number"}.get(type(data), "value")
+        _fail("L011", f"a spec is a mapping of keys; found a {kind}", locs[()],
               "start with 'placer: 1' and 'name: ...'")
     return Document(file, data, locs, key_locs)
 
@@ -162,14 +175,24 @@ def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
 def load_file(path: str) -> Document:
     """Read and parse a spec file; '-' reads standard input."""
     if path == "-":
-        raw = sys.stdin.buffer.read(MAX_BYTES + 1)
-        return load_text(raw, "<stdin>")
+        return load_text(_read_bounded(sys.stdin.buffer, "<stdin>"), "<stdin>")
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_BYTES + 1)  # never read a huge file whole
-            if len(raw) > MAX_BYTES:
-                _fail("L001", f"file is {os.path.getsize(path)} bytes; the limit is {MAX_BYTES}",
-                      Loc(path, 1, 1), "a spec is a few KiB: is this the right file?")
+            raw = _read_bounded(f, path)
     except OSError as e:
         _fail("L000", f"cannot read spec: {e.strerror or e}", Loc(path))
     return load_text(raw, path)
+
+
+def _read_bounded(f, file: str) -> bytes:
+    """Read at most MAX_BYTES: never read a huge file (or an endless stream) whole."""
+    raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        try:
+            size = os.fstat(f.fileno()).st_size  # 0 for pipes and devices
+        except (OSError, ValueError, AttributeError):
+            size = 0
+        _fail("L001", f"the spec is {size} bytes; the limit is {MAX_BYTES}" if size > MAX_BYTES
+              else f"the spec is larger than the limit of {MAX_BYTES} bytes", Loc(file, 1, 1),
+              "a spec is a few KiB: is this the right file?")
+    return raw

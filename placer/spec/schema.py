@@ -55,6 +55,32 @@ def _ruled_by(err) -> tuple[dict, str] | None:
     return owner
 
 
+def _nodes(err) -> list[dict]:
+    """The schema nodes from the root down to the failing keyword's schema, $ref targets included."""
+    node, out = schema(), [schema()]
+    for part in list(err.absolute_schema_path)[:-1]:
+        while isinstance(node, dict) and part not in node and "$ref" in node:
+            node = _follow(node, "$ref")  # jsonschema leaves $ref out of the path
+            out.append(node)
+        node = _follow(node, part)
+        out.append(node)
+    while isinstance(node, dict) and "$ref" in node:
+        node = _follow(node, "$ref")
+        out.append(node)
+    return [n for n in out if isinstance(n, dict)]
+
+
+def _described(err, key: str | None = None) -> str | None:
+    """Description of the failing value (or of its property `key`), from the nearest schema that has one."""
+    for node in reversed(_nodes(err)):
+        if key is None and "description" in node:
+            return node["description"]
+        prop = node.get("properties", {}).get(key) if key is not None else None
+        if isinstance(prop, dict):
+            return prop.get("description") or (_follow(prop, "$ref").get("description") if "$ref" in prop else None)
+    return None
+
+
 def _follow(node, part):
     if part == "$ref":
         target = schema()
@@ -93,9 +119,16 @@ def _diagnose(doc: Document, err) -> list[Diagnostic]:
     if v == "required":
         missing = [k for k in err.validator_value if isinstance(inst, dict) and k not in inst]
         key = missing[0] if missing else err.message
-        desc = sch.get("properties", {}).get(key, {}).get("description", "")
+        desc = _described(err, key)
         return [Diagnostic("S002", f"missing required key {key!r} in {at}", doc.loc(path),
                            f"{key}: {desc}" if desc else None)]
+    if v == "uniqueItems" and isinstance(inst, list):
+        j = next(j for j, x in enumerate(inst) if x in inst[:j])
+        return [Diagnostic("S009", f"{at} lists {json.dumps(inst[j])} twice (items {inst.index(inst[j])} and {j})",
+                           doc.loc(path + (j,)), "keep one of them")]
+    if v == "pattern" and "propertyNames" in err.absolute_schema_path and isinstance(inst, str):
+        return [Diagnostic("S005", f"key {inst!r} in {at} is not well formed", doc.key_loc(path + (inst,)),
+                           _described(err) or f"it must match {err.validator_value}")]
     if v in ("enum", "const"):
         choices = err.validator_value if v == "enum" else [err.validator_value]
         dym = did_you_mean(inst, choices) if isinstance(inst, str) else None
@@ -108,7 +141,7 @@ def _diagnose(doc: Document, err) -> list[Diagnostic]:
                            doc.loc(path), sch.get("description"))]
     if v == "pattern":
         return [Diagnostic("S005", f"{at} is {json.dumps(inst)}, which is not well formed", doc.loc(path),
-                           sch.get("description") or f"it must match {err.validator_value}")]
+                           _described(err) or f"it must match {err.validator_value}")]
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "minLength"):
         return [Diagnostic("S006", f"{at}: {err.message}", doc.loc(path), sch.get("description"))]
     return [Diagnostic("S007", f"{at}: {err.message}", doc.loc(path), sch.get("description"))]

@@ -11,6 +11,10 @@ def is_range(text: str) -> bool:
     return ".." in text
 
 
+def is_glob(text: str) -> bool:
+    return bool(_GLOB & set(text))
+
+
 def match(text: str, names: list[str]) -> list[int] | str:
     """Indices (in model order) that `text` selects, or an error message."""
     if is_range(text):
@@ -22,7 +26,7 @@ def match(text: str, names: list[str]) -> list[int] | str:
         if ia > ib:
             return f"range {text!r} runs backwards (model order is {names[ib]!r} before {names[ia]!r})"
         return list(range(ia, ib + 1))
-    if _GLOB & set(text):
+    if is_glob(text):
         hits = [i for i, n in enumerate(names) if fnmatchcase(n, text)]
         return hits or f"pattern {text!r} matches no layer"
     hits = [i for i, n in enumerate(names) if n == text or n.startswith(text + ".")]

@@ -3,7 +3,8 @@
 An input projection, the encoder layers (a ModuleList, so each is a layer a
 spec can place: `layers.0` ..), a mean over the sequence in `forward` (work
 owned by no placed layer) and a classification head. No dropout, so a placed
-run can match a one-device run.
+run can match a one-device run. `forward` checks the input's rank, which
+torch.fx cannot trace, so placer measures this model with forward hooks.
 """
 from torch import nn
 
@@ -19,6 +20,8 @@ class Encoder(nn.Module):
         self.head = nn.Linear(d_model, n_classes)
 
     def forward(self, x):
+        if x.dim() != 3:  # a check on a shape: torch.fx cannot trace it, forward hooks can
+            raise ValueError(f"Encoder expects [batch, seq, features], got {list(x.shape)}")
         x = self.inp(x)
         for layer in self.layers:
             x = layer(x)

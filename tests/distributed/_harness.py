@@ -282,12 +282,13 @@ def check_scenario(sc: Scenario, per_rank: list[dict]) -> None:
     """Losses on every rank, and every parameter/buffer copy any rank holds, equal the
     one-process reference."""
     ref = reference(sc)
-    ref_state = {k: v for k, v in ref["state"].items()}
+    ref_state = ref["state"]
     seen = set()
     for rank, res in enumerate(per_rank):
         got = res[sc.name]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
-                                   rtol=RTOL, atol=ATOL, msg=lambda m: f"{sc.name} rank {rank} losses: {m}")
+                                   rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{sc.name} rank {rank} losses: {m}")
         for key, value in got["state"].items():
             seen.add(key)
             torch.testing.assert_close(value, ref_state[key], rtol=RTOL, atol=ATOL,

@@ -16,6 +16,6 @@ def ddp_sum(module, group, bucket_mb=25.0, device_ids=None):
     """Wrap module for data parallelism over group (made by dist.new_group). Every
     parameter is used in every step, so find_unused_parameters stays off."""
     ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group,
-                                  bucket_cap_mb=bucket_mb, broadcast_buffers=False)
+                                  bucket_cap_mb=bucket_mb)
     ddp.register_comm_hook(group, sum_hook)
     return ddp

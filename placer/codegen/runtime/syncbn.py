@@ -25,7 +25,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         var = (stats[c:2 * c] / n - mean * mean).clamp_min(0)  # biased: what BatchNorm divides by
         if running_mean is not None:  # like BatchNorm: the running variance is unbiased
             running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
-            running_var.mul_(1 - momentum).add_(momentum * (var * n / max(n - 1, 1)).to(running_var.dtype))
+            unbiased = var * n / max(n - 1, 1)
+            running_var.mul_(1 - momentum).add_(momentum * unbiased.to(running_var.dtype))
         invstd = (var + eps).rsqrt().to(x.dtype)
         xhat = (x - mean.to(x.dtype).view(shape)) * invstd.view(shape)
         ctx.save_for_backward(xhat, weight, invstd)
@@ -86,7 +87,7 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 def convert_sync_batchnorm_cpu(module, group=None):
     """Swap every BatchNorm1d/2d/3d in module for a CPUSyncBatchNorm over group, keeping
-    the same parameter and buffer tensors (so do this before making the optimizer)."""
+    the same parameter and buffer tensors. Do it before wrapping the module in DDP."""
     if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
         new = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum,
                                module.affine, module.track_running_stats, group)

@@ -7,6 +7,8 @@ import torch.distributed as dist
 
 
 def _slices(ranks, n):
+    if n % len(ranks):
+        raise ValueError(f"cannot split {n} rows evenly over ranks {ranks}")
     size = n // len(ranks)
     return {r: (i * size, (i + 1) * size) for i, r in enumerate(ranks)}
 
@@ -14,7 +16,8 @@ def _slices(ranks, n):
 def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32,
                  route="direct", device="cpu"):
     """Send this rank's slice `x` (None if not in src_ranks) to the ranks of dst_ranks that
-    need it; return this rank's slice for dst_ranks (None if not in dst_ranks)."""
+    need it; return this rank's slice for dst_ranks (None if not in dst_ranks), a new
+    tensor on `device`. full_shape is the whole batch's shape, dtype the activation's."""
     rank = dist.get_rank()
     n = full_shape[dim]
     src, dst = _slices(src_ranks, n), _slices(dst_ranks, n)
@@ -27,8 +30,8 @@ def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32
                 if start >= stop:
                     continue
                 piece = x.narrow(dim, start - lo, stop - start)
-                if peer == rank:  # in both groups: no message, a local copy
-                    pieces[start] = piece.to(device, copy=True)
+                if peer == rank:  # in both groups: no message (torch.cat below copies)
+                    pieces[start] = piece
                     continue
                 if route == "via_host":  # device -> host memory -> (wire) -> device
                     piece = piece.cpu()

@@ -1,0 +1,161 @@
+"""Communication per step: which bytes each op moves between which devices.
+
+The numbers are the textbook minimum of each algorithm, per step:
+
+- ring all-reduce of B bytes over n devices: each device sends 2(n-1)/n * B to
+  its ring neighbour; all-gather and reduce-scatter: (n-1)/n * B each;
+- broadcast / reduce (parameter server, broadcast sync): B to / from each
+  device other than the root;
+- copy, split, merge, re-split: exactly the slices that change device
+  (`moves`); a partial tensor (reduce) is sent by every holder;
+- send: its payload; halo: the halo rows between neighbours;
+- route via_host: every device-to-device hop goes through the sender's host
+  CPU, so the bytes cross two links.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from placer.plan.ir import TRANSFERS, Layout, Op, OpKind, Plan
+
+Move = tuple[str, str, int]
+
+
+def _piece(layout: Layout, i: int) -> dict:
+    """The part of the tensor device i of the layout holds: {dim: (lo, hi)} fractions."""
+    if layout.dim is None:
+        return {}
+    n = len(layout.devices)
+    return {layout.dim: (Fraction(i, n), Fraction(i + 1, n))}
+
+
+def _overlap(a: dict, b: dict) -> Fraction:
+    frac = Fraction(1)
+    for dim in set(a) | set(b):
+        lo = max(a.get(dim, (0, 1))[0], b.get(dim, (0, 1))[0])
+        hi = min(a.get(dim, (0, 1))[1], b.get(dim, (0, 1))[1])
+        if hi <= lo:
+            return Fraction(0)
+        frac *= hi - lo
+    return frac
+
+
+def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
+    """(from, to, bytes) that take a tensor of `nbytes` from layout `src` to layout `dst`.
+
+    Every destination device gets the part of the tensor it holds in `dst`:
+    from each source device that holds a piece of it, from one holder (its
+    own copy if it has one) when the source is whole on several devices, and
+    from every holder when the source is a partial sum. Nothing moves to
+    itself."""
+    out = []
+    for j, t in enumerate(dst.devices):
+        want = _piece(dst, j)
+        if src.partial:
+            sources = [(s, _overlap({}, want)) for s in src.devices]
+        elif src.dim is None and len(src.devices) > 1:
+            s = t if t in src.devices else src.devices[j % len(src.devices)]
+            sources = [(s, _overlap({}, want))]
+        else:
+            sources = [(s, _overlap(_piece(src, i), want)) for i, s in enumerate(src.devices)]
+        out += [(s, t, round(nbytes * f)) for s, f in sources if s != t and f]
+    return out
+
+
+def host_of(device: str) -> str:
+    """The CPU a via_host copy goes through: the sender's machine's `cpu`."""
+    node, sep, _ = device.rpartition("/")
+    return f"{node}{sep}cpu"
+
+
+def _is_host(device: str) -> bool:
+    return device.rpartition("/")[2].split(":")[0] == "cpu"
+
+
+def route_hops(a: str, b: str, n: int, route: str | None) -> list[Move]:
+    if route != "via_host" or _is_host(a) or _is_host(b):
+        return [(a, b, n)]
+    h = host_of(a)
+    return [(a, h, n), (h, b, n)]
+
+
+def _ring(devices, fraction: Fraction, nbytes: int) -> list[Move]:
+    n = len(devices)
+    if n < 2:
+        return []
+    return [(devices[i], devices[(i + 1) % n], round(nbytes * fraction)) for i in range(n)]
+
+
+def op_moves(op: Op) -> list[Move]:
+    """What one op moves, per (from, to) device pair, routes included. RECV moves nothing: its SEND does."""
+    k, n, devs = op.kind, len(op.devices), op.devices
+    if k in TRANSFERS:
+        raw = moves(Layout(op.src, op.src_dim, bool(op.attrs.get("reduce"))), Layout(op.dst, op.dst_dim), op.bytes)
+    elif k == OpKind.SEND:
+        raw = [(op.src[0] if op.src else devs[0], op.dst[0] if op.dst else devs[-1], op.bytes)]
+    elif k == OpKind.ALL_REDUCE:
+        return _ring(devs, Fraction(2 * (n - 1), n), op.bytes)
+    elif k in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER):
+        return _ring(devs, Fraction(n - 1, n), op.bytes)
+    elif k in (OpKind.BROADCAST, OpKind.REDUCE):
+        root = op.attrs.get("root", devs[0])
+        pairs = [(root, d) if k == OpKind.BROADCAST else (d, root) for d in devs if d != root]
+        return [(a, b, op.bytes) for a, b in pairs]
+    elif k == OpKind.HALO:
+        return _halo(op)
+    else:
+        return []
+    return [hop for a, b, m in raw if m for hop in route_hops(a, b, m, op.route)]
+
+
+def _halo(op: Op) -> list[Move]:
+    """Forward: device r+1 gets `prev_rows` rows from r, r gets `next_rows` from r+1;
+    backward sends the gradients of those rows back the other way."""
+    row = op.attrs.get("row_bytes", 0)
+    down, up = op.attrs.get("prev_rows", 0) * row, op.attrs.get("next_rows", 0) * row
+    if op.phase != "fwd":
+        down, up = up, down
+    out = []
+    for a, b in zip(op.devices, op.devices[1:]):
+        out += [(a, b, down)] if down else []
+        out += [(b, a, up)] if up else []
+    return out
+
+
+@dataclass(frozen=True)
+class CommRow:
+    op: Op
+    moves: tuple[Move, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(m[2] for m in self.moves)
+
+
+@dataclass(frozen=True)
+class Communication:
+    rows: tuple[CommRow, ...]
+    """Every communication op once, with what it moves."""
+    pairs: dict
+    """(from, to) -> bytes per step."""
+    sent: dict
+    received: dict
+
+    @property
+    def total(self) -> int:
+        return sum(self.pairs.values())
+
+
+def communication(plan: Plan) -> Communication:
+    rows, pairs, sent, received = [], {}, {}, {}
+    for op in plan.unique_ops():
+        if op.kind in (OpKind.COMPUTE, OpKind.STEP, OpKind.RECV):
+            continue
+        mv = tuple(op_moves(op))
+        rows.append(CommRow(op, mv))
+        for a, b, n in mv:
+            pairs[(a, b)] = pairs.get((a, b), 0) + n
+            sent[a] = sent.get(a, 0) + n
+            received[b] = received.get(b, 0) + n
+    return Communication(rows=tuple(rows), pairs=dict(sorted(pairs.items())), sent=sent, received=received)

@@ -1,0 +1,167 @@
+"""Launch a generated program: one worker per device, through torch's elastic launcher.
+
+The program does the work; this module decides where it runs (real GPUs or
+simulated CPU workers), starts it with `torch.distributed.launcher`, follows
+its progress file and collects its metrics. It never prints: the CLI gets
+progress through a callback and the outcome as a `RunResult`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from placer.diagnostics import Diagnostic, Loc, RunError
+from placer.spec.types import Spec
+
+PROGRESS = "progress.jsonl"
+METRICS = "metrics.json"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How spec devices map to this machine."""
+
+    simulate: bool
+    reason: str | None
+    """One line saying why devices run as CPU workers (None when real)."""
+    backend: str
+    nproc_per_node: int
+    nnodes: int
+
+
+def local_device_name(device: str) -> str:
+    return device.split("/", 1)[-1]
+
+
+def node_of(device: str) -> int:
+    return int(device.split("/", 1)[0][4:]) if "/" in device else 0
+
+
+def cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install is "no GPU" for binding purposes
+        return 0
+
+
+def bind(spec: Spec, nnodes: int = 1) -> Binding:
+    """Decide real vs simulated devices and the backend (runtime.simulate / backend)."""
+    cudas = [local_device_name(d) for d in spec.devices if "cuda" in d]
+    have = cuda_count()
+    missing = sorted({d for d in cudas if int(d.split(":")[1]) >= have})
+    mode = spec.runtime.simulate
+    if mode == "never" and missing:
+        raise RunError(Diagnostic("R001", f"devices {', '.join(missing)} are not on this machine "
+                                  f"({have} GPU(s) found) and runtime.simulate is 'never'", spec.runtime.loc,
+                                  "set runtime.simulate: auto to run them as CPU workers"))
+    simulate = mode == "always" or (mode == "auto" and bool(missing))
+    reason = None
+    if simulate:
+        why = "runtime.simulate is 'always'" if mode == "always" else \
+            f"this machine lacks {', '.join(missing)} ({have} GPU(s) found)"
+        reason = f"simulating {len(spec.devices)} devices as CPU workers on gloo: {why}"
+    backend = spec.runtime.backend
+    if backend == "auto":
+        backend = "nccl" if cudas and len(cudas) == len(spec.devices) and not simulate else "gloo"
+    per_node: dict[int, int] = {}
+    for d in spec.devices:
+        per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
+    counts = set(per_node.values())
+    if len(counts) > 1:
+        raise RunError(Diagnostic("R002", f"nodes hold different numbers of devices {per_node}", Loc(spec.file),
+                                  "torch's launcher starts the same number of workers on every node"))
+    return Binding(simulate, reason, backend, counts.pop(), max(nnodes, len(per_node)))
+
+
+def worker_threads(nproc_per_node: int) -> int:
+    """CPU threads per worker: oversubscribed threads slow a 2-core machine several-fold."""
+    return max(1, (os.cpu_count() or 1) // nproc_per_node)
+
+
+@dataclass
+class RunResult:
+    ok: bool
+    run_dir: Path
+    metrics: dict = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)
+    """local rank -> (exit code, tail of its stderr)."""
+    wall_s: float = 0.0
+
+
+def _follow(path: Path, on_progress, stop: threading.Event) -> None:
+    """Call on_progress(record) for each line the program appends to progress.jsonl."""
+    pos = 0
+    while not stop.is_set() or path.exists() and path.stat().st_size > pos:
+        if path.exists():
+            with open(path) as f:
+                f.seek(pos)
+                for line in f:
+                    if not line.endswith("\n"):
+                        break
+                    pos += len(line)
+                    try:
+                        on_progress(json.loads(line))
+                    except ValueError:
+                        pass
+        if stop.wait(0.2):
+            stop.set()
+
+
+def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[str] = (), *,
+           node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
+           on_progress=None) -> RunResult:
+    """Run `program` with one worker per device through torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / PROGRESS).unlink(missing_ok=True)
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))
+    config = LaunchConfig(
+        min_nodes=binding.nnodes, max_nodes=binding.nnodes, nproc_per_node=binding.nproc_per_node,
+        run_id=os.environ.get("PLACER_RUN_ID", uuid.uuid4().hex[:12]) if binding.nnodes == 1 else "placer",
+        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
+        rdzv_configs={"rank": node_rank} if binding.nnodes > 1 else {},
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
+    )
+    args = [str(program), "--out", str(run_dir), *program_args] + (["--simulate"] if binding.simulate else [])
+    stop = threading.Event()
+    follower = None
+    if on_progress:
+        follower = threading.Thread(target=_follow, args=(run_dir / PROGRESS, on_progress, stop), daemon=True)
+        follower.start()
+    t0 = time.perf_counter()
+    result = RunResult(ok=True, run_dir=run_dir)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*args)
+    except ChildFailedError as e:
+        result.ok = False
+        for local_rank, failure in e.failures.items():
+            result.failures[local_rank] = (failure.exitcode, _stderr_tail(run_dir, local_rank))
+    finally:
+        stop.set()
+        if follower:
+            follower.join(timeout=2)
+    result.wall_s = time.perf_counter() - t0
+    metrics = run_dir / METRICS
+    if metrics.exists():
+        result.metrics = json.loads(metrics.read_text())
+    return result
+
+
+def _stderr_tail(run_dir: Path, local_rank: int, lines: int = 15) -> str:
+    logs = sorted((run_dir / "logs").glob(f"*/attempt_*/{local_rank}/stderr.log"), key=os.path.getmtime)
+    if not logs:
+        return ""
+    text = logs[-1].read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])

@@ -1,0 +1,414 @@
+"""Build the model a spec describes, on the meta device, and measure its layers.
+
+`build_module` makes the `nn.Module` (inline `torch.nn` layers, or the user's
+class imported from `model.module`); `build_graph` traces it once on meta
+tensors into a `ModelGraph`; `deep_check` is what `placer validate --deep`
+adds to the plain checks. Building on meta spends no weight memory, so a
+billion-parameter model builds and traces in seconds.
+
+Any user-caused failure (missing file, import error, constructor or forward
+raising, output the loss cannot take) becomes a SpecError with an M-code
+located in the spec; the message carries the exception's last line and the
+line of the user's file where it was raised, never a traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import traceback
+import warnings
+
+import torch
+from torch import nn
+
+from placer.diagnostics import Diagnostic, Loc, SpecError
+from placer.model.graph import LayerInfo, ModelGraph, RootParam
+from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
+from placer.spec import check
+from placer.spec.types import Layer, Spec
+
+MODE_KIND_CODES = {"W002", "P026", "P027", "P028"}
+"""Diagnostics of check._check_modes that depend on what the layers are."""
+
+
+# -- building ---------------------------------------------------------------------------------------
+
+class InlineModel(nn.Module):
+    """Inline layers run in order; `repeat` layers live in a ModuleList (`block.0` ..)."""
+
+    def __init__(self, layers: list[tuple[str, nn.Module]]):
+        super().__init__()
+        for name, module in layers:
+            base, _, index = name.partition(".")
+            if index:
+                if base not in self._modules:
+                    self.add_module(base, nn.ModuleList())
+                self._modules[base].append(module)
+            else:
+                self.add_module(name, module)
+
+    def forward(self, x):
+        for child in self.children():
+            for layer in (child if isinstance(child, nn.ModuleList) else (child,)):
+                x = layer(x)
+        return x
+
+
+def build_module(spec: Spec, device: str | torch.device = "meta") -> nn.Module:
+    """The spec's model, its parameters created on `device` (meta by default)."""
+    if spec.model.inline:
+        return _build_inline(spec, device)
+    cls = load_model_class(spec)
+    with _import_path(spec), torch.device(device):
+        try:
+            return cls(**spec.model.kwargs)
+        except Exception as e:
+            raise SpecError(_diag("M004", f"{spec.model.module}: {cls.__name__}(**kwargs) raised "
+                                  f"{_describe(e, spec)}", _module_loc(spec),
+                                  "check model.kwargs against the class's constructor")) from None
+
+
+def _build_inline(spec: Spec, device) -> nn.Module:
+    layers, seen = [], set()
+    for layer in spec.model.layers:
+        if layer.name in seen:
+            raise SpecError(_diag("M010", f"layer name {layer.name!r} is used twice", layer.loc,
+                                  "give every layer a unique name"))
+        seen.add(layer.name)
+        with torch.device(device):
+            try:
+                layers.append((layer.name, getattr(nn, layer.op)(*layer.args, **layer.kwargs)))
+            except Exception as e:
+                raise SpecError(_diag("M005", f"layer {layer.name!r}: {layer.op}(*args, **kwargs) raised "
+                                      f"{_describe(e, spec)}", layer.loc,
+                                      f"check the arguments against torch.nn.{layer.op}")) from None
+    try:
+        return InlineModel(layers)
+    except KeyError as e:  # add_module refuses names such as `forward` or `training`
+        name = str(e.args[0]).split("'")[1] if "'" in str(e.args[0]) else "?"
+        loc = next((l.loc for l in spec.model.layers if l.name.split(".")[0] == name), spec.model.loc)
+        raise SpecError(_diag("M010", f"layer name {name!r} is an attribute of torch.nn.Module", loc,
+                              "rename the layer")) from None
+
+
+def load_model_class(spec: Spec) -> type:
+    """Import the class named by `model.module` (a file relative to the spec, or `pkg.mod`)."""
+    target, _, cls_name = spec.model.module.rpartition(":")
+    loc = _module_loc(spec)
+    with _import_path(spec):
+        if target.endswith(".py"):
+            mod = _import_file(_model_file(spec), spec)
+        else:
+            try:
+                mod = importlib.import_module(target)
+            except ModuleNotFoundError as e:
+                if e.name and (target == e.name or target.startswith(e.name + ".")):
+                    raise SpecError(_diag("M001", f"model module {target!r} cannot be found", loc,
+                                          "use path/to/file.py:Class (relative to the spec) or an importable "
+                                          "package.module:Class")) from None
+                raise SpecError(_diag("M002", f"importing {target!r} raised {_describe(e, spec)}", loc)) from None
+            except Exception as e:
+                raise SpecError(_diag("M002", f"importing {target!r} raised {_describe(e, spec)}", loc)) from None
+    cls = getattr(mod, cls_name, None)
+    if cls is None:
+        names = [n for n, v in vars(mod).items() if isinstance(v, type) and issubclass(v, nn.Module)]
+        from placer.diagnostics import name_hint
+        raise SpecError(_diag("M003", f"{target} has no class {cls_name!r}", loc,
+                              name_hint("its nn.Module classes", cls_name, names) if names else None))
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise SpecError(_diag("M003", f"{spec.model.module} is not an nn.Module subclass ({type(cls).__name__})",
+                              loc, "name a class that derives from torch.nn.Module"))
+    return cls
+
+
+def _model_file(spec: Spec) -> str:
+    rel = spec.model.module.rpartition(":")[0]
+    return os.path.normpath(os.path.join(_spec_dir(spec), rel))
+
+
+def _spec_dir(spec: Spec) -> str:
+    return os.path.dirname(os.path.abspath(spec.file)) if spec.file not in ("<stdin>", "<spec>", "-") else os.getcwd()
+
+
+def _import_file(path: str, spec: Spec):
+    loc = _module_loc(spec)
+    if not os.path.isfile(path):
+        raise SpecError(_diag("M001", f"model file {path!r} does not exist", loc,
+                              "model.module files are relative to the spec file"))
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    # A unique name per file, so two specs' `model.py` never share a module.
+    name = f"placer_user_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    mspec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(mspec)
+    sys.modules[name] = mod  # dataclasses and pickling look the module up by name
+    try:
+        mspec.loader.exec_module(mod)
+    except BaseException as e:
+        sys.modules.pop(name, None)
+        if not isinstance(e, Exception):  # KeyboardInterrupt and friends
+            raise
+        raise SpecError(_diag("M002", f"importing {os.path.relpath(path, _spec_dir(spec))} raised "
+                              f"{_describe(e, spec)}", loc)) from None
+    return mod
+
+
+@contextlib.contextmanager
+def _import_path(spec: Spec):
+    """The model file's directory (or the spec's) on sys.path, for sibling imports."""
+    d = os.path.dirname(_model_file(spec)) if spec.model.module and ".py:" in spec.model.module else _spec_dir(spec)
+    added = d not in sys.path
+    if added:
+        sys.path.insert(0, d)
+    try:
+        yield
+    finally:
+        if added and d in sys.path:
+            sys.path.remove(d)
+
+
+# -- layers -----------------------------------------------------------------------------------------
+
+def _is_container(m: nn.Module) -> bool:
+    """ModuleList/ModuleDict, and Sequential whose forward is torch's: names only, no own work."""
+    if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+        return True
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+
+
+def placeable_layers(module: nn.Module, order: list[str] | None = None) -> list[str]:
+    """Names a spec can place: top-level children, containers expanded recursively.
+
+    In definition order, or, given `order` (first-call order from a trace), in
+    that order with layers never called last. ParameterList/Dict are not layers:
+    their parameters are root parameters.
+    """
+    names: list[str] = []
+
+    def walk(m: nn.Module, prefix: str):
+        for n, child in m.named_children():
+            if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+                continue
+            if _is_container(child):
+                walk(child, f"{prefix}{n}.")
+            else:
+                names.append(prefix + n)
+
+    walk(module, "")
+    if order is None:
+        return names
+    known = set(names)
+    ran = [n for n in order if n in known]
+    return ran + [n for n in names if n not in set(ran)]
+
+
+# -- the graph --------------------------------------------------------------------------------------
+
+def meta_batch(spec: Spec, batch: int | None = None, device="meta") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target) zeros of the spec's shapes and dtypes on the global (or given) batch."""
+    b = spec.training.batch_size if batch is None else batch
+    m = spec.model
+    return tuple(torch.zeros(t.concrete(b), dtype=getattr(torch, t.dtype), device=device)
+                 for t in (m.input, m.target))
+
+
+def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
+    """Trace the spec's model (built on meta unless given) into a ModelGraph on the global batch."""
+    module = build_module(spec) if module is None else module
+    layers = placeable_layers(module)
+    if not layers:
+        raise SpecError(_diag("M009", f"model {type(module).__name__} has no child modules to place", _module_loc(spec),
+                              "layers are the model's child modules (ModuleList/Sequential/ModuleDict are "
+                              "expanded); wrap the work in submodules"))
+    x, _ = meta_batch(spec)
+    try:
+        with warnings.catch_warnings():  # meta-only artefacts; the real run shows real warnings
+            warnings.simplefilter("ignore")
+            tr = trace_module(module, layers, (x,), use_fx=not spec.model.inline)
+    except ForwardFailed as e:
+        raise SpecError(_forward_diag(spec, module, e)) from None
+    names = placeable_layers(module, tr.order)
+    counted: set[int] = set()
+    infos = []
+    for i, name in enumerate(names):
+        t, m = tr.layers[name], module.get_submodule(name)
+        own = [p for p in m.parameters() if id(p) not in counted]
+        shared = sum(p.numel() for p in m.parameters() if id(p) in counted)
+        counted |= {id(p) for p in own} | {id(b) for b in m.buffers()}
+        trainable = [p for p in own if p.requires_grad]
+        frozen = [p for p in own if not p.requires_grad]
+        if spec.model.inline:
+            inputs = (names[i - 1],) if i else (INPUT,)
+        else:
+            inputs = tr.inputs.get(name) if tr.traced_with == "fx" else None
+        infos.append(LayerInfo(
+            name=name, op=type(m).__name__,
+            params=sum(p.numel() for p in trainable), param_bytes=sum(_bytes(p) for p in trainable),
+            buffer_bytes=sum(_bytes(b) for b in m.buffers()) + sum(_bytes(p) for p in frozen),
+            in_shape=t.in_shape, out_shape=t.out_shape, out_dtype=t.out_dtype, out_bytes=t.out_bytes,
+            in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
+            shared_params=shared, inputs=inputs,
+        ))
+    roots = tuple(
+        RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,
+                  consumer=tr.root_consumers.get(n))
+        for n, p in list(module.named_parameters()) + list(module.named_buffers()) if id(p) not in counted)
+    out = tr.output if isinstance(tr.output, torch.Tensor) else None
+    return ModelGraph(
+        layers=tuple(infos), batch_size=spec.training.batch_size, input_shape=tuple(x.shape),
+        input_dtype=dtype_name(x.dtype), traced_with="inline" if spec.model.inline else tr.traced_with,
+        output_shape=tuple(out.shape) if out is not None else None,
+        output_dtype=dtype_name(out.dtype) if out is not None else None, root_params=roots,
+    )
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def segment_layers(spec: Spec, graph: ModelGraph) -> list[list[str]]:
+    """Layer names per segment, in model order; SpecError if selectors do not resolve."""
+    groups, diags = check.resolve_segments(spec, graph.names)
+    if diags:
+        raise SpecError(diags)
+    return [[graph.names[i] for i in idx] for idx in groups]
+
+
+def loss_inputs(spec: Spec, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the loss is applied to. Inline models: (output, target) as they are.
+
+    Module models (SPEC.md: "output flattened, target flattened"): all leading
+    dims merged into one batch dim, `[N, C]` output with `[N]` class targets
+    when the target has one dim less, else both `[N, last]`.
+    """
+    if spec.model.inline or output.dim() < 2:
+        return output, target
+    if target.dim() == output.dim() - 1:
+        return output.reshape(-1, output.shape[-1]), target.reshape(-1)
+    return output.reshape(-1, output.shape[-1]), target.reshape(-1, target.shape[-1])
+
+
+# -- validate --deep --------------------------------------------------------------------------------
+
+def deep_check(spec: Spec) -> list[Diagnostic]:
+    """`validate --deep`: build and trace on meta, then the checks that need real layer names."""
+    try:
+        module = build_module(spec)
+        graph = build_graph(spec, module)
+    except SpecError as e:
+        return e.diagnostics
+    diags = _check_loss(spec, graph)
+    if not spec.model.inline:
+        groups, sel = check.resolve_segments(spec, graph.names)
+        diags += sel
+        if not sel:
+            diags += _check_module_modes(spec, module, graph, groups)
+        dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+                        and m.p > 0), None)
+        if dropout and len(spec.devices) > 1:
+            diags.append(_diag("W003", f"module {dropout!r} is a Dropout (p={module.get_submodule(dropout).p}): random "
+                               "masks differ from a one-device run, so run --check cannot match", _module_loc(spec),
+                               "set its p to 0 to check equivalence, or accept a mismatch in --check",
+                               severity="warning"))
+    return sorted(diags, key=lambda d: (d.severity != "error", d.loc.line, d.loc.col))
+
+
+def _check_loss(spec: Spec, graph: ModelGraph) -> list[Diagnostic]:
+    loc = spec.doc.loc(("model", "loss"))
+    if graph.output_shape is None:
+        return [_diag("M008", "the model's forward does not return a tensor", _module_loc(spec),
+                      f"model.loss ({spec.model.loss}) is applied to the forward's output; return one tensor")]
+    _, target = meta_batch(spec)
+    output = torch.zeros(graph.output_shape, dtype=getattr(torch, graph.output_dtype), device="meta")
+    out, tgt = loss_inputs(spec, output, target)
+    what = (f"the model output {list(output.shape)} {graph.output_dtype} and target {list(target.shape)} "
+            f"{spec.model.target.dtype}" + ("" if spec.model.inline else
+                                            f" (flattened to {list(out.shape)} and {list(tgt.shape)})"))
+    hint = "make model.target (shape, dtype, high) match the output"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            getattr(nn, spec.model.loss)()(out, tgt)
+        except Exception as e:
+            return [_diag("M007", f"{spec.model.loss} cannot take {what}: {_describe(e, spec)}", loc, hint)]
+    # e.g. MSELoss broadcasting [B] against [B, 1]: it runs, but computes something else
+    return [_diag("W004", f"{spec.model.loss} on {what} warns: {str(w.message).splitlines()[0]}", loc, hint,
+                  severity="warning") for w in caught[:1]]
+
+
+def _check_module_modes(spec: Spec, module: nn.Module, graph: ModelGraph, groups) -> list[Diagnostic]:
+    """check.py's layer-kind rules (channel, tensor, spatial, sync_batchnorm) on the module's layers."""
+    locs = {}
+    for seg, idx in zip(spec.placement, groups):
+        for i in idx:
+            locs[i] = next((s.loc for s in seg.selectors if _selects(s.text, graph.names, i)), seg.loc)
+    layers = []
+    for i, info in enumerate(graph.layers):
+        cls = type(module.get_submodule(info.name))
+        op = cls.__name__ if cls.__module__.startswith("torch.nn") else f"user class {cls.__name__}"
+        layers.append(Layer(name=info.name, op=op, loc=locs.get(i, spec.model.loc)))
+    as_inline = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=tuple(layers)))
+    return [d for d in check._check_modes(as_inline, groups) if d.code in MODE_KIND_CODES]
+
+
+def _selects(text: str, names: list[str], i: int) -> bool:
+    from placer.spec import select
+    hits = select.match(text, names)
+    return isinstance(hits, list) and i in hits
+
+
+# -- diagnostics ------------------------------------------------------------------------------------
+
+def _diag(code, msg, loc, hint=None, severity="error") -> Diagnostic:
+    return Diagnostic(code, msg, loc, hint, severity)
+
+
+def _module_loc(spec: Spec) -> Loc:
+    return spec.doc.loc(("model", "module")) if spec.model.module else spec.model.loc
+
+
+def _user_files(spec: Spec) -> set[str]:
+    if spec.model.module and ".py:" in spec.model.module:
+        return {_model_file(spec)}
+    return set()
+
+
+def _describe(e: BaseException, spec: Spec) -> str:
+    """`ValueError: ...` (the exception's last line) and where in the user's file it was raised."""
+    text = traceback.format_exception_only(type(e), e)[-1].strip()
+    where = None
+    if isinstance(e, SyntaxError) and e.filename:
+        where = (e.filename, e.lineno)
+    files = _user_files(spec)
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        fname = frame.f_code.co_filename
+        if fname in files or (not files and not _is_library(fname)):
+            where = (fname, lineno)
+    if where and where[0] and os.path.isfile(where[0]):
+        text += f" (at {os.path.relpath(where[0], _spec_dir(spec))}:{where[1]})"
+    return text
+
+
+def _is_library(fname: str) -> bool:
+    roots = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)), os.path.dirname(os.__file__))
+    return fname.startswith(roots) or fname.startswith("<")
+
+
+def _forward_diag(spec: Spec, module: nn.Module, e: ForwardFailed) -> Diagnostic:
+    shape = list(spec.model.input.concrete(spec.training.batch_size))
+    what = _describe(e.cause, spec)
+    if spec.model.inline:
+        layer = next((l for l in spec.model.layers if l.name == e.layer), None)
+        if layer is not None:
+            return _diag("M006", f"layer {layer.name!r} ({layer.op}) fails on the meta device: {what}", layer.loc,
+                         f"fix the layer's arguments so shapes chain from model.input {shape}")
+        return _diag("M006", f"the model fails on the meta device: {what}", spec.model.loc)
+    where = f" in layer {e.layer!r} ({type(module.get_submodule(e.layer)).__name__})" if e.layer else ""
+    return _diag("M006", f"{spec.model.module} forward fails on the meta device{where} with input "
+                 f"{shape} {spec.model.input.dtype}: {what}", _module_loc(spec),
+                 "check model.input (shape, dtype) against what the model's forward expects")

@@ -1,0 +1,322 @@
+"""Trace a model on the meta device: per-layer shapes, FLOPs and saved bytes.
+
+One forward runs on meta tensors (no weight or activation memory is spent)
+with forward hooks on the placeable layers, a `FlopCounterMode`, autograd's
+`saved_tensors_hooks` and a `TorchFunctionMode` watching root parameters.
+Where the model traces with `torch.fx` (placeable layers as leaves), that
+forward is `ShapeProp` over the fx graph, which also gives the data edges
+between layers; otherwise (`nn.MultiheadAttention` in the root's forward,
+control flow on shapes, ...) the module itself runs under the same hooks.
+
+Attribution is by time: work and saved tensors between two layers (an
+`x + pos` in the root's forward) count for the layer that runs next, the one
+whose segment consumes it (SPEC.md); work after the last layer counts for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+INPUT = "input"
+"""Name of the model input among a layer's `inputs`."""
+
+
+@dataclass
+class LayerTrace:
+    """What one placeable layer did in the traced forward (first call's shapes)."""
+
+    name: str
+    in_shape: tuple | None = None
+    in_bytes: int = 0
+    out_shape: tuple | None = None
+    out_dtype: str = "float32"
+    out_bytes: int = 0
+    flops: int = 0
+    saved_bytes: int = 0
+    saves_input: bool = False
+    calls: int = 0
+    input_keys: frozenset = frozenset()
+
+
+@dataclass
+class TraceResult:
+    order: list[str]
+    """Layers in order of their first call; layers never called are absent."""
+    layers: dict[str, LayerTrace]
+    output: object
+    """The model's output (meta tensors)."""
+    traced_with: str
+    """fx (ShapeProp over an fx graph) or hooks."""
+    inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """fx only: the layers (or `input`) whose tensors reach each layer's inputs."""
+    root_consumers: dict[str, str] = field(default_factory=dict)
+    """Root parameter/buffer name -> the layer whose segment consumes it."""
+
+
+class ForwardFailed(Exception):
+    """The meta forward raised; `layer` is the innermost placeable layer running then."""
+
+    def __init__(self, cause: BaseException, layer: str | None):
+        super().__init__(str(cause))
+        self.cause, self.layer = cause, layer
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor):
+    # Meta tensors have no data_ptr; the StorageImpl address tells views of one
+    # storage apart from other storages (the tensors stay alive until the trace ends).
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # tensor subclasses without a plain storage
+        return ("id", id(t))
+
+
+class _LayerTracer(fx.Tracer):
+    """An fx tracer that keeps placeable layers opaque (one call_module node each)."""
+
+    def __init__(self, leaves: set[str]):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m, qualname):
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+
+def fx_graph(module: torch.nn.Module, layers: list[str]) -> fx.GraphModule | None:
+    """The model as an fx graph with placeable layers as leaves, or None if it does not trace."""
+    try:
+        graph = _LayerTracer(set(layers)).trace(module)
+        return fx.GraphModule(module, graph)
+    except Exception:  # any user forward may defeat symbolic tracing; hooks still work
+        return None
+
+
+def layer_inputs(gm: fx.GraphModule, layers: set[str]) -> dict[str, tuple[str, ...]]:
+    """For each layer node, the layers or `input` its arguments come from, through unowned work."""
+    out: dict[str, tuple[str, ...]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.target not in layers:
+            continue
+        found, stack, seen = [], list(node.all_input_nodes), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if "tensor_meta" not in n.meta:  # shape-only uses (x.size(1)) carry no data
+                continue
+            src = n.target if n.op == "call_module" and n.target in layers else INPUT if n.op == "placeholder" else None
+            if src is not None:
+                found.append(src)
+            else:
+                stack += n.all_input_nodes
+        prev = out.get(node.target, ())
+        out[node.target] = prev + tuple(s for s in dict.fromkeys(sorted(found, key=_order_key(gm))) if s not in prev)
+    return out
+
+
+def _order_key(gm: fx.GraphModule):
+    pos = {n.target if n.op == "call_module" else INPUT: i for i, n in reversed(list(enumerate(gm.graph.nodes)))
+           if n.op in ("call_module", "placeholder")}
+    return lambda name: pos.get(name, -1)
+
+
+class _ShapeProp(ShapeProp):
+    """torch's ShapeProp without the traceback it prints when a node fails (hooks take over then)."""
+
+    def run_node(self, n: fx.Node):
+        result = fx.Interpreter.run_node(self, n)
+        found = []
+
+        def meta(obj):
+            if isinstance(obj, torch.Tensor):
+                found.append(obj)
+                return _extract_tensor_metadata(obj)
+            return obj
+
+        tensor_meta = map_aggregate(result, meta)
+        if found:
+            n.meta["tensor_meta"] = tensor_meta
+        n.meta["type"] = type(result)
+        return result
+
+
+class _Recorder(TorchFunctionMode):
+    """Attributes FLOPs, saved tensors and root-parameter uses to the running layer."""
+
+    def __init__(self, layers: dict[str, torch.nn.Module], root_params: dict[int, str], skip_storages: set):
+        super().__init__()
+        self.traces = {name: LayerTrace(name) for name in layers}
+        self.order: list[str] = []
+        self.stack: list[str] = []
+        self.pending = LayerTrace("")  # work outside any layer, for the next layer
+        self.pending_roots: list[str] = []
+        self.root_params = root_params
+        self.root_consumers: dict[str, str] = {}
+        self.seen_storages = set(skip_storages)  # parameters and buffers are not activations
+        self.in_sdpa = 0
+        self.keep: list[torch.Tensor] = []
+        self.flops = FlopCounterMode(display=False)
+        self.mark = 0
+
+    # -- where work goes
+    def _target(self) -> LayerTrace:
+        return self.traces[self.stack[-1]] if self.stack else self.pending
+
+    def _settle_flops(self):
+        total = self.flops.get_total_flops()
+        self._target().flops += total - self.mark
+        self.mark = total
+
+    def _flush_pending(self, trace: LayerTrace):
+        trace.flops += self.pending.flops
+        trace.saved_bytes += self.pending.saved_bytes
+        self.pending = LayerTrace("")
+        for name in self.pending_roots:
+            self.root_consumers.setdefault(name, trace.name)
+        self.pending_roots = []
+
+    # -- module hooks
+    def pre_hook(self, name: str):
+        def hook(module, args, kwargs):
+            self._settle_flops()
+            t = self.traces[name]
+            if not self.stack:
+                self._flush_pending(t)
+            if t.calls == 0:
+                self.order.append(name)
+                ins = _tensors((args, kwargs))
+                t.in_shape = tuple(ins[0].shape) if ins else None
+                t.in_bytes = sum(_nbytes(x) for x in ins)
+                t.input_keys = frozenset(_storage_key(x) for x in ins)
+            t.calls += 1
+            self.stack.append(name)
+        return hook
+
+    def post_hook(self, name: str):
+        def hook(module, args, kwargs, output):
+            self._settle_flops()
+            t = self.traces[name]
+            if t.calls == 1 and t.out_shape is None:
+                outs = _tensors(output)
+                if outs:
+                    t.out_shape, t.out_dtype = tuple(outs[0].shape), dtype_name(outs[0].dtype)
+                t.out_bytes = sum(_nbytes(x) for x in outs)
+            self.stack.pop()
+        return hook
+
+    def finish(self):
+        self._settle_flops()
+        if self.order:
+            self._flush_pending(self.traces[self.order[-1]])
+
+    # -- saved tensors: each storage once, for the layer that first saves it
+    def pack(self, t: torch.Tensor):
+        if not self.in_sdpa:
+            self._count_saved([t])
+        return t
+
+    def _count_saved(self, tensors):
+        for t in tensors:
+            key = _storage_key(t)
+            if self.stack and key in self.traces[self.stack[-1]].input_keys:
+                self.traces[self.stack[-1]].saves_input = True
+            if key not in self.seen_storages:
+                self.seen_storages.add(key)
+                self.keep.append(t)  # a freed storage's address could come back as another's key
+                try:
+                    size = t.untyped_storage().nbytes()
+                except Exception:
+                    size = _nbytes(t)
+                self._target().saved_bytes += size
+
+    # -- root parameters and attention
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.root_params:
+            for t in tree_leaves((args, kwargs)):
+                name = self.root_params.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if name and name not in self.root_consumers:
+                    if self.stack:
+                        self.root_consumers[name] = self.stack[-1]
+                    elif name not in self.pending_roots:
+                        self.pending_roots.append(name)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return self._sdpa(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _sdpa(self, func, args, kwargs):
+        # Meta runs the math kernel, which saves the T x T attention matrix; the
+        # fused kernels used on devices save q, k, v, the output and a logsumexp.
+        self.in_sdpa += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.in_sdpa -= 1
+        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")][len(args):])[:3]
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if isinstance(x, torch.Tensor)):
+            lse = out.new_empty(out.shape[:-1], dtype=torch.float32)
+            self._count_saved([x for x in (q, k, v, out, lse) if isinstance(x, torch.Tensor)])
+        return out
+
+
+def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx: bool = True) -> TraceResult:
+    """Run one meta forward of `module` on `args`, measuring each of `layers`.
+
+    Raises ForwardFailed (with the failing layer, if any) when the forward raises.
+    """
+    mods = {name: module.get_submodule(name) for name in layers}
+    in_layers = {id(p) for m in mods.values() for p in list(m.parameters()) + list(m.buffers())}
+    root_params = {id(p): n for n, p in list(module.named_parameters()) + list(module.named_buffers())
+                   if id(p) not in in_layers}
+    skip = {_storage_key(p) for p in list(module.parameters()) + list(module.buffers())}
+    gm = fx_graph(module, layers) if use_fx else None
+    if gm is not None:
+        rec = _Recorder(mods, root_params, skip)
+        try:
+            output = _run(rec, mods, lambda: _ShapeProp(gm).propagate(*args))
+        except Exception:  # ShapeProp can fail where the module itself runs: try that
+            gm = None
+    if gm is None:
+        rec = _Recorder(mods, root_params, skip)
+        try:
+            output = _run(rec, mods, lambda: module(*args))
+        except Exception as e:
+            raise ForwardFailed(e, rec.stack[-1] if rec.stack else None) from None
+    return TraceResult(order=rec.order, layers=rec.traces, output=output,
+                       traced_with="fx" if gm is not None else "hooks",
+                       inputs=layer_inputs(gm, set(layers)) if gm is not None else {},
+                       root_consumers=rec.root_consumers)
+
+
+def _run(rec: _Recorder, mods: dict, forward):
+    handles = []
+    for name, m in mods.items():
+        handles.append(m.register_forward_pre_hook(rec.pre_hook(name), with_kwargs=True))
+        handles.append(m.register_forward_hook(rec.post_hook(name), with_kwargs=True))
+    try:
+        with rec.flops, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            output = forward()
+        rec.finish()
+        return output
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,169 @@
+"""Placement: the spec's segments on a model graph, as a compute-only plan.
+
+`place(spec, graph)` resolves every segment's layers, fills in its mode
+options and route, and gives each device its COMPUTE ops in execution order
+(forward of every segment, backward in reverse, then optimizer STEPs; in a
+pipeline, the order its schedule runs micro-batches in) - no communication
+yet: that is what the lowering passes add.
+"""
+from __future__ import annotations
+
+from placer.diagnostics import Diagnostic, Loc, PlanError
+from placer.model.graph import ModelGraph
+from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, layer_range
+from placer.spec import shapes
+from placer.spec.types import Segment, Spec
+
+PHASE_OF_ACTION = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
+
+
+def segment_params(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int]:
+    """(trainable parameter elements, their bytes) of a segment, root parameters it consumes included."""
+    names = set(seg.layers)
+    n = sum(graph.layer(l).params for l in seg.layers)
+    b = sum(graph.layer(l).param_bytes for l in seg.layers)
+    for r in graph.root_params:
+        if r.trainable and r.consumer in names:
+            n, b = n + r.numel, b + r.bytes
+    return n, b
+
+
+def steppers(seg: PlacedSegment) -> tuple[str, ...]:
+    """Devices that run the optimizer step for a segment's parameters."""
+    if seg.mode == "data" and seg.options.get("sync") == "parameter_server":
+        return (seg.options["server"],)
+    if seg.mode == "data" and seg.options.get("sync") == "broadcast":
+        return seg.devices[:1]
+    return seg.devices
+
+
+def _spatial_axis(dim, in_shape) -> int:
+    nd = len(in_shape) if in_shape else 4
+    if isinstance(dim, int):
+        return dim
+    return nd - 2 if dim in (None, "H") else nd - 1
+
+
+def _channel_axis(layers, graph: ModelGraph) -> int:
+    """Channel dim of a channel segment's output: that of its last Linear / Conv."""
+    for name in reversed(layers):
+        info = graph.layer(name)
+        if info.op == "Linear":
+            return len(info.out_shape) - 1 if info.out_shape else 1
+        if info.op.startswith("Conv"):
+            return 1
+    return 1
+
+
+def _options(seg: Segment, layers, graph: ModelGraph) -> dict:
+    p = seg.parallel
+    if p.mode == "data":
+        opts = {"sync": p.sync, "bucket_mb": float(p.bucket_mb), "overlap": p.overlap, "shard": p.shard,
+                "sync_batchnorm": p.sync_batchnorm}
+        if p.sync == "parameter_server":
+            opts["server"] = p.server
+        return opts
+    if p.mode == "spatial":
+        dim = "H" if p.dim is None else p.dim
+        return {"dim": dim, "axis": _spatial_axis(dim, graph.layer(layers[0]).in_shape if layers else None)}
+    if p.mode == "channel":
+        return {"axis": _channel_axis(layers, graph)}
+    return {}
+
+
+def _layers_per_segment(spec: Spec, graph: ModelGraph) -> list[list[str]]:
+    try:
+        from placer.model.build import segment_layers
+    except ImportError:  # the model builder is optional until torch is installed
+        from placer.diagnostics import SpecError
+        from placer.spec.check import resolve_segments
+
+        groups, diags = resolve_segments(spec, graph.names)
+        if diags:
+            raise SpecError(diags)
+        return [[graph.names[i] for i in idx] for idx in groups]
+    return segment_layers(spec, graph)
+
+
+def placed_segments(spec: Spec, graph: ModelGraph, layers: list[list[str]] | None = None) -> tuple:
+    layers = _layers_per_segment(spec, graph) if layers is None else layers
+    return tuple(
+        PlacedSegment(index=seg.index, name=seg.name, layers=tuple(names), devices=tuple(seg.devices),
+                      mode=seg.mode, options=_options(seg, names, graph), route=seg.route or spec.route,
+                      stage=seg.index if spec.pipeline else None)
+        for seg, names in zip(spec.placement, layers))
+
+
+def _compute(seg: PlacedSegment, device: str, phase: str, microbatch: int | None = None) -> Op:
+    return Op(kind=OpKind.COMPUTE, devices=(device,), segment=seg.index, phase=phase,
+              tensor=layer_range(seg.layers), microbatch=microbatch)
+
+
+def _sequential(segments) -> list[Op]:
+    """One step without a pipeline: every forward in model order, then every backward in reverse."""
+    prog = [_compute(s, d, "fwd") for s in segments for d in s.devices]
+    return prog + [_compute(s, d, "bwd") for s in reversed(segments) for d in s.devices]
+
+
+def _pipelined(segments, schedule: str, m: int) -> list[Op]:
+    """Each device group runs its stages' actions in the order torch's schedule runs them."""
+    from placer.estimate.schedule import action_orders
+
+    groups: list[tuple] = []
+    for s in segments:
+        if s.devices not in groups:
+            groups.append(s.devices)
+    orders = action_orders(schedule, len(groups), len(segments), m)
+    prog = []
+    for g, order in enumerate(orders):
+        for d in groups[g]:
+            prog += [_compute(segments[a.stage], d, PHASE_OF_ACTION[a.kind], a.microbatch) for a in order]
+    return prog
+
+
+def place(spec: Spec, graph: ModelGraph, layers: list[list[str]] | None = None) -> Plan:
+    """The compute-only plan: resolved segments, and each device's COMPUTE and STEP ops.
+
+    `layers` (names per segment) defaults to `placer.model.build.segment_layers`."""
+    segments = placed_segments(spec, graph, layers)
+    empty = [s for s in segments if not s.layers]
+    if empty:
+        raise PlanError(Diagnostic("P070", f"segment {empty[0].name!r} has no layers",
+                                   spec.placement[empty[0].index].loc, "give every segment at least one layer"))
+    pl = spec.pipeline
+    prog = _pipelined(segments, pl.schedule, pl.microbatches) if pl else _sequential(segments)
+    prog += [Op(kind=OpKind.STEP, devices=(d,), segment=s.index, phase="step", tensor="params")
+             for s in segments if segment_params(s, graph)[0] for d in steppers(s)]
+    ops: dict[str, list[Op]] = {d: [] for d in spec.devices}
+    for op in prog:
+        ops[op.devices[0]].append(op)
+    plan = Plan(name=spec.name, devices=tuple(spec.devices), segments=segments,
+                microbatches=pl.microbatches if pl else 1, schedule=pl.schedule if pl else None,
+                batch_size=spec.training.batch_size)
+    return plan.with_ops(ops)
+
+
+def layer_geometry(spec: Spec, name: str) -> dict | None:
+    """kernel / stride / padding / dilation per spatial dim of an inline Conv or Pool layer, else None."""
+    if not spec.model.inline:
+        return None
+    layer = next((l for l in spec.model.layers if l.name == name), None)
+    if layer is None or shapes.kind(layer) not in ("conv", "pool") or layer.op[-2] not in "123":
+        return None
+    nd, pool = int(layer.op[-2]), shapes.kind(layer) == "pool"
+
+    def tup(v):
+        return tuple(v) if isinstance(v, (list, tuple)) else (v,) * nd
+
+    k = tup(shapes.arg(layer, 0 if pool else 2, "kernel_size"))
+    s = tup(shapes.arg(layer, 1 if pool else 3, "stride", None) or (k if pool else 1))
+    p = tup(shapes.arg(layer, 2 if pool else 4, "padding", 0))
+    d = tup(shapes.arg(layer, 3, "dilation", 1) if layer.op.startswith("MaxPool")
+            else 1 if pool else shapes.arg(layer, 5, "dilation", 1))
+    if not all(isinstance(x, int) for x in k + s + p + d):
+        return None  # padding="same" and friends: no static halo
+    return {"kernel": k, "stride": s, "padding": p, "dilation": d}
+
+
+def spec_loc(spec: Spec) -> Loc:
+    return spec.doc.loc(("placement",))

@@ -1,0 +1,322 @@
+"""The placement graph as graphviz DOT source, and writing it as .dot/.svg/.png.
+
+One cluster per device group (its device names and, with an estimate, their
+memory), one nested cluster per segment (stage number, mode), layers as
+nodes in model order, communication ops where they happen: copies, splits,
+merges and pipeline sends as nodes on the edges that cross devices,
+collectives (all-reduce, ...) as nodes inside their segment's cluster.
+
+The text is written by hand (no graphviz Python package) and is
+deterministic, so golden files can hold it. Every label goes through `_q`,
+which escapes what the spec wrote.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from placer.diagnostics import Diagnostic, PlanError
+from placer.plan.ir import COLLECTIVES, P2P, TRANSFERS, Op, OpKind, Plan
+
+TRANSITIONS = TRANSFERS | P2P  # drawn on the edge between two segments
+_NAMES = {OpKind.ALL_REDUCE: "all-reduce", OpKind.REDUCE_SCATTER: "reduce-scatter",
+          OpKind.ALL_GATHER: "all-gather", OpKind.BROADCAST: "broadcast", OpKind.REDUCE: "reduce",
+          OpKind.HALO: "halo exchange", OpKind.COPY: "copy", OpKind.SPLIT: "split",
+          OpKind.MERGE: "merge", OpKind.RESPLIT: "re-split", OpKind.SEND: "send", OpKind.RECV: "send"}
+_SHAPES = {OpKind.COPY: "cds", OpKind.SEND: "cds", OpKind.RECV: "cds", OpKind.SPLIT: "trapezium",
+           OpKind.MERGE: "invtrapezium", OpKind.RESPLIT: "parallelogram"}
+_MARGINS = {k: "margin=0, " for k in (OpKind.SPLIT, OpKind.MERGE, OpKind.RESPLIT)}  # slanted shapes pad a lot
+_FILLS = ("#dbe9f6", "#fde2c8", "#d9f0d3", "#f3d9ec", "#fff2b3", "#e0dcf0", "#d1ecec", "#f6d5d5")
+_PHASE_ORDER = {"fwd": 0, "bwd": 1, "bwd_input": 1, "bwd_weight": 2, "step": 3}
+FORMATS = ("dot", "gv", "svg", "png", "pdf")
+
+
+def _q(*lines) -> str:
+    """A DOT quoted string; lines are joined with graphviz's centred line break."""
+    def esc(s) -> str:
+        return str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\r", " ").replace("\n", " ")
+    return '"' + "\\n".join(esc(line) for line in lines if line is not None) + '"'
+
+
+def size(n: float) -> str:
+    """Bytes for people: 512 B, 1.5 KiB, 3.0 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # unreachable
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _memory(estimate) -> dict[str, float]:
+    """Device -> bytes from an estimate: a mapping, or an object with `.memory` / `.per_device`.
+
+    Values may be numbers or objects with `total` / `total_bytes` / `peak`.
+    """
+    if estimate is None:
+        return {}
+    table = estimate if isinstance(estimate, dict) else \
+        getattr(estimate, "memory", None) or getattr(estimate, "per_device", None) or {}
+    if not isinstance(table, dict):
+        return _memory(table)
+    out = {}
+    for dev, v in table.items():
+        for attr in ("total", "total_bytes", "peak"):
+            if not isinstance(v, (int, float)):
+                v = getattr(v, attr, v)
+        if isinstance(v, (int, float)):
+            out[str(dev)] = v
+    return out
+
+
+def _mode_line(seg) -> str | None:
+    if seg.mode == "none":
+        return None
+    opts = seg.options or {}
+    extra = [f"{k} {opts[k]}" for k in ("sync", "server", "shard", "dim")
+             if opts.get(k) not in (None, "none") and not (k == "sync" and seg.mode != "data")]
+    return f"{seg.mode} x{len(seg.devices)}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _ends(op: Op, plan: Plan) -> tuple[tuple, tuple]:
+    """Source and destination devices of a transition op (its src/dst, or read from devices)."""
+    if op.src or op.dst:
+        return tuple(op.src), tuple(op.dst)
+    d = op.devices
+    if op.kind == OpKind.SPLIT:
+        return d[:1], d[1:]
+    if op.kind == OpKind.MERGE:
+        return d[:-1], d[-1:]
+    if op.kind == OpKind.RESPLIT:
+        src = plan.segments[op.segment - 1].devices if op.segment else d
+        return tuple(x for x in d if x in src), tuple(x for x in d if x in plan.segments[op.segment].devices)
+    return d[:1], d[-1:]
+
+
+def _host(device: str) -> str:
+    """The CPU of a device's machine: `cpu`, or `node1/cpu` for `node1/cuda:0`."""
+    node, slash, _ = device.rpartition("/")
+    return f"{node}{slash}cpu"
+
+
+def _is_host(device: str) -> bool:
+    return device.rpartition("/")[2].split(":")[0] == "cpu"
+
+
+class _Merged:
+    """One drawn node for ops that differ only by micro-batch, replica list or phase."""
+
+    def __init__(self, op: Op):
+        self.op, self.count, self.bytes, self.bwd_bytes = op, 0, 0, 0
+        self.tensors: list[str] = []
+        self.microbatches: set = set()
+        self.has_fwd = False
+
+    def add(self, op: Op) -> None:
+        self.count += 1
+        if op.phase.startswith("bwd"):
+            self.bwd_bytes += op.bytes
+        else:
+            if not self.has_fwd:
+                self.op = op  # label direction and route from the forward op
+            self.bytes += op.bytes
+            self.has_fwd = True
+        if op.microbatch is not None:
+            self.microbatches.add(op.microbatch)
+        if op.tensor and op.tensor not in self.tensors:
+            self.tensors.append(op.tensor)
+
+
+def _group_ops(plan: Plan):
+    """Transitions per consuming segment and collectives per segment, merged for drawing."""
+    trans: dict[int, dict] = {}
+    colls: dict[int, dict] = {}
+    ops = plan.unique_ops()  # each op once, though a copy sits in both its devices' lists
+    sends = {(o.devices, o.segment, o.phase, o.tensor, o.microbatch) for o in ops if o.kind == OpKind.SEND}
+    for op in ops:
+        if op.kind == OpKind.RECV and (op.devices, op.segment, op.phase, op.tensor, op.microbatch) in sends:
+            continue  # the receiving half of a send already drawn
+        if op.kind in TRANSITIONS:
+            # a backward copy folds into its forward one, micro-batches into one node
+            key = (op.kind in P2P, frozenset(op.devices))
+            table = trans.setdefault(op.segment, {})
+        elif op.kind in COLLECTIVES:
+            key = (op.kind, op.devices, op.phase)
+            table = colls.setdefault(op.segment, {})
+        else:
+            continue
+        table.setdefault(key, _Merged(op)).add(op)
+    for seg, table in colls.items():  # forward, backward, step: the order they run in
+        colls[seg] = dict(sorted(table.items(), key=lambda kv: _PHASE_ORDER.get(kv[1].op.phase, 9)))
+    return trans, colls
+
+
+def _transition_label(m: _Merged, plan: Plan) -> list[str]:
+    op = m.op
+    head = _NAMES[op.kind] + (f" {op.tensor}" if op.tensor else "")
+    src, dst = _ends(op, plan)
+    if op.kind in (OpKind.SPLIT, OpKind.MERGE, OpKind.RESPLIT):
+        dims = {OpKind.SPLIT: (None, op.dst_dim), OpKind.MERGE: (op.src_dim, None),
+                OpKind.RESPLIT: (op.src_dim, op.dst_dim)}[op.kind]
+        if op.src_dim is None and op.dst_dim is None and op.dim is not None:
+            dims = (op.dim, None) if op.kind == OpKind.MERGE else (None, op.dim)
+        shown = dims if op.kind == OpKind.RESPLIT else [d for d in dims if d is not None]
+        cut = " -> ".join("whole" if d is None else f"dim {d}" for d in shown)
+        head += f" ({cut})" if cut else ""
+        if op.attrs.get("reduce"):
+            head += " sum"
+        path = [", ".join(src), ", ".join(dst)]
+    else:
+        hop = op.route == "via_host" and not any(_is_host(d) for d in (src[0], dst[0]))
+        path = [src[0], _host(src[0]), dst[0]] if hop else [src[0], dst[0]]
+    lines = [head, " -> ".join(path) + (f" ({op.route})" if op.route else "")]
+    n = len(m.microbatches)
+    for what, total, present in (("fwd", m.bytes, m.has_fwd), ("bwd", m.bwd_bytes, m.bwd_bytes)):
+        if present:
+            lines.append(f"{what} {size(total / n)} x {n} micro-batches" if n > 1 else f"{what} {size(total)}")
+    return lines
+
+
+def _collective_label(m: _Merged) -> list[str]:
+    op = m.op
+    what = ", ".join(m.tensors[:3]) + (f", +{len(m.tensors) - 3}" if len(m.tensors) > 3 else "")
+    head = f"{_NAMES[op.kind]} {what}".strip() + (f" ({op.phase})" if not op.phase.startswith("bwd") else "")
+    root = op.attrs.get("root")
+    devs = ", ".join(op.devices)
+    if root is not None:
+        others = ", ".join(d for d in op.devices if d != root)
+        devs = f"{others} -> {root}" if op.kind == OpKind.REDUCE else f"{root} -> {others}"
+    lines = [head, devs, size(m.bytes + m.bwd_bytes)]
+    if m.count > 1:
+        lines[-1] += f" in {m.count} ops"
+    return lines
+
+
+def _anchor(m: _Merged, seg) -> int | None:
+    """Index of the segment's layer a collective belongs to: the last one it names."""
+    named = []
+    for op_tensor in m.tensors + [str(m.op.attrs.get("layers", ""))]:
+        for name in op_tensor.split(".."):
+            if name in seg.layers:
+                named.append(seg.layers.index(name))
+    return max(named) if named else None
+
+
+def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
+    """Graphviz source of the plan's placement graph (deterministic for golden files)."""
+    info = {l.name: l for l in graph.layers} if graph is not None else {}
+    mem = _memory(estimate)
+    trans, colls = _group_ops(plan)
+    segs = plan.segments
+    title = [f"placement {plan.name}", ", ".join(plan.devices)]
+    if plan.schedule:
+        title.append(f"pipeline {plan.schedule}, {plan.microbatches} micro-batches")
+    if plan.batch_size:
+        title.append(f"batch {plan.batch_size}")
+    out = ["digraph placement {",
+           f"  graph [label={_q(*title)}, labelloc=t, fontname=\"Helvetica\", fontsize=12, "
+           "compound=true, newrank=true];",
+           "  node [fontname=\"Helvetica\", fontsize=10, shape=box, style=\"rounded,filled\", fillcolor=white];",
+           "  edge [fontname=\"Helvetica\", fontsize=9];"]
+    in_label = ["input"]
+    if graph is not None:
+        in_label.append(f"{_shape(graph.input_shape)} {graph.input_dtype}")
+    out.append(f"  input [shape=oval, fillcolor=\"#eeeeee\", label={_q(*in_label)}];")
+
+    groups: dict[tuple, list] = {}
+    for seg in segs:
+        groups.setdefault(tuple(seg.devices), []).append(seg)
+    first, last = {}, {}
+    for gi, (devs, members) in enumerate(groups.items()):
+        fill = _FILLS[gi % len(_FILLS)]
+        label = [", ".join(devs)] + [f"{d}: {size(mem[d])}" for d in devs if d in mem]
+        out += [f"  subgraph cluster_g{gi} {{", f"    label={_q(*label)};", "    style=rounded; color=\"#555555\";"]
+        for seg in members:
+            i = seg.index
+            head = f"stage {seg.stage} · {seg.name}" if seg.stage is not None else f"segment {i} · {seg.name}"
+            out += [f"    subgraph cluster_s{i} {{", f"      label={_q(head, _mode_line(seg))};",
+                    "      style=dashed; color=\"#888888\";"]
+            nodes = [f"s{i}_l{j}" for j in range(len(seg.layers))] or [f"s{i}_empty"]
+            for node, name in zip(nodes, seg.layers or ("(no layers)",)):
+                lines = [name]
+                if name in info:
+                    li = info[name]
+                    lines.append(f"{li.op} · {li.params:,} params" if li.params else li.op)
+                    if li.out_shape:
+                        lines.append("-> " + _shape(li.out_shape))
+                out.append(f"      {node} [fillcolor=\"{fill}\", label={_q(*lines)}];")
+            first[i], last[i] = nodes[0], nodes[-1]
+            for k, m in enumerate(colls.get(i, {}).values()):
+                node = f"s{i}_c{k}"
+                j = _anchor(m, seg)
+                anchor = nodes[-1] if j is None else nodes[j]
+                out.append(f"      {node} [shape=hexagon, style=filled, fillcolor=\"#ffe9a8\", "
+                           f"label={_q(*_collective_label(m))}];")
+                out.append(f"      {anchor} -> {node} [style=dashed, arrowhead=none];")
+            out += [f"      {a} -> {b};" for a, b in zip(nodes, nodes[1:])]
+            out.append("    }")
+        out.append("  }")
+
+    # transitions: prev segment's last layer -> copy / split / merge nodes -> this segment's first layer
+    for i, seg in enumerate(segs):
+        prev = last[segs[i - 1].index] if i else "input"
+        merged = list(trans.get(seg.index, {}).values())
+        if not merged:
+            out.append(f"  {prev} -> {first[seg.index]};")
+            continue
+        # an op follows an earlier one when it sends from where that one delivered (merge, then copy)
+        ends = [tuple(map(set, _ends(m.op, plan))) for m in merged]
+        feeds = {(j, k) for j in range(len(merged)) for k in range(j + 1, len(merged)) if ends[j][1] & ends[k][0]}
+        for j, m in enumerate(merged):
+            node = f"t{seg.index}_{j}"
+            style = "filled" if m.has_fwd else "filled,dashed"
+            out.append(f"  {node} [shape={_SHAPES[m.op.kind]}, style=\"{style}\", fillcolor=\"#f2f2f2\", "
+                       f"{_MARGINS.get(m.op.kind, '')}label={_q(*_transition_label(m, plan))}];")
+            if not any(b == j for _, b in feeds):
+                out.append(f"  {prev} -> {node};")
+            out += [f"  {node} -> t{seg.index}_{k};" for a, k in sorted(feeds) if a == j]
+            if not any(a == j for a, _ in feeds):
+                out.append(f"  {node} -> {first[seg.index]};")
+    out.append("  output [shape=oval, fillcolor=\"#eeeeee\", label=\"output / loss\"];")
+    out.append(f"  {last[segs[-1].index]} -> output;" if segs else "  input -> output;")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def write_diagram(dot_src: str, path: str | Path) -> tuple[Path, str | None]:
+    """Write DOT source to `path`, rendered by suffix (.dot/.gv as text; .svg/.png/.pdf via `dot`).
+
+    Returns the path written and a message for the user when it fell back to
+    writing `<name>.dot` (graphviz missing or failing), else None.
+    """
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise PlanError(Diagnostic("R001", f"cannot write a diagram as {path.suffix or 'a file without suffix'} "
+                                   f"({path})", hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt in ("dot", "gv"):
+        path.write_text(dot_src)
+        return path, None
+    fallback = path.with_suffix(".dot")
+    exe = shutil.which("dot")
+    if exe is None:
+        fallback.write_text(dot_src)
+        return fallback, (f"graphviz `dot` not found, wrote {fallback} instead of {path}; install graphviz "
+                          "(apt-get install graphviz, brew install graphviz) and run: "
+                          f"dot -T{fmt} {fallback} -o {path}")
+    try:
+        proc = subprocess.run([exe, f"-T{fmt}", "-o", str(path)], input=dot_src, text=True,
+                              capture_output=True, timeout=120)
+        problem = proc.stderr.strip() if proc.returncode else None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        problem = str(e)
+    if problem is None:
+        return path, None
+    fallback.write_text(dot_src)
+    reason = problem.splitlines()[-1] if problem else "no output"
+    return fallback, f"graphviz `dot -T{fmt}` failed ({reason}); wrote {fallback}"
