@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch import nn
 
-from placer.diagnostics import Diagnostic, Loc, SpecError
+from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
 from placer.model.graph import LayerInfo, ModelGraph, RootParam
 from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
 from placer.spec import check
@@ -75,12 +75,16 @@ def build_module(spec: Spec, device: str | torch.device = "meta") -> nn.Module:
 
 
 def _build_inline(spec: Spec, device) -> nn.Module:
-    layers, seen = [], set()
+    layers, seen, probe = [], set(), nn.Module()
     for layer in spec.model.layers:
         if layer.name in seen:
             raise SpecError(_diag("M010", f"layer name {layer.name!r} is used twice", layer.loc,
                                   "give every layer a unique name"))
         seen.add(layer.name)
+        base = layer.name.split(".")[0]
+        if hasattr(probe, base):  # add_module refuses `forward`, `training`, ...
+            raise SpecError(_diag("M010", f"layer name {base!r} is an attribute of torch.nn.Module", layer.loc,
+                                  "rename the layer"))
         with torch.device(device):
             try:
                 layers.append((layer.name, getattr(nn, layer.op)(*layer.args, **layer.kwargs)))
@@ -88,13 +92,7 @@ def _build_inline(spec: Spec, device) -> nn.Module:
                 raise SpecError(_diag("M005", f"layer {layer.name!r}: {layer.op}(*args, **kwargs) raised "
                                       f"{_describe(e, spec)}", layer.loc,
                                       f"check the arguments against torch.nn.{layer.op}")) from None
-    try:
-        return InlineModel(layers)
-    except KeyError as e:  # add_module refuses names such as `forward` or `training`
-        name = str(e.args[0]).split("'")[1] if "'" in str(e.args[0]) else "?"
-        loc = next((l.loc for l in spec.model.layers if l.name.split(".")[0] == name), spec.model.loc)
-        raise SpecError(_diag("M010", f"layer name {name!r} is an attribute of torch.nn.Module", loc,
-                              "rename the layer")) from None
+    return InlineModel(layers)
 
 
 def load_model_class(spec: Spec) -> type:
@@ -118,7 +116,6 @@ def load_model_class(spec: Spec) -> type:
     cls = getattr(mod, cls_name, None)
     if cls is None:
         names = [n for n, v in vars(mod).items() if isinstance(v, type) and issubclass(v, nn.Module)]
-        from placer.diagnostics import name_hint
         raise SpecError(_diag("M003", f"{target} has no class {cls_name!r}", loc,
                               name_hint("its nn.Module classes", cls_name, names) if names else None))
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -239,7 +236,8 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         t, m = tr.layers[name], module.get_submodule(name)
         own = [p for p in m.parameters() if id(p) not in counted]
         shared = sum(p.numel() for p in m.parameters() if id(p) in counted)
-        counted |= {id(p) for p in own} | {id(b) for b in m.buffers()}
+        buffers = [b for b in m.buffers() if id(b) not in counted]
+        counted |= {id(p) for p in own + buffers}
         trainable = [p for p in own if p.requires_grad]
         frozen = [p for p in own if not p.requires_grad]
         if spec.model.inline:
@@ -249,7 +247,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         infos.append(LayerInfo(
             name=name, op=type(m).__name__,
             params=sum(p.numel() for p in trainable), param_bytes=sum(_bytes(p) for p in trainable),
-            buffer_bytes=sum(_bytes(b) for b in m.buffers()) + sum(_bytes(p) for p in frozen),
+            buffer_bytes=sum(_bytes(b) for b in buffers + frozen),
             in_shape=t.in_shape, out_shape=t.out_shape, out_dtype=t.out_dtype, out_bytes=t.out_bytes,
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
             shared_params=shared, inputs=inputs,
@@ -282,15 +280,21 @@ def segment_layers(spec: Spec, graph: ModelGraph) -> list[list[str]]:
 def loss_inputs(spec: Spec, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the loss is applied to. Inline models: (output, target) as they are.
 
-    Module models (SPEC.md: "output flattened, target flattened"): all leading
-    dims merged into one batch dim, `[N, C]` output with `[N]` class targets
-    when the target has one dim less, else both `[N, last]`.
+    Module models (SPEC.md: "output flattened, target flattened"), leading dims
+    merged into one: integer (class) targets with one dim less than the output
+    give `[N, C]` and `[N]`; targets with as many dims give `[N, last]` both;
+    otherwise, with equal sizes, both are flattened to 1-D (`[B, 1]` vs `[B]`).
+    Anything else is passed as it is (and the loss reports the mismatch).
     """
     if spec.model.inline or output.dim() < 2:
         return output, target
-    if target.dim() == output.dim() - 1:
+    if target.dim() == output.dim() - 1 and not target.is_floating_point():
         return output.reshape(-1, output.shape[-1]), target.reshape(-1)
-    return output.reshape(-1, output.shape[-1]), target.reshape(-1, target.shape[-1])
+    if target.dim() == output.dim():
+        return output.reshape(-1, output.shape[-1]), target.reshape(-1, target.shape[-1])
+    if target.numel() == output.numel():
+        return output.reshape(-1), target.reshape(-1)
+    return output, target
 
 
 # -- validate --deep --------------------------------------------------------------------------------

@@ -112,6 +112,8 @@ def fx_graph(module: torch.nn.Module, layers: list[str]) -> fx.GraphModule | Non
 def layer_inputs(gm: fx.GraphModule, layers: set[str]) -> dict[str, tuple[str, ...]]:
     """For each layer node, the layers or `input` its arguments come from, through unowned work."""
     out: dict[str, tuple[str, ...]] = {}
+    pos = {n.target if n.op == "call_module" else INPUT: i for i, n in reversed(list(enumerate(gm.graph.nodes)))
+           if n.op in ("call_module", "placeholder")}
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.target not in layers:
             continue
@@ -129,14 +131,9 @@ def layer_inputs(gm: fx.GraphModule, layers: set[str]) -> dict[str, tuple[str, .
             else:
                 stack += n.all_input_nodes
         prev = out.get(node.target, ())
-        out[node.target] = prev + tuple(s for s in dict.fromkeys(sorted(found, key=_order_key(gm))) if s not in prev)
+        # a layer called twice gets the sources of both calls, in graph order
+        out[node.target] = prev + tuple(s for s in dict.fromkeys(sorted(found, key=pos.get)) if s not in prev)
     return out
-
-
-def _order_key(gm: fx.GraphModule):
-    pos = {n.target if n.op == "call_module" else INPUT: i for i, n in reversed(list(enumerate(gm.graph.nodes)))
-           if n.op in ("call_module", "placeholder")}
-    return lambda name: pos.get(name, -1)
 
 
 class _ShapeProp(ShapeProp):
@@ -313,7 +310,7 @@ def _run(rec: _Recorder, mods: dict, forward):
         handles.append(m.register_forward_pre_hook(rec.pre_hook(name), with_kwargs=True))
         handles.append(m.register_forward_hook(rec.post_hook(name), with_kwargs=True))
     try:
-        with rec.flops, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+        with torch.enable_grad(), rec.flops, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             output = forward()
         rec.finish()
         return output

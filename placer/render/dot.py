@@ -210,6 +210,10 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
     """Graphviz source of the plan's placement graph (deterministic for golden files)."""
     info = {l.name: l for l in graph.layers} if graph is not None else {}
     mem = _memory(estimate)
+    roots: dict[str, list] = {}  # parameters no layer owns, shown on the layer that uses them
+    for r in getattr(graph, "root_params", ()):
+        if r.consumer:
+            roots.setdefault(r.consumer, []).append(r)
     trans, colls = _group_ops(plan)
     segs = plan.segments
     title = [f"placement {plan.name}", ", ".join(plan.devices)]
@@ -246,9 +250,14 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
                 if name in info:
                     li = info[name]
                     lines.append(f"{li.op} · {li.params:,} params" if li.params else li.op)
+                    lines += [f"+ {r.name} ({r.numel:,})" for r in roots.get(name, ())]
                     if li.out_shape:
                         lines.append("-> " + _shape(li.out_shape))
                 out.append(f"      {node} [fillcolor=\"{fill}\", label={_q(*lines)}];")
+            for j, name in enumerate(seg.layers):  # skip connections inside the segment, where traced
+                for src in (info[name].inputs or ()) if name in info else ():
+                    if src in seg.layers[:max(0, j - 1)]:
+                        out.append(f"      {nodes[seg.layers.index(src)]} -> {nodes[j]} [style=dotted];")
             first[i], last[i] = nodes[0], nodes[-1]
             for k, m in enumerate(colls.get(i, {}).values()):
                 node = f"s{i}_c{k}"

@@ -24,7 +24,6 @@ MAX_NODES = 100_000  # after alias expansion
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CORE = "tag:yaml.org,2002:"
 _ALLOWED_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "timestamp")}
-_scalars = yaml.constructor.SafeConstructor()
 _EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 Path = tuple
@@ -71,8 +70,13 @@ def _decode(raw: bytes, file: str) -> str:
 
 def _prescan(text: str, file: str) -> None:
     """Bound depth, aliases and tags on the event stream, before composing."""
-    depth = aliases = docs = 0
+    depth = aliases = docs = nodes = 0
     for ev in yaml.parse(text, Loader=_Loader):
+        if isinstance(ev, yaml.NodeEvent):
+            nodes += 1
+            if nodes > MAX_NODES:
+                _fail("L006", f"the spec has more than {MAX_NODES} values", _loc(file, ev.start_mark),
+                      "a spec has a few hundred values: is this the right file?")
         if isinstance(ev, yaml.DocumentStartEvent):
             docs += 1
             if docs > 1:
@@ -97,17 +101,49 @@ def _prescan(text: str, file: str) -> None:
                   "specs are plain data: remove the tag")
 
 
+def _measure(root, file: str) -> None:
+    """Refuse recursive aliases, and alias expansion past MAX_NODES values or MAX_DEPTH levels,
+    before anything is expanded. Each node is measured once (aliases share nodes), and an
+    alias's target is always measured before the alias (anchors come first), so this costs
+    one pass over the written nodes and recurses no deeper than the written nesting."""
+    memo: dict = {}  # id(node) -> (values once expanded, levels below)
+    active: set = set()
+
+    def measure(node) -> tuple[int, int]:
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        if key in active:
+            _fail("L006", "a YAML alias refers to the collection that contains it", _loc(file, node.start_mark),
+                  "specs are trees: write the values out")
+        active.add(key)
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        count, height = 1, 0
+        for child in children:
+            n, h = measure(child)
+            count, height = count + n, max(height, h + 1)
+            if count > MAX_NODES:
+                _fail("L006", f"the spec expands to more than {MAX_NODES} values (alias bomb?)",
+                      _loc(file, child.start_mark), "write the values out instead of repeating anchors")
+            if height > MAX_DEPTH:
+                _fail("L007", f"aliases nest the spec deeper than {MAX_DEPTH} levels", _loc(file, child.start_mark),
+                      "write the values out instead of repeating anchors")
+        active.discard(key)
+        memo[key] = (count, height)
+        return memo[key]
+
+    measure(root)
+
+
 def _to_data(root, file: str):
-    """Compose node tree -> (data, locs, key_locs), expanding aliases with a node budget."""
+    """Node tree -> (data, locs, key_locs), aliases expanded (after `_measure` bounded them)."""
+    _measure(root, file)
     locs: dict = {}
     key_locs: dict = {}
-    budget = [MAX_NODES]
+    scalars = yaml.constructor.SafeConstructor()  # one per load: it caches every node it builds
 
     def walk(node, path):
-        budget[0] -= 1
-        if budget[0] < 0:
-            _fail("L006", f"the spec expands to more than {MAX_NODES} values (alias bomb?)",
-                  _loc(file, node.start_mark), "write the values out instead of repeating anchors")
         locs[path] = _loc(file, node.start_mark)
         if isinstance(node, yaml.MappingNode):
             out = {}
@@ -131,7 +167,11 @@ def _to_data(root, file: str):
             return node.value  # keep dates as written
         if node.tag == _CORE + "str" and not node.style and _EXP_FLOAT.match(node.value):
             return float(node.value)  # YAML 1.2 float (lr: 1e-3) that YAML 1.1 would read as a string
-        return _scalars.construct_object(node)
+        try:
+            return scalars.construct_object(node)
+        except ValueError as e:  # e.g. an integer of more than 4300 digits
+            _fail("L012", f"value {node.value[:20]!r}{'...' if len(node.value) > 20 else ''} cannot be read: "
+                  f"{str(e).split(';')[0]}", _loc(file, node.start_mark), "write a shorter value")
 
     return walk(root, ()), locs, key_locs
 

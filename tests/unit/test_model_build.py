@@ -204,6 +204,8 @@ def test_loss_inputs(tmp_path, tinygpt):
     assert out.shape == (10, 7) and tgt.shape == (10,)
     out, tgt = build.loss_inputs(spec, torch.zeros(2, 5, 7), torch.zeros(2, 5, 7))
     assert out.shape == tgt.shape == (10, 7)
+    out, tgt = build.loss_inputs(spec, torch.zeros(6, 1), torch.zeros(6))  # regression: [B, 1] vs [B]
+    assert out.shape == tgt.shape == (6,)
     inline = spec_from(MLP, tmp_path)
     out, tgt = build.loss_inputs(inline, torch.zeros(2, 5, 7), torch.zeros(2, 5, dtype=torch.long))
     assert out.shape == (2, 5, 7)

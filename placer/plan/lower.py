@@ -1,0 +1,390 @@
+"""Lowering: small passes `Plan -> Plan` that add communication to a compute-only plan.
+
+`lower(plan, spec, graph)` runs `PASSES` in order and `verify`s after each:
+
+- insert_copies: COPY where one device hands its output to another device;
+- insert_splits: SPLIT / MERGE / RESPLIT where consecutive segments hold the
+  activation in different layouts (groups, modes);
+- insert_collectives: what each mode needs inside and after its segment
+  (gradient all-reduce in buckets, parameter server, broadcast sync, ZeRO-1 /
+  fully sharded, channel gathers, tensor-parallel all-reduces, spatial halos,
+  SyncBatchNorm statistics), splitting COMPUTE ops where a collective runs
+  between layers;
+- insert_pipeline: SEND / RECV of every micro-batch between pipeline stages.
+
+Passes insert each op into every participant's list at a point fixed by that
+device's own ops (after its last forward of segment s-1, before its first of
+segment s, ...), so all devices see shared ops in the same order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from placer.estimate.comm import moves
+from placer.model.graph import ModelGraph
+from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_grad_layout, in_layout, layer_range,
+                            transfer_kind, union)
+from placer.plan.place import layer_geometry
+from placer.plan.verify import verify
+from placer.spec.types import Spec
+
+BWD = ("bwd", "bwd_input", "bwd_weight")
+MiB = 2 ** 20
+
+
+def _is_compute(op: Op, seg: int, phases) -> bool:
+    return op.kind == OpKind.COMPUTE and op.segment == seg and op.phase in phases
+
+
+def _first(ops: list, pred) -> int | None:
+    return next((i for i, op in enumerate(ops) if pred(op)), None)
+
+
+def _last(ops: list, pred) -> int | None:
+    return next((i for i in range(len(ops) - 1, -1, -1) if pred(ops[i])), None)
+
+
+def boundary_bytes(graph: ModelGraph, seg: PlacedSegment) -> int:
+    """Bytes of the activation a segment hands to the next (its last layer's output, global batch)."""
+    return graph.layer(seg.layers[-1]).out_bytes
+
+
+# ---- copies, splits, merges --------------------------------------------------------------------
+
+def _transitions(plan: Plan, graph: ModelGraph, copies: bool) -> Plan:
+    if plan.schedule:  # stage boundaries are pipeline sends
+        return plan
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    segs = plan.segments
+    for prev, cur in zip(segs, segs[1:]):
+        src, dst = plan.out_layout(prev), in_layout(cur)
+        if src == dst or (transfer_kind(src.devices, dst.devices) == OpKind.COPY) != copies:
+            continue
+        n, s = boundary_bytes(graph, prev), cur.index
+        grad = in_grad_layout(cur)
+        fwd = _transfer(src, dst, s, "fwd", "act", n, cur.route)
+        bwd = _transfer(grad, src, s, "bwd", "grad", n, cur.route)
+        for d in fwd.devices:
+            lst = ops[d]
+            if d in cur.devices:
+                lst.insert(_first(lst, lambda o: _is_compute(o, s, ("fwd",))), fwd)
+            else:
+                lst.insert(_last(lst, lambda o: _is_compute(o, s - 1, ("fwd",))) + 1, fwd)
+        for d in bwd.devices:
+            lst = ops[d]
+            if d in prev.devices:
+                lst.insert(_first(lst, lambda o: _is_compute(o, s - 1, BWD)), bwd)
+            else:
+                lst.insert(_last(lst, lambda o: _is_compute(o, s, BWD)) + 1, bwd)
+    return plan.with_ops(ops)
+
+
+def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
+    return Op(kind=transfer_kind(src.devices, dst.devices), devices=union(src.devices, dst.devices), segment=seg,
+              phase=phase, tensor=tensor, bytes=nbytes, route=route, src=src.devices, dst=dst.devices,
+              src_dim=src.dim, dst_dim=dst.dim, attrs={"reduce": True} if src.partial else {})
+
+
+def insert_copies(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
+    """COPY (activation forward, its gradient backward) between segments on two single devices."""
+    return _transitions(plan, graph, copies=True)
+
+
+def insert_splits(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
+    """SPLIT / MERGE / RESPLIT where consecutive segments use different groups or modes."""
+    return _transitions(plan, graph, copies=False)
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+
+@dataclass
+class _Attached:
+    """Collectives of one segment, by where they run relative to its layers.
+
+    Layer-level ops hang on chunks (runs of layers computed without a break):
+    `pre_fwd[i]` run before the forward of the chunk starting at layer i,
+    `post_fwd[i]` after it, `pre_bwd[i]` / `post_bwd[i]` around its backward.
+    Each entry is (op, scale, weight): entries repeat for every micro-batch, `scale` ones
+    (activations) with bytes / m; `weight` ones go with a zero-bubble schedule's weight half."""
+
+    cuts: set = field(default_factory=set)
+    pre_fwd: dict = field(default_factory=dict)
+    post_fwd: dict = field(default_factory=dict)
+    pre_bwd: dict = field(default_factory=dict)
+    post_bwd: dict = field(default_factory=dict)
+    seg_pre_fwd: list = field(default_factory=list)
+    """Once per step, before the segment's first forward on the device."""
+    seg_post_bwd: list = field(default_factory=list)
+    """Once per step, after the segment's last backward on the device (gradient sync)."""
+    step_pre: list = field(default_factory=list)
+    step_post: list = field(default_factory=list)
+    step_devices: tuple = ()
+
+    def add(self, table: str, layer: int, op: Op, scale: bool = True, weight: bool = False) -> None:
+        getattr(self, table).setdefault(layer, []).append((op, scale, weight))
+
+    def empty(self) -> bool:
+        return not (self.pre_fwd or self.post_fwd or self.pre_bwd or self.post_bwd or self.seg_pre_fwd
+                    or self.seg_post_bwd or self.step_pre or self.step_post)
+
+
+def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tuple[int, tuple[str, ...]]]:
+    """Gradient buckets like DDP's: layers with parameters in reverse order, about bucket_mb each.
+
+    Returns (bytes, layers in model order) per bucket, first-ready bucket first. A layer is never
+    split; one larger than the cap gets a bucket of its own. Root parameters go with their consumer."""
+    sizes = param_bytes(seg, graph)
+    cap = bucket_mb * MiB
+    out, cur, size = [], [], 0
+    for name in reversed(seg.layers):
+        b = sizes[name]
+        if not b:
+            continue
+        if cur and size + b > cap:
+            out.append((size, tuple(reversed(cur))))
+            cur, size = [], 0
+        cur.append(name)
+        size += b
+    if cur:
+        out.append((size, tuple(reversed(cur))))
+    return out
+
+
+def _bucket_ops(kind, seg, group, phase, tensor, bks, root=None, reverse=False) -> list[Op]:
+    order = list(enumerate(bks))
+    order = order[::-1] if reverse else order
+    extra = {"root": root} if root else {}
+    return [Op(kind=kind, devices=group, segment=seg.index, phase=phase, tensor=tensor, bytes=b,
+               attrs={"bucket": k, "layers": layer_range(names), **extra}) for k, (b, names) in order]
+
+
+def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _Attached:
+    """The collectives a segment's mode needs, by where they run."""
+    a = _Attached(step_devices=seg.devices)
+    info = [graph.layer(n) for n in seg.layers]
+    g, i0 = seg.devices, seg.index
+
+    def op(kind, phase, tensor, nbytes, layer=None, **kw):
+        attrs = {"layer": layer} if layer else {}
+        attrs.update(kw.pop("attrs", {}))
+        return Op(kind=kind, devices=g, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs, **kw)
+
+    if seg.mode == "data":
+        o = seg.options
+        bks = buckets(seg, graph, o.get("bucket_mb", 25.0))
+        sync, shard = o.get("sync", "allreduce"), o.get("shard", "none")
+        if sync == "parameter_server":
+            server = o["server"]
+            group = g if server in g else g + (server,)
+            a.step_devices = group
+            a.step_pre = _bucket_ops(OpKind.REDUCE, seg, group, "step", "grads", bks, root=server)
+            a.step_post = _bucket_ops(OpKind.BROADCAST, seg, group, "step", "params", bks, root=server, reverse=True)
+        elif sync == "broadcast":
+            a.seg_pre_fwd = _bucket_ops(OpKind.BROADCAST, seg, g, "fwd", "params", bks, root=g[0], reverse=True)
+            a.step_pre = _bucket_ops(OpKind.REDUCE, seg, g, "step", "grads", bks, root=g[0])
+        elif shard == "full":  # FSDP: gather each layer's parameters around its use, scatter its gradients
+            sizes = param_bytes(seg, graph)
+            for i, l in enumerate(info):
+                pb = sizes[l.name]
+                if not pb:
+                    continue
+                a.cuts |= {i, i + 1}
+                a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name), scale=False)
+                a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name), scale=False)
+                a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name), scale=False,
+                      weight=True)
+        elif shard == "optimizer":  # ZeRO-1: each device steps 1/d of the optimizer state
+            a.seg_post_bwd = _bucket_ops(OpKind.REDUCE_SCATTER, seg, g, "bwd", "grads", bks)
+            a.step_post = _bucket_ops(OpKind.ALL_GATHER, seg, g, "step", "params", bks, reverse=True)
+        else:
+            a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
+        if o.get("sync_batchnorm"):
+            for i, l in enumerate(info):
+                if l.op.startswith("BatchNorm"):
+                    c = _channels(l)
+                    a.cuts |= {i, i + 1}
+                    # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
+                    a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
+                    a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
+    elif seg.mode == "channel":
+        lin = [i for i, l in enumerate(info) if _is_linear_or_conv(l)]
+        for i in lin[1:]:  # the next Linear/Conv needs every input channel
+            l = info[i]
+            d = _channel_dim(l)
+            a.cuts.add(i)
+            a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=d))
+            a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grad", l.in_bytes, l.name, dim=d))
+        if plan.is_last(seg):  # the loss needs whole outputs
+            last = len(info) - 1
+            a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
+                                       dim=seg.options.get("axis", 1)))
+    elif seg.mode == "tensor":
+        lin = [i for i, l in enumerate(info) if l.op == "Linear"]
+        for col, row in zip(lin[::2], lin[1::2]):
+            a.cuts |= {col, row + 1}
+            a.add("post_fwd", col, op(OpKind.ALL_REDUCE, "fwd", "act", info[row].out_bytes, info[row].name))
+            a.add("post_bwd", col, op(OpKind.ALL_REDUCE, "bwd", "grad", info[col].in_bytes, info[col].name))
+    elif seg.mode == "spatial":
+        axis = seg.options.get("axis", 2)
+        for i, l in enumerate(info):
+            halo = _halo_rows(spec, l, axis)
+            if not halo:
+                continue
+            top, bottom, row = halo
+            a.cuts.add(i)
+            attrs = {"prev_rows": top, "next_rows": bottom, "row_bytes": row}
+            total = (top + bottom) * row * (len(g) - 1)
+            a.add("pre_fwd", i, op(OpKind.HALO, "fwd", "act", total, l.name, dim=axis, attrs=attrs))
+            a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
+        # every device computes weight gradients from its own rows: sum them like data parallel
+        a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", buckets(seg, graph, 25.0))
+    return a
+
+
+def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
+    """Layer -> bytes of the trainable parameters it owns, root parameters it consumes included."""
+    out = {n: graph.layer(n).param_bytes for n in seg.layers}
+    for r in graph.root_params:
+        if r.trainable and r.consumer in out:
+            out[r.consumer] += r.bytes
+    return out
+
+
+def _is_linear_or_conv(l) -> bool:
+    return l.op == "Linear" or l.op.startswith("Conv")
+
+
+def _channel_dim(l) -> int:
+    """The channel dim of a Linear / Conv input: last for Linear, 1 for Conv."""
+    return len(l.in_shape) - 1 if l.op == "Linear" and l.in_shape else 1
+
+
+def _channels(l) -> int:
+    return l.out_shape[1] if l.out_shape and len(l.out_shape) > 1 else 0
+
+
+def _halo_rows(spec: Spec, l, axis: int) -> tuple[int, int, int] | None:
+    """(rows from the previous device, rows from the next, bytes of one row) a Conv/Pool needs.
+
+    A device holding input rows [lo, hi) computes the outputs whose windows start there; with
+    kernel k, stride s, padding p, dilation d those windows read rows [lo - p, hi - s - p + d(k-1) + 1)."""
+    geo = layer_geometry(spec, l.name)
+    if geo is None or not l.in_shape or axis >= len(l.in_shape):
+        return None
+    j = axis - (len(l.in_shape) - len(geo["kernel"]))
+    if not 0 <= j < len(geo["kernel"]):
+        return None
+    k, s, p, d = (geo[key][j] for key in ("kernel", "stride", "padding", "dilation"))
+    top, bottom = p, max(0, d * (k - 1) + 1 - s - p)
+    if not top and not bottom:
+        return None
+    return top, bottom, l.in_bytes // l.in_shape[axis]
+
+
+def _instantiate(entries, src: Op, m: int, part: str) -> list[Op]:
+    """Attached ops for one COMPUTE op: its micro-batch, activation bytes / m in a pipeline."""
+    out = []
+    for op, scale, weight in entries:
+        if (part == "bwd_input" and weight) or (part == "bwd_weight" and not weight):
+            continue
+        out.append(op.with_(bytes=op.bytes // m if scale else op.bytes, microbatch=src.microbatch))
+    return out
+
+
+def _expand(op: Op, seg: PlacedSegment, a: _Attached, m: int) -> list[Op]:
+    """A segment's COMPUTE op split into chunks, with the collectives between them."""
+    starts = sorted({0} | {c for c in a.cuts if 0 < c < len(seg.layers)})
+    chunks = [(s, e) for s, e in zip(starts, starts[1:] + [len(seg.layers)])]
+    out = []
+    if op.phase == "fwd":
+        for s, e in chunks:
+            out += _instantiate(a.pre_fwd.get(s, []), op, m, "fwd")
+            out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
+            out += _instantiate(sum((a.post_fwd.get(i, []) for i in range(s, e)), []), op, m, "fwd")
+        return out
+    for s, e in reversed(chunks):
+        out += _instantiate(a.pre_bwd.get(s, []), op, m, op.phase)
+        out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
+        out += _instantiate(sum((a.post_bwd.get(i, []) for i in range(s, e)), []), op, m, op.phase)
+    return out
+
+
+def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
+    """Each segment's mode collectives, on each device of its group (and a parameter server)."""
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    m = plan.microbatches
+    for seg in plan.segments:
+        a = _collect(seg, plan, spec, graph)
+        if a.empty():
+            continue
+        s = seg.index
+        for d in union(seg.devices, a.step_devices):
+            lst, new = ops[d], []
+            first = _first(lst, lambda o: _is_compute(o, s, ("fwd",)))
+            last = _last(lst, lambda o: _is_compute(o, s, BWD))
+            has_step = False
+            for i, o in enumerate(lst):
+                if o.kind == OpKind.COMPUTE and o.segment == s:
+                    new += [x.with_(microbatch=None) for x in a.seg_pre_fwd] if i == first else []
+                    new += _expand(o, seg, a, m)
+                    new += a.seg_post_bwd if i == last else []
+                elif o.kind == OpKind.STEP and o.segment == s:
+                    new += a.step_pre + [o] + a.step_post
+                    has_step = True
+                else:
+                    new.append(o)
+            if not has_step and d in a.step_devices and (a.step_pre or a.step_post):
+                at = _first(new, lambda o: o.phase == "step" and o.segment > s)
+                at = len(new) if at is None else at
+                new[at:at] = a.step_pre + a.step_post
+            ops[d] = new
+    return plan.with_ops(ops)
+
+
+# ---- pipelines -----------------------------------------------------------------------------------
+
+def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
+    """SEND / RECV of each micro-batch's activation (forward) and gradient (backward) between stages."""
+    if not plan.schedule:
+        return plan
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    m, segs = plan.microbatches, plan.segments
+    for prev, cur in zip(segs, segs[1:]):
+        src, dst = plan.out_layout(prev), in_layout(cur)
+        if src == dst:  # consecutive stages on the same group (the turn of a V schedule)
+            continue
+        n = boundary_bytes(graph, prev) // m
+        fwd_moves, bwd_moves = moves(src, dst, n), moves(in_grad_layout(cur), src, n)
+        for mb in range(m):
+            _p2p(ops, fwd_moves, cur.index, "fwd", "act", mb, cur.route,
+                 after=(prev.index, ("fwd",)), before=(cur.index, ("fwd",)))
+            _p2p(ops, bwd_moves, cur.index, "bwd", "grad", mb, cur.route,
+                 after=(cur.index, ("bwd", "bwd_input")), before=(prev.index, ("bwd", "bwd_input")))
+    return plan.with_ops(ops)
+
+
+def _p2p(ops, mv, seg, phase, tensor, mb, route, after, before) -> None:
+    def belongs(o, key):
+        return o.kind not in (OpKind.SEND, OpKind.RECV) and o.segment == key[0] and o.phase in key[1] \
+            and o.microbatch == mb
+
+    sent: dict[str, int] = {}
+    for a, b, nbytes in mv:
+        common = dict(devices=(a, b), segment=seg, phase=phase, tensor=tensor, bytes=nbytes, microbatch=mb,
+                      route=route, src=(a,), dst=(b,))
+        at = sent.get(a)
+        if at is None:
+            at = _last(ops[a], lambda o: belongs(o, after)) + 1
+        ops[a].insert(at, Op(kind=OpKind.SEND, **common))
+        sent[a] = at + 1
+        ops[b].insert(_first(ops[b], lambda o: belongs(o, before)), Op(kind=OpKind.RECV, **common))
+
+
+PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline)
+
+
+def lower(plan: Plan, spec: Spec, graph: ModelGraph, passes=PASSES) -> Plan:
+    """Run the lowering passes in order, verifying the plan after each."""
+    for i, p in enumerate(passes):
+        plan = verify(p(plan, spec, graph), complete=i == len(passes) - 1, after=p.__name__)
+    return plan

@@ -1,0 +1,181 @@
+"""`placer validate --deep`: build on meta, then checks that need the real layers."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from placer.cli.main import main
+from placer.diagnostics import SpecError
+from placer.model import build
+from placer.spec import check, load
+
+SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "specs")
+
+GPT = """placer: 1
+name: g
+model:
+  module: tinygpt.py:TinyGPT
+  kwargs: {vocab: 64, d_model: 16, n_layers: 2, seq: 8, n_heads: 2}
+  input: {shape: [B, 8], dtype: int64, high: 64}
+  target: {shape: [B, 8], dtype: int64, high: 64}
+  loss: CrossEntropyLoss
+devices: [cuda:0, cuda:1]
+placement:
+  - {layers: [embed, blocks.0], device: cuda:0}
+  - {layers: [blocks.1, ln_f, lm_head], device: cuda:1}
+training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}
+"""
+
+INLINE = """placer: 1
+name: i
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [8, 16]}
+    - {name: unflat, op: Unflatten, args: [1, [4, 4]]}
+    - {name: fc2, op: Linear, args: [5, 3]}
+    - {name: flat, op: Flatten}
+  input: {shape: [B, 8]}
+  target: {shape: [B, 12]}
+  loss: MSELoss
+devices: [cpu]
+placement:
+  - {layers: fc1..flat, device: cpu}
+training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}
+"""
+
+
+def write(tmp_path, text: str, **files) -> str:
+    for name, src in files.items():
+        (tmp_path / name).write_text(src)
+    shutil.copy(os.path.join(SPECS, "models", "tinygpt.py"), tmp_path / "tinygpt.py")
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def deep(path: str):
+    """(plain diagnostics, deep diagnostics) for a spec file."""
+    spec, diags = check.validate_document(load.load_file(path))
+    assert spec is not None and not [d for d in diags if d.severity == "error"], diags
+    return spec, build.deep_check(spec)
+
+
+def line_of(path: str, needle: str) -> int:
+    return next(i for i, l in enumerate(open(path).read().splitlines(), 1) if needle in l)
+
+
+@pytest.mark.parametrize("name", ["tinygpt.yaml", "transformer_encoder.yaml", "mlp_layerwise_direct.yaml"])
+def test_specs_pass_deep(name):
+    _, diags = deep(os.path.join(SPECS, name))
+    assert diags == []
+
+
+def test_misnamed_selector_in_module_spec(tmp_path):
+    path = write(tmp_path, GPT.replace("[blocks.1, ln_f", "[block.1, ln_f"))
+    _, diags = deep(path)  # plain validate cannot know the module's names
+    (d,) = diags
+    assert d.code == "P001" and "block.1" in d.message and "did you mean 'blocks.1'" in d.hint
+    assert d.loc.line == line_of(path, "block.1, ln_f")
+
+
+def test_uncovered_module_layer(tmp_path):
+    _, diags = deep(write(tmp_path, GPT.replace("[blocks.1, ln_f, lm_head]", "[blocks.1, ln_f]")))
+    assert [d.code for d in diags] == ["P003"] and "lm_head" in diags[0].message
+
+
+def test_inline_shape_mismatch_located_at_layer(tmp_path):
+    path = write(tmp_path, INLINE)
+    _, diags = deep(path)  # the static chain stops at Unflatten; the meta forward does not
+    (d,) = diags
+    assert d.code == "M006" and "'fc2'" in d.message and "[5, 3]" in d.message
+    assert d.loc.line == line_of(path, "name: fc2")
+
+
+def test_loss_mismatch(tmp_path):
+    path = write(tmp_path, INLINE.replace("[5, 3]", "[4, 3]").replace("[B, 12]", "[B, 13]"))
+    (d,) = deep(path)[1]
+    assert d.code == "M007" and "[4, 12]" in d.message and "[4, 13]" in d.message
+    assert d.loc.line == line_of(path, "loss: MSELoss")
+    (w,) = deep(write(tmp_path, INLINE.replace("[5, 3]", "[4, 3]").replace("[B, 12]", "[B, 1]")))[1]
+    assert w.code == "W004" and w.severity == "warning"
+
+
+@pytest.mark.parametrize("src, code, text", [
+    ("import torch\nx = 1\nraise RuntimeError('boom at import')\n", "M002", "RuntimeError: boom at import (at bad.py:3)"),
+    ("def f(:\n    pass\n", "M002", "SyntaxError"),
+    ("import no_such_module_xyz\n", "M002", "No module named 'no_such_module_xyz'"),
+    ("from torch import nn\nclass Other(nn.Module):\n    pass\n", "M003", "has no class 'TinyGPT'"),
+    ("TinyGPT = 3\n", "M003", "not an nn.Module subclass"),
+])
+def test_broken_module_file_is_located(tmp_path, src, code, text):
+    path = write(tmp_path, GPT.replace("tinygpt.py:TinyGPT", "bad.py:TinyGPT"), **{"bad.py": src})
+    (d,) = deep(path)[1]
+    assert d.code == code and text in d.message
+    assert "Traceback" not in d.message and "\n" not in d.message
+    assert (d.loc.line, d.loc.col) == (line_of(path, "module:"), 11)
+
+
+def test_constructor_and_forward_errors(tmp_path):
+    (d,) = deep(write(tmp_path, GPT.replace("n_heads: 2", "n_heads: 3")))[1]
+    assert d.code == "M004" and "not divisible by n_heads 3 (at tinygpt.py:" in d.message
+    (d,) = deep(write(tmp_path, GPT.replace("n_heads: 2}", "n_heads: 2, depth: 1}")))[1]
+    assert d.code == "M004" and "unexpected keyword argument 'depth'" in d.message
+    (d,) = deep(write(tmp_path, GPT.replace("shape: [B, 8], dtype: int64, high: 64}\n  target",
+                                            "shape: [B, 9], dtype: int64, high: 64}\n  target")))[1]
+    assert d.code == "M006" and "[4, 9] int64" in d.message
+
+
+def test_sibling_import_and_package_ref(tmp_path):
+    helper = "from torch import nn\ndef mlp(d):\n    return nn.Sequential(nn.Linear(d, d), nn.ReLU())\n"
+    model = ("from torch import nn\nfrom helper import mlp\nclass Net(nn.Module):\n"
+             "    def __init__(self):\n        super().__init__()\n        self.body = mlp(8)\n"
+             "        self.out = nn.Linear(8, 4)\n    def forward(self, x):\n        return self.out(self.body(x))\n")
+    text = GPT.replace("tinygpt.py:TinyGPT", "sub/net.py:Net").replace(
+        "  kwargs: {vocab: 64, d_model: 16, n_layers: 2, seq: 8, n_heads: 2}\n", "").replace(
+        "[B, 8], dtype: int64, high: 64}", "[B, 8]}").replace("CrossEntropyLoss", "MSELoss").replace(
+        "[embed, blocks.0]", "body.0..body.1").replace("[blocks.1, ln_f, lm_head]", "out")
+    text = text.replace("target: {shape: [B, 8]}", "target: {shape: [B, 4]}")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper.py").write_text(helper)
+    (tmp_path / "sub" / "net.py").write_text(model)
+    path = write(tmp_path, text)
+    assert deep(path)[1] == []
+    (d,) = deep(write(tmp_path, text.replace("sub/net.py:Net", "no_such_pkg_xyz.net:Net")))[1]
+    assert d.code == "M001"
+
+
+def test_mode_rules_apply_to_module_layers(tmp_path):
+    text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
+                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
+    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+    (d,) = deep(path)[1]
+    assert d.code == "P028" and "'xxL'" in d.message and d.loc.line == line_of(path, "parallel: tensor")
+
+
+def test_inline_name_clash(tmp_path):
+    path = write(tmp_path, INLINE.replace("name: unflat", "name: forward"))
+    (d,) = deep(path)[1]
+    assert d.code == "M010" and d.loc.line == line_of(path, "name: forward")
+
+
+def test_build_module_missing_file(tmp_path):
+    path = write(tmp_path, GPT)
+    spec = check.load_spec(path)
+    os.remove(tmp_path / "tinygpt.py")
+    with pytest.raises(SpecError) as e:
+        build.build_module(spec)
+    assert e.value.diagnostics[0].code == "M001"
+
+
+def test_cli_deep_reports_without_traceback(tmp_path):
+    good = write(tmp_path, GPT)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GPT.replace("shape: [B, 8], dtype: int64, high: 64}\n  target",
+                               "shape: [B, 8, 2], dtype: int64, high: 64}\n  target"))
+    r = CliRunner().invoke(main, ["validate", "--deep", good])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["validate", "--deep", str(bad)])
+    assert r.exit_code == 1 and "error[M006]" in r.output and "Traceback" not in r.output
