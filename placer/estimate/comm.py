@@ -158,4 +158,10 @@ def communication(plan: Plan) -> Communication:
             pairs[(a, b)] = pairs.get((a, b), 0) + n
             sent[a] = sent.get(a, 0) + n
             received[b] = received.get(b, 0) + n
-    return Communication(rows=tuple(rows), pairs=dict(sorted(pairs.items())), sent=sent, received=received)
+    rank = {d: i for i, d in enumerate(plan.devices)}
+
+    def order(pair):  # plan order; a host a via_host copy passes through after the plan's devices
+        return tuple((rank.get(d, len(rank)), d) for d in pair)
+
+    return Communication(rows=tuple(rows), pairs=dict(sorted(pairs.items(), key=lambda kv: order(kv[0]))),
+                         sent=sent, received=received)

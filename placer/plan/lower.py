@@ -18,8 +18,10 @@ segment s, ...), so all devices see shared ops in the same order.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
+from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.comm import moves
 from placer.model.graph import ModelGraph
 from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_grad_layout, in_layout, layer_range,
@@ -343,41 +345,67 @@ def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
 
 # ---- pipelines -----------------------------------------------------------------------------------
 
+def _flow(phase: str) -> str | None:
+    """Which pipeline message a phase's ops wait for and produce: the activation or the gradient."""
+    return "fwd" if phase == "fwd" else "bwd" if phase in ("bwd", "bwd_input") else None
+
+
 def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
-    """SEND / RECV of each micro-batch's activation (forward) and gradient (backward) between stages."""
+    """SEND / RECV of each micro-batch's activation (forward) and gradient (backward) between stages.
+
+    Like torch's `_add_send_recv`: all devices step through their ops together; when a device
+    finishes a stage's forward (backward) of a micro-batch it appends the SENDs to its list and
+    the matching RECVs to the receivers' lists right then, and a device does not start a stage's
+    work on a micro-batch before its RECVs are there. So every pair of devices sends and
+    receives in the same order."""
     if not plan.schedule:
         return plan
-    ops = {d: list(v) for d, v in plan.ops.items()}
     m, segs = plan.microbatches, plan.segments
+    out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV)] after that work
+    need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
     for prev, cur in zip(segs, segs[1:]):
         src, dst = plan.out_layout(prev), in_layout(cur)
         if src == dst:  # consecutive stages on the same group (the turn of a V schedule)
             continue
         n = boundary_bytes(graph, prev) // m
-        fwd_moves, bwd_moves = moves(src, dst, n), moves(in_grad_layout(cur), src, n)
-        for mb in range(m):
-            _p2p(ops, fwd_moves, cur.index, "fwd", "act", mb, cur.route,
-                 after=(prev.index, ("fwd",)), before=(cur.index, ("fwd",)))
-            _p2p(ops, bwd_moves, cur.index, "bwd", "grad", mb, cur.route,
-                 after=(cur.index, ("bwd", "bwd_input")), before=(prev.index, ("bwd", "bwd_input")))
-    return plan.with_ops(ops)
-
-
-def _p2p(ops, mv, seg, phase, tensor, mb, route, after, before) -> None:
-    def belongs(o, key):
-        return o.kind not in (OpKind.SEND, OpKind.RECV) and o.segment == key[0] and o.phase in key[1] \
-            and o.microbatch == mb
-
-    sent: dict[str, int] = {}
-    for a, b, nbytes in mv:
-        common = dict(devices=(a, b), segment=seg, phase=phase, tensor=tensor, bytes=nbytes, microbatch=mb,
-                      route=route, src=(a,), dst=(b,))
-        at = sent.get(a)
-        if at is None:
-            at = _last(ops[a], lambda o: belongs(o, after)) + 1
-        ops[a].insert(at, Op(kind=OpKind.SEND, **common))
-        sent[a] = at + 1
-        ops[b].insert(_first(ops[b], lambda o: belongs(o, before)), Op(kind=OpKind.RECV, **common))
+        for flow, (a_seg, b_seg), mv, tensor in (("fwd", (prev, cur), moves(src, dst, n), "act"),
+                                                 ("bwd", (cur, prev), moves(in_grad_layout(cur), src, n), "grad")):
+            for mb in range(m):
+                for a, b, nbytes in mv:
+                    common = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=tensor, bytes=nbytes,
+                                  microbatch=mb, route=cur.route, src=(a,), dst=(b,))
+                    out.setdefault((a, a_seg.index, flow, mb), []).append(
+                        (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common)))
+                    need[(b, b_seg.index, flow, mb)] += 1
+    lists = {d: plan.ops.get(d, ()) for d in plan.devices}
+    last = {(d, o.segment, _flow(o.phase), o.microbatch): i for d, lst in lists.items() for i, o in enumerate(lst)}
+    new: dict[str, list] = {d: [] for d in plan.devices}
+    got: Counter = Counter()
+    pos = {d: 0 for d in plan.devices}
+    while any(pos[d] < len(lists[d]) for d in plan.devices):
+        progress = False
+        for d in plan.devices:  # one op per device per round, as torch's simulation does
+            if pos[d] >= len(lists[d]):
+                continue
+            op = lists[d][pos[d]]
+            key = (d, op.segment, _flow(op.phase), op.microbatch)
+            if key[2] and got[key] < need[key]:
+                continue
+            new[d].append(op)
+            if last.get(key) == pos[d]:
+                for send, recv in out.get(key, ()):
+                    new[d].append(send)
+                    b = recv.devices[-1]
+                    new[b].append(recv)
+                    got[(b, recv.segment - (recv.phase != "fwd"), recv.phase, recv.microbatch)] += 1
+            pos[d] += 1
+            progress = True
+        if not progress:
+            stuck = ", ".join(f"{d} at {lists[d][pos[d]].tensor}" for d in plan.devices if pos[d] < len(lists[d]))
+            raise PlanError(Diagnostic("V007", f"pipeline schedule {plan.schedule!r} cannot be ordered: every "
+                                       f"device waits ({stuck})", Loc(f"<plan {plan.name}>"),
+                                       "this is a placer bug; please report it with the spec"))
+    return plan.with_ops(new)
 
 
 PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline)

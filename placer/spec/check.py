@@ -36,6 +36,7 @@ MODE_OPTIONS = {
     "spatial": {"dim"},
 }
 INT_DTYPES = {"int64", "int32", "bool"}
+MAX_LAYERS = 10_000
 
 
 def D(code, msg, loc, hint=None, severity="error"):
@@ -281,7 +282,14 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
 def _check_names(spec: Spec) -> list[Diagnostic]:
     diags = []
     m = spec.model
+    seen: dict[str, Loc] = {}
     for layer in m.layers or ():
+        clash = next((n for n in seen if n == layer.name or n.startswith(layer.name + ".")
+                      or layer.name.startswith(n + ".")), None)
+        if clash:
+            diags.append(D("P005", f"layer name {layer.name!r} clashes with layer {clash!r} "
+                           f"(line {seen[clash].line})", layer.loc, "give every layer its own name"))
+        seen[layer.name] = layer.loc
         if layer.op not in torch_names.NN_MODULES:
             diags.append(D("P050", f"layer {layer.name!r}: op {layer.op!r} is not a torch.nn module",
                            spec.doc.loc(("model", "layers", _raw_index(spec, layer.loc), "op")),
@@ -365,7 +373,7 @@ def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
             stride = shapes.arg(layer, 1 if pool else 3, "stride", None) or (k if pool else 1)
             stride = stride[axis - 1] if isinstance(stride, (list, tuple)) else stride
             size = s[axis]
-            if isinstance(stride, int) and (size % d or (size // d) % stride):
+            if isinstance(stride, int) and stride > 0 and (size % d or (size // d) % stride):
                 diags.append(D("P029", f"segment {seg.name!r}: {layer.name!r} has {size} rows along {dim} and stride "
                                f"{stride}; {d} devices cannot each take a whole multiple of the stride", layer.loc,
                                f"make the input size along {dim} a multiple of {d * stride}"))
@@ -384,11 +392,25 @@ def check(spec: Spec) -> list[Diagnostic]:
     return sorted(diags, key=lambda d: (d.severity != "error", d.loc.line, d.loc.col))
 
 
+def _check_size(doc: load.Document) -> list[Diagnostic]:
+    """Bound `repeat` before expanding it: a few lines must not become a billion layers."""
+    layers = doc.data["model"].get("layers") or []
+    total = sum(l.get("repeat", 1) for l in layers)
+    if total <= MAX_LAYERS:
+        return []
+    i = max(range(len(layers)), key=lambda i: layers[i].get("repeat", 1))
+    return [D("P005", f"the model has {total} layers once repeats are expanded; the limit is {MAX_LAYERS}",
+              doc.loc(("model", "layers", i, "repeat")), "use fewer, larger layers (or a model module)")]
+
+
 def validate_document(doc: load.Document) -> tuple[Spec | None, list[Diagnostic]]:
     """Schema, then semantic checks; the Spec is None when the shape is wrong."""
     shape = schema.check_shape(doc)
     if shape:
         return None, shape
+    too_big = _check_size(doc)
+    if too_big:
+        return None, too_big
     spec = from_document(doc)
     return spec, check(spec)
 

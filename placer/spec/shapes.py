@@ -40,6 +40,8 @@ def _spatial(layer: Layer, shape: tuple, nd: int, channels_out: int | None, pool
     d = _tup(arg(layer, 3 if pool else 5, "dilation", 1), nd)
     if not all(isinstance(x, int) for x in k + s + p + d):
         return None
+    if min(k + s + d) < 1 or min(p) < 0:
+        return f"{layer.op} needs kernel_size, stride and dilation >= 1 and padding >= 0"
     out = tuple(conv_out(n, *a) for n, a in zip(shape[1:], zip(k, s, p, d)))
     if any(o < 1 for o in out):
         return f"{layer.op} output would be empty for input {list(shape)}"

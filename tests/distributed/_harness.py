@@ -84,14 +84,16 @@ def build_model(sc: Scenario) -> nn.Sequential:
 
 
 def activation_shapes(sc: Scenario, model: nn.Sequential) -> list[list[int]]:
-    """Full-batch input shape of every segment, from a meta-device trace (what codegen knows)."""
-    meta = copy.deepcopy(model).to("meta").eval()
-    h = torch.empty(sc.batch, *sc.in_shape, device="meta")
+    """Full-batch input shape of every segment (codegen knows these from its meta trace;
+    here a throwaway copy runs on zeros, which is cheaper than first use of meta)."""
+    probe = copy.deepcopy(model).eval()
+    h = torch.zeros(sc.batch, *sc.in_shape)
     shapes = []
-    for seg in sc.segments:
-        shapes.append(list(h.shape))
-        for i in range(*seg.layers):
-            h = meta[i](h)
+    with torch.no_grad():
+        for seg in sc.segments:
+            shapes.append(list(h.shape))
+            for i in range(*seg.layers):
+                h = probe[i](h)
     shapes.append(list(h.shape))  # output
     return shapes
 

@@ -104,7 +104,8 @@ def test_loss_mismatch(tmp_path):
 
 
 @pytest.mark.parametrize("src, code, text", [
-    ("import torch\nx = 1\nraise RuntimeError('boom at import')\n", "M002", "RuntimeError: boom at import (at bad.py:3)"),
+    ("import torch\nx = 1\nraise RuntimeError('boom at import')\n", "M002",
+     "RuntimeError: boom at import (at bad.py:3)"),
     ("def f(:\n    pass\n", "M002", "SyntaxError"),
     ("import no_such_module_xyz\n", "M002", "No module named 'no_such_module_xyz'"),
     ("from torch import nn\nclass Other(nn.Module):\n    pass\n", "M003", "has no class 'TinyGPT'"),

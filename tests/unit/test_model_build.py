@@ -10,7 +10,7 @@ from torch import nn
 
 from placer.diagnostics import SpecError
 from placer.model import build
-from placer.spec import check, load
+from placer.spec import check
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "specs")
 
@@ -156,8 +156,9 @@ class Net(nn.Module):
 
 
 def test_execution_order_containers_and_sharing(tmp_path):
-    spec = module_spec(tmp_path, ORDERED, "model.py:Net", ["{layers: [parts.a, parts.b.0], device: cuda:0}",
-                                                           "{layers: [parts.b.1, odd, tied, head, unused], device: cuda:1}"])
+    spec = module_spec(tmp_path, ORDERED, "model.py:Net", [
+        "{layers: [parts.a, parts.b.0], device: cuda:0}",
+        "{layers: [parts.b.1, odd, tied, head, unused], device: cuda:1}"])
     m = build.build_module(spec)
     assert build.placeable_layers(m) == ["head", "unused", "parts.a", "parts.b.0", "parts.b.1", "odd", "tied"]
     g = build.build_graph(spec, m)

@@ -1,0 +1,271 @@
+"""`placer plan`: per-device memory, communication and FLOPs of a spec, and its diagrams.
+
+Imports torch (to build the model on the meta device) only when it runs, so
+that `placer validate` stays torch-free. The JSON keys are documented in
+docs/plan-json.md and stay stable.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+JSON_FORMAT = "placer-plan/1"
+
+
+def _size(n: float) -> str:
+    """Bytes for people: 512 B, 1.5 KiB, 3.0 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _si(n: float) -> str:
+    """FLOPs and counts for people: 950, 12.3 K, 4.56 G."""
+    for unit in ("", " K", " M", " G", " T", " P"):
+        if abs(n) < 1000 or unit == " P":
+            return f"{n:.0f}" if not unit else f"{n:.3g}{unit}"
+        n /= 1000
+    return ""
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in
+                             enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+def _ends(op) -> str:
+    from placer.plan.ir import OpKind
+
+    def side(devs):
+        return ",".join(devs)
+
+    if op.src or op.dst:
+        return f"{side(op.src)} -> {side(op.dst)}"
+    root = op.attrs.get("root")
+    if root is not None:
+        rest = side(d for d in op.devices if d != root)
+        return f"{rest} -> {root}" if op.kind == OpKind.REDUCE else f"{root} -> {rest}"
+    return side(op.devices)
+
+
+def comm_lines(plan, est) -> list[str]:
+    """Communication ops, those that differ only by micro-batch or bucket in one row."""
+    groups: dict[tuple, list] = {}
+    for row in est.comm.rows:
+        op = row.op
+        key = (op.kind.value, op.segment, op.phase, op.tensor, _ends(op), op.route or "")
+        g = groups.setdefault(key, [0, 0, 0])
+        g[0] += 1
+        g[1] += op.bytes
+        g[2] += row.bytes
+    rows = [["op", "segment", "phase", "devices", "count", "payload", "moved"]]
+    for (kind, seg, phase, tensor, ends, route), (count, payload, moved) in groups.items():
+        name = plan.segments[seg].name
+        what = f"{kind} {tensor}".strip() + (" via host" if route == "via_host" else "")
+        rows.append([what, name, phase, ends, str(count), _size(payload), _size(moved)])
+    rows.append(["total", "", "", "", str(len(est.comm.rows)), "", _size(est.comm.total)])
+    return _table(rows, {4, 5, 6}) if len(rows) > 2 else ["  (none: every segment runs on one device)"]
+
+
+def table(plan, graph, est, timeline=None) -> str:
+    """The readable report: segments, memory and FLOPs per device, communication, balance."""
+    lines = [f"plan {plan.name}: {graph.total_params:,} parameters, {len(plan.segments)} segments on "
+             f"{len(plan.devices)} devices, batch {plan.batch_size}"
+             + (f", pipeline {plan.schedule} x{plan.microbatches} micro-batches" if plan.schedule else "")]
+    lines.append("")
+    seg_rows = [["segment", "devices", "mode", "layers"]]
+    for s in plan.segments:
+        mode = s.mode if s.mode != "none" else ""
+        opts = {k: v for k, v in s.options.items() if k in ("sync", "server", "shard", "dim")
+                and v not in (None, "none", "allreduce")}
+        mode += "".join(f" {k}={v}" for k, v in opts.items())
+        where = ",".join(s.devices) + (f" (via host)" if s.route == "via_host" and s.index else "")
+        layers = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]}..{s.layers[-1]} ({len(s.layers)})"
+        seg_rows.append([f"{s.index} {s.name}" + (f" [stage {s.stage}]" if s.stage is not None else ""),
+                         where, mode or "-", layers])
+    lines += _table(seg_rows, set())
+    state = f"{est.optimizer_slots} state buffer{'s' if est.optimizer_slots != 1 else ''} per parameter"
+    lines += ["", f"memory per device (optimizer {est.optimizer}: {state}"
+              + ("" if est.optimizer_known else ", assumed") + ")"]
+    rows = [["device", "params", "weights", "grads", "optimizer", "activations", "total", "FLOPs/step"]]
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
+    for d, e in est.per_device.items():
+        rows.append([d, f"{e.params:,}", _size(e.param_bytes + e.buffer_bytes)]
+                    + [_size(getattr(e, k)) for k in keys[1:]] + [_si(e.flops)])
+    tot = {k: sum(getattr(e, k) for e in est.per_device.values()) for k in keys + ("buffer_bytes", "flops")}
+    rows.append(["total", f"{sum(e.params for e in est.per_device.values()):,}",
+                 _size(tot["param_bytes"] + tot["buffer_bytes"])] + [_size(tot[k]) for k in keys[1:]]
+                + [_si(tot["flops"])])
+    lines += _table(rows, set(range(1, 8)))
+    lines += ["", "communication per step"] + comm_lines(plan, est)
+    lines.append("")
+    if est.busiest is None:
+        lines.append("balance: no device computes")
+    else:
+        lines.append(f"balance: busiest {est.busiest} at {est.balance:.2f}x the mean "
+                     f"({_si(est.per_device[est.busiest].flops)} vs {_si(est.mean_flops)} FLOPs/step)")
+    if timeline is not None:
+        lines.append(f"pipeline bubble: {timeline.bubble:.1%} of device time (textbook {timeline.textbook:.1%})")
+    lines += [f"note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def to_json(plan, graph, est, timeline=None) -> dict:
+    """The stable JSON form (docs/plan-json.md)."""
+    from placer.plan.place import segment_params
+
+    devices = []
+    for rank, (d, e) in enumerate(est.per_device.items()):
+        devices.append({"device": d, "rank": rank, "params": e.params, "param_bytes": e.param_bytes,
+                        "buffer_bytes": e.buffer_bytes, "grad_bytes": e.grad_bytes,
+                        "optimizer_bytes": e.optimizer_bytes, "activation_bytes": e.activation_bytes,
+                        "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes,
+                        "recv_bytes": e.recv_bytes})
+    ops = [{"kind": r.op.kind.value, "segment": r.op.segment, "phase": r.op.phase, "tensor": r.op.tensor,
+            "devices": list(r.op.devices), "src": list(r.op.src), "dst": list(r.op.dst),
+            "microbatch": r.op.microbatch, "route": r.op.route, "bytes": r.op.bytes, "moved_bytes": r.bytes,
+            "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
+    sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                "total_bytes", "flops")
+    return {
+        "format": JSON_FORMAT,
+        "name": plan.name,
+        "batch_size": plan.batch_size,
+        "model_params": graph.total_params,
+        "optimizer": {"op": est.optimizer, "state_slots": est.optimizer_slots, "known": est.optimizer_known},
+        "pipeline": None if not plan.schedule else {
+            "schedule": plan.schedule, "microbatches": plan.microbatches,
+            "bubble": round(timeline.bubble, 6) if timeline else None,
+            "textbook_bubble": round(timeline.textbook, 6) if timeline else None},
+        "segments": [{"index": s.index, "name": s.name, "layers": list(s.layers), "devices": list(s.devices),
+                      "mode": s.mode, "options": s.options, "route": s.route, "stage": s.stage,
+                      "params": segment_params(s, graph)[0]} for s in plan.segments],
+        "devices": devices,
+        "totals": {k: sum(x[k] for x in devices) for k in sum_keys},
+        "communication": {"total_bytes": est.comm.total, "ops": ops,
+                          "pairs": [{"src": a, "dst": b, "bytes": n} for (a, b), n in est.comm.pairs.items()]},
+        "balance": {"ratio": round(est.balance, 6), "busiest": est.busiest, "mean_flops": round(est.mean_flops, 3),
+                    "max_flops": est.per_device[est.busiest].flops if est.busiest else 0},
+        "notes": list(est.notes),
+    }
+
+
+def build_and_plan(spec, progress=None):
+    """(graph, lowered plan, estimate, pipeline timeline or None) of a loaded spec."""
+    from placer.estimate.cost import estimate
+    from placer.model.build import build_graph
+    from placer.plan.lower import lower
+    from placer.plan.place import place
+
+    t0 = time.perf_counter()
+    if progress and not spec.model.inline:
+        progress(f"building {spec.model.module} on the meta device ...")
+    graph = build_graph(spec)
+    if progress and not spec.model.inline:
+        progress(f"built {len(graph.layers)} layers, {graph.total_params:,} parameters "
+                 f"({time.perf_counter() - t0:.1f}s); planning ...")
+    plan = lower(place(spec, graph), spec, graph)
+    est = estimate(plan, graph, spec.training.optimizer)
+    return graph, plan, est, _timeline(plan, graph)
+
+
+def _timeline(plan, graph):
+    if not plan.schedule:
+        return None
+    from placer.estimate.schedule import simulate_plan
+
+    return simulate_plan(plan, graph)
+
+
+def _write(path: str, text: str) -> None:
+    from pathlib import Path
+
+    from placer.diagnostics import Diagnostic, PlanError
+
+    try:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    except OSError as e:
+        raise PlanError(Diagnostic("R002", f"cannot write {path}: {e.strerror or e}",
+                                   hint="choose a writable path")) from None
+
+
+def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> None:
+    from placer.render import dot as render_dot
+
+    if dot or svg or png:
+        src = render_dot.placement_dot(plan, graph, est)
+        if dot:
+            _write(dot, src)
+            say(f"wrote {dot}")
+        for path in (svg, png):
+            if path:
+                written, message = render_dot.write_diagram(src, path)
+                say(message or f"wrote {written}")
+    if schedule_path:
+        if timeline is None:
+            say("the spec has no pipeline: no schedule chart written")
+            return
+        from placer.render import schedule_chart
+
+        text = schedule_chart.schedule_svg(timeline) if schedule_path.lower().endswith(".svg") \
+            else schedule_chart.schedule_text(timeline) + "\n"
+        _write(schedule_path, text)
+        say(f"wrote {schedule_path}")
+
+
+@click.command("plan")
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: tables for people; json: the stable keys of docs/plan-json.md.")
+@click.option("--plan-text", is_flag=True, help="Print the plan IR (ops per device, compact text form) instead.")
+@click.option("--dot", type=click.Path(dir_okay=False), help="Write the placement graph as graphviz source.")
+@click.option("--svg", type=click.Path(dir_okay=False), help="Render the placement graph as SVG (needs graphviz).")
+@click.option("--png", type=click.Path(dir_okay=False), help="Render the placement graph as PNG (needs graphviz).")
+@click.option("--schedule", "schedule_path", type=click.Path(dir_okay=False),
+              help="Write the pipeline schedule chart: .svg, or text for any other suffix.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
+def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, quiet):
+    """Plan a spec: memory per device, communication ops and bytes, FLOPs and balance.
+
+    Builds the model on the meta device (no weight memory; for `model.module`
+    specs this RUNS THE USER'S MODEL CODE), places every segment, lowers the
+    plan (copies, splits, collectives, pipeline sends) and estimates one
+    training step. Sizes are on the global batch and per step.
+
+    \b
+    Examples:
+      placer plan specs/mlp_data_allreduce.yaml
+      placer plan --format json specs/gpt_1b.yaml > plan.json
+      placer plan --plan-text specs/mlp_pipeline_1f1b.yaml
+      placer plan --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
+    """
+    import json
+
+    from placer.cli.main import fail
+    from placer.diagnostics import PlacerError
+    from placer.spec.check import load_spec
+
+    def say(msg: str) -> None:
+        if not quiet:
+            click.echo(f"placer: {msg}", err=True)
+
+    try:
+        spec = load_spec(spec_path)
+        graph, plan, est, timeline = build_and_plan(spec, progress=say)
+        _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say)
+    except PlacerError as e:
+        fail(e, fmt)
+    if plan_text:
+        click.echo(plan.format(), nl=False)
+    elif fmt == "json":
+        click.echo(json.dumps(to_json(plan, graph, est, timeline), indent=2))
+    else:
+        click.echo(table(plan, graph, est, timeline))
+    sys.exit(0)

@@ -1,0 +1,158 @@
+"""Memory per device for one training step: parameters, gradients, optimizer state, activations.
+
+- Parameters and gradients: the segment's trainable parameters on every device
+  that holds them; channel and tensor modes hold 1/d of each split layer,
+  `shard: full` 1/d of everything; a parameter server holds a full copy and
+  a gradient buffer.
+- Optimizer state: `state_slots(optimizer)` parameter-sized buffers on every
+  device that steps the segment (the server for parameter_server, the first
+  device for broadcast sync), 1/d of it with `shard: optimizer` or `full`.
+- Activations kept for backward: the `saved_bytes` of the layers a device
+  computes, times its share of the batch (1/d in every parallel mode), per
+  micro-batch in flight: the peak of a walk through the device's ops where a
+  forward keeps its chunk's activations and a backward frees them (GPipe: m
+  micro-batches; 1F1B: min(m, p - stage); interleaved: as its order runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from placer.model.graph import ModelGraph
+from placer.plan.ir import OpKind, PlacedSegment, Plan
+from placer.plan.place import steppers
+from placer.spec.types import Optimizer
+
+KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
+               "Adagrad": 1, "ASGD": 1}
+ASSUMED_SLOTS = 2
+
+
+def state_slots(opt: Optimizer) -> tuple[int, bool]:
+    """(parameter-sized state buffers per parameter, whether that is known for this optimizer).
+
+    SGD: a momentum buffer if momentum > 0; Adam/AdamW: exp_avg, exp_avg_sq (+ max_exp_avg_sq with
+    amsgrad); RMSprop: square_avg (+ momentum_buffer, + grad_avg if centered); others assume 2."""
+    kw = opt.kwargs
+    if opt.op == "SGD":
+        return (1 if kw.get("momentum", 0) else 0), True
+    if opt.op in ("Adam", "AdamW"):
+        return 2 + bool(kw.get("amsgrad")), True
+    if opt.op == "RMSprop":
+        return 1 + bool(kw.get("momentum", 0)) + bool(kw.get("centered")), True
+    if opt.op in KNOWN_SLOTS:
+        return KNOWN_SLOTS[opt.op], True
+    return ASSUMED_SLOTS, False
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    params: int = 0
+    """Trainable parameter elements held."""
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    """Buffers (BatchNorm running statistics) and frozen parameters."""
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    """Peak bytes of activations kept for backward."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def _share(x: int, d: int, r: int) -> int:
+    """Rank r's part of x split d ways (the first x % d ranks take one more)."""
+    return x // d + (r < x % d)
+
+
+def _roots(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int, int]:
+    """(elements, bytes, buffer bytes) of root parameters / buffers the segment consumes."""
+    n = b = buf = 0
+    for r in graph.root_params:
+        if r.consumer in seg.layers:
+            if r.trainable:
+                n, b = n + r.numel, b + r.bytes
+            else:
+                buf += r.bytes
+    return n, b, buf
+
+
+def _held(seg: PlacedSegment, l, linears: list, d: int, r: int) -> tuple[int, int]:
+    """(parameter elements, buffer bytes) of one layer that rank r of the group holds."""
+    if seg.mode == "channel" and (l.op == "Linear" or l.op.startswith(("Conv", "BatchNorm"))):
+        return _share(l.params, d, r), _share(l.buffer_bytes, d, r)  # its slice of output channels
+    if seg.mode == "tensor" and l.op == "Linear":
+        weight = l.in_shape[-1] * l.out_shape[-1] if l.in_shape and l.out_shape else l.params
+        row = linears.index(l.name) % 2 == 1
+        bias = l.params - weight if row else 0  # a row-split Linear keeps its whole bias
+        return _share(l.params - bias, d, r) + bias, l.buffer_bytes
+    return l.params, l.buffer_bytes
+
+
+def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int, int, int]:
+    """(parameter elements, parameter bytes, buffer bytes) of a segment that `device` holds."""
+    d = len(seg.devices)
+    r = seg.devices.index(device) if device in seg.devices else 0
+    linears = [x for x in seg.layers if graph.layer(x).op == "Linear"]
+    n = b = buf = 0
+    for name in seg.layers:
+        l = graph.layer(name)
+        k, kb = _held(seg, l, linears, d, r)
+        n, b, buf = n + k, b + (k * l.param_bytes // l.params if l.params else 0), buf + kb
+    rn, rb, rbuf = _roots(seg, graph)
+    n, b, buf = n + rn, b + rb, buf + rbuf
+    if seg.mode == "data" and seg.options.get("shard") == "full":
+        n, b = _share(n, d, r), _share(b, d, r)
+    return n, b, buf
+
+
+def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> dict[str, DeviceMemory]:
+    """Bytes per device for one step of the plan."""
+    slots, _ = state_slots(optimizer)
+    acc = {dev: dict(params=0, param_bytes=0, buffer_bytes=0, grad_bytes=0, optimizer_bytes=0)
+           for dev in plan.devices}
+    for seg in plan.segments:
+        server = seg.server
+        holders = seg.devices + ((server,) if server and server not in seg.devices else ())
+        stepping = steppers(seg)
+        shard = seg.options.get("shard", "none") if seg.mode == "data" else "none"
+        for dev in holders:
+            n, b, buf = held_params(seg, graph, dev)
+            a = acc[dev]
+            a["params"] += n
+            a["param_bytes"] += b
+            a["buffer_bytes"] += buf
+            a["grad_bytes"] += b  # computed here, or (a server) summed into here
+            if dev in stepping:
+                r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
+                state = slots * b
+                a["optimizer_bytes"] += _share(state, d, r) if shard == "optimizer" else state
+    act = activations(plan, graph)
+    return {dev: DeviceMemory(activation_bytes=act[dev], **acc[dev]) for dev in plan.devices}
+
+
+def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> int:
+    """Activation bytes a device keeps for backward for one compute chunk (global batch)."""
+    total = sum(graph.layer(l).saved_bytes for l in layers)
+    first = graph.layer(seg.layers[0])
+    if layers and layers[0] == seg.layers[0] and first.saves_input:
+        total += first.in_bytes  # the received input is kept for this segment's backward
+    return total
+
+
+def activations(plan: Plan, graph: ModelGraph) -> dict[str, int]:
+    """Peak activation bytes per device: walk its ops, forwards keep, backwards free."""
+    out = {}
+    m = plan.microbatches
+    for dev in plan.devices:
+        live = peak = 0
+        for op in plan.ops.get(dev, ()):
+            if op.kind != OpKind.COMPUTE or op.phase in ("bwd_weight",):
+                continue
+            seg = plan.segments[op.segment]
+            b = saved_bytes(plan, graph, seg, plan.chunk_layers(op)) // (seg.degree * m)
+            live += b if op.phase == "fwd" else -b
+            peak = max(peak, live)
+        out[dev] = peak
+    return out
