@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from placer.model.graph import ModelGraph
-from placer.plan.ir import OpKind, PlacedSegment, Plan
+from placer.plan.ir import OpKind, PlacedSegment, Plan, in_layout
 from placer.plan.place import steppers
 from placer.spec.types import Optimizer
 
@@ -133,11 +133,16 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> dict[str, Dev
 
 
 def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> int:
-    """Activation bytes a device keeps for backward for one compute chunk (global batch)."""
+    """Activation bytes a chunk of a segment keeps for backward (global batch).
+
+    A segment whose input arrived from elsewhere also keeps that copy when its first layer
+    saves its input (the producer's saved storage stays on the producer)."""
     total = sum(graph.layer(l).saved_bytes for l in layers)
     first = graph.layer(seg.layers[0])
-    if layers and layers[0] == seg.layers[0] and first.saves_input:
-        total += first.in_bytes  # the received input is kept for this segment's backward
+    if layers and layers[0] == seg.layers[0] and first.saves_input and seg.index > 0:
+        prev = plan.segments[seg.index - 1]
+        if plan.out_layout(prev) != in_layout(seg):
+            total += first.in_bytes
     return total
 
 

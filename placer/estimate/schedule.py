@@ -293,9 +293,6 @@ def simulate(schedule: str, stage_groups: Sequence[int], microbatches: int, *,
 
 # ---- from a plan -----------------------------------------------------------------------------------
 
-_SPLIT_MODES = ("data", "channel", "tensor", "spatial")  # each device does 1/d of the segment's work
-
-
 def stage_layout(plan) -> tuple[list[int], list[tuple[str, ...]]]:
     """Stage -> group index, and the groups' devices, from a plan's pipeline segments."""
     stages = sorted((s for s in plan.segments if s.stage is not None), key=lambda s: s.stage)
@@ -312,8 +309,7 @@ def stage_flops(plan, graph) -> list[float]:
     out = []
     for s in stages:
         total = sum(graph.layer(name).flops for name in s.layers)
-        d = len(s.devices) if s.mode in _SPLIT_MODES else 1
-        out.append(total / d / max(1, plan.microbatches))
+        out.append(total / s.degree / max(1, plan.microbatches))  # a parallel group splits the work
     return out
 
 

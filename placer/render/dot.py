@@ -26,7 +26,9 @@ _NAMES = {OpKind.ALL_REDUCE: "all-reduce", OpKind.REDUCE_SCATTER: "reduce-scatte
           OpKind.MERGE: "merge", OpKind.RESPLIT: "re-split", OpKind.SEND: "send", OpKind.RECV: "send"}
 _SHAPES = {OpKind.COPY: "cds", OpKind.SEND: "cds", OpKind.RECV: "cds", OpKind.SPLIT: "trapezium",
            OpKind.MERGE: "invtrapezium", OpKind.RESPLIT: "parallelogram"}
-_MARGINS = {k: "margin=0, " for k in (OpKind.SPLIT, OpKind.MERGE, OpKind.RESPLIT)}  # slanted shapes pad a lot
+# slanted shapes pad a lot by themselves; the arrow tip of `cds` eats into its label
+_MARGINS = {OpKind.SPLIT: "margin=0, ", OpKind.MERGE: "margin=0, ", OpKind.RESPLIT: "margin=0, ",
+            OpKind.COPY: "margin=\"0.25,0.12\", ", OpKind.SEND: "margin=\"0.25,0.12\", "}
 _FILLS = ("#dbe9f6", "#fde2c8", "#d9f0d3", "#f3d9ec", "#fff2b3", "#e0dcf0", "#d1ecec", "#f6d5d5")
 _PHASE_ORDER = {"fwd": 0, "bwd": 1, "bwd_input": 1, "bwd_weight": 2, "step": 3}
 FORMATS = ("dot", "gv", "svg", "png", "pdf")
@@ -113,11 +115,14 @@ class _Merged:
     def __init__(self, op: Op):
         self.op, self.count, self.bytes, self.bwd_bytes = op, 0, 0, 0
         self.tensors: list[str] = []
+        self.phases: list[str] = []
         self.microbatches: set = set()
         self.has_fwd = False
 
     def add(self, op: Op) -> None:
         self.count += 1
+        if op.phase not in self.phases:
+            self.phases.append(op.phase)
         if op.phase.startswith("bwd"):
             self.bwd_bytes += op.bytes
         else:
@@ -145,7 +150,9 @@ def _group_ops(plan: Plan):
             key = (op.kind in P2P, frozenset(op.devices))
             table = trans.setdefault(op.segment, {})
         elif op.kind in COLLECTIVES:
-            key = (op.kind, op.devices, op.phase)
+            # one node per collective kind and layer it serves (tensor-parallel pairs, halos, FSDP
+            # gathers), gradient buckets of a segment together
+            key = (op.kind, op.devices, op.attrs.get("layer"), op.phase if "layer" not in op.attrs else None)
             table = colls.setdefault(op.segment, {})
         else:
             continue
@@ -174,17 +181,21 @@ def _transition_label(m: _Merged, plan: Plan) -> list[str]:
         hop = op.route == "via_host" and not any(_is_host(d) for d in (src[0], dst[0]))
         path = [src[0], _host(src[0]), dst[0]] if hop else [src[0], dst[0]]
     lines = [head, " -> ".join(path) + (f" ({op.route})" if op.route else "")]
-    n = len(m.microbatches)
-    for what, total, present in (("fwd", m.bytes, m.has_fwd), ("bwd", m.bwd_bytes, m.bwd_bytes)):
-        if present:
-            lines.append(f"{what} {size(total / n)} x {n} micro-batches" if n > 1 else f"{what} {size(total)}")
+    n = max(1, len(m.microbatches))
+    amounts = [f"{what} {size(total / n)}" for what, total, present in
+               (("fwd", m.bytes, m.has_fwd), ("bwd", m.bwd_bytes, m.bwd_bytes)) if present]
+    lines.append(", ".join(amounts))
+    if n > 1:
+        lines.append(f"each of {n} micro-batches")
     return lines
 
 
 def _collective_label(m: _Merged) -> list[str]:
     op = m.op
     what = ", ".join(m.tensors[:3]) + (f", +{len(m.tensors) - 3}" if len(m.tensors) > 3 else "")
-    head = f"{_NAMES[op.kind]} {what}".strip() + (f" ({op.phase})" if not op.phase.startswith("bwd") else "")
+    head = f"{_NAMES[op.kind]} {what}".strip()
+    if m.phases != ["bwd"]:
+        head += f" ({', '.join(m.phases)})"
     root = op.attrs.get("root")
     devs = ", ".join(op.devices)
     if root is not None:
@@ -199,7 +210,7 @@ def _collective_label(m: _Merged) -> list[str]:
 def _anchor(m: _Merged, seg) -> int | None:
     """Index of the segment's layer a collective belongs to: the last one it names."""
     named = []
-    for op_tensor in m.tensors + [str(m.op.attrs.get("layers", ""))]:
+    for op_tensor in m.tensors + [str(m.op.attrs.get(k, "")) for k in ("layer", "layers")]:
         for name in op_tensor.split(".."):
             if name in seg.layers:
                 named.append(seg.layers.index(name))
@@ -302,7 +313,14 @@ def write_diagram(dot_src: str, path: str | Path) -> tuple[Path, str | None]:
     Returns the path written and a message for the user when it fell back to
     writing `<name>.dot` (graphviz missing or failing), else None.
     """
-    path = Path(path)
+    try:
+        return _write_diagram(dot_src, Path(path))
+    except OSError as e:
+        raise PlanError(Diagnostic("R002", f"cannot write {path}: {e.strerror or e}",
+                                   hint="choose a writable path")) from None
+
+
+def _write_diagram(dot_src: str, path: Path) -> tuple[Path, str | None]:
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise PlanError(Diagnostic("R001", f"cannot write a diagram as {path.suffix or 'a file without suffix'} "

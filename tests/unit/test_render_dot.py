@@ -128,7 +128,7 @@ def test_copies_are_nodes_on_the_crossing_edges():
     assert {("input", "s0_l0"), ("s0_l0", "s0_l1"), ("s0_l1", "t1_0"), ("t1_0", "s1_l0"),
             ("s1_l1", "t2_0"), ("t2_0", "s2_l0"), ("s2_l0", "output")} <= e
     assert ("s0_l1", "s1_l0") not in e  # the crossing goes through the copy node
-    assert "cpu -> cuda:0 (direct)" in labels["t1_0"] and "fwd 128.0 KiB" in labels["t1_0"]
+    assert "cpu -> cuda:0 (direct)" in labels["t1_0"] and "fwd 128.0 KiB, bwd 128.0 KiB" in labels["t1_0"]
     # the backward gradient copy folds into the forward node; via_host shows the hop through the host
     assert "cuda:0 -> cpu -> cuda:1 (via_host)" in labels["t2_0"] and "bwd 128.0 KiB" in labels["t2_0"]
     assert src.count("shape=cds") == 2
@@ -147,7 +147,7 @@ def test_data_group_split_merge_and_all_reduce_in_cluster():
     assert "shape=trapezium" in src and "shape=invtrapezium" in src
     assert labels["t1_0"] == '"split act (dim 0)\\ncpu -> cuda:0, cuda:1\\nfwd 64.0 KiB"'
     # the backward split of the gradient folds into the forward merge between the same devices
-    assert labels["t2_0"] == '"merge act (dim 0)\\ncuda:0, cuda:1 -> cpu\\nfwd 4.0 KiB\\nbwd 4.0 KiB"'
+    assert labels["t2_0"] == '"merge act (dim 0)\\ncuda:0, cuda:1 -> cpu\\nfwd 4.0 KiB, bwd 4.0 KiB"'
     # the two all-reduce buckets are one node inside the data segment's cluster, inside the group's cluster
     cluster = src[src.index("subgraph cluster_g1"):src.index("  t1_0")]
     assert "s1_c0 [shape=hexagon" in cluster and "s1_c1" not in src
@@ -176,8 +176,7 @@ def test_pipeline_stages_in_order_with_sends_merged_over_microbatches():
     g0 = src[src.index("subgraph cluster_g0"):src.index("subgraph cluster_g1")]
     assert "stage 0 · s0" in g0 and "stage 2 · s2" in g0 and "stage 1" not in g0
     assert [n for n in labels if n.startswith("t")] == ["t1_0", "t2_0", "t3_0"]
-    assert labels["t2_0"] == ('"send act\\ncuda:1 -> cuda:0\\nfwd 8.0 KiB x 4 micro-batches\\n'
-                              'bwd 8.0 KiB x 4 micro-batches"')
+    assert labels["t2_0"] == '"send act\\ncuda:1 -> cuda:0\\nfwd 8.0 KiB, bwd 8.0 KiB\\neach of 4 micro-batches"'
     assert "pipeline interleaved_1f1b, 4 micro-batches" in src
     assert {("s0_l0", "t1_0"), ("t1_0", "s1_l0"), ("s2_l0", "t3_0"), ("t3_0", "s3_l0")} <= _edges(src)
 
@@ -191,6 +190,20 @@ def test_chained_transfers_follow_each_other():
     e = _edges(placement_dot(plan_of("chain", ["cuda:0", "cuda:1", "cuda:2"], segs, ops)))
     assert {("s0_l0", "t1_0"), ("t1_0", "t1_1"), ("t1_1", "s1_l0")} <= e
     assert ("s0_l0", "t1_1") not in e and ("t1_0", "s1_l0") not in e
+
+
+def test_skip_connections_and_root_params_from_the_graph():
+    from placer.model.graph import RootParam
+
+    layers = [LayerInfo(name=n, op="Linear", params=10, param_bytes=40, buffer_bytes=0, in_shape=None,
+                        out_shape=None, inputs=ins)
+              for n, ins in [("a", ("input",)), ("b", ("a",)), ("c", ("b", "a"))]]
+    graph = ModelGraph(layers=tuple(layers), batch_size=2, input_shape=(2, 4), input_dtype="float32",
+                       root_params=(RootParam(name="pos", numel=4096, bytes=16384, trainable=True, consumer="b"),))
+    plan = plan_of("skip", ["cpu"], [seg(0, ["a", "b", "c"], ["cpu"])], [])
+    src = placement_dot(plan, graph)
+    assert "s0_l0 -> s0_l2 [style=dotted];" in src and "s0_l1 -> s0_l2 [style=dotted]" not in src
+    assert "+ pos (4,096)" in _labels(src)["s0_l1"]
 
 
 def test_unlowered_plan_draws_direct_edges():
@@ -232,6 +245,13 @@ def test_write_diagram_without_graphviz_writes_dot_and_says_how(tmp_path, monkey
 def test_write_diagram_reports_graphviz_failure(tmp_path):
     path, msg = write_diagram("digraph { this is not dot", tmp_path / "bad.svg")
     assert path == tmp_path / "bad.dot" and "failed" in msg
+
+
+def test_write_diagram_unwritable_path_is_a_plan_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PlanError) as e:
+        write_diagram("digraph x {}", tmp_path / "file" / "plan.dot")
+    assert e.value.diagnostics[0].code == "R002"
 
 
 def test_write_diagram_rejects_unknown_suffix(tmp_path):

@@ -71,3 +71,15 @@ def test_invalid_cases_cover_every_stage():
     codes = {(c / "expected.txt").read_text("utf-8").split("error[")[1][:4] for c in INVALID}
     assert {c[0] for c in codes} >= {"L", "S", "P"}
     assert len(codes) >= 40, sorted(codes)
+
+
+def test_every_error_code_in_the_source_is_documented():
+    """docs/errors.md lists every code placer can report, and only those."""
+    used = {}
+    for path in sorted((ROOT / "placer").rglob("*.py")):
+        for code in re.findall(r"""["']([LSPWMVR]\d{3})["']""", path.read_text("utf-8")):
+            used.setdefault(code, path.relative_to(ROOT))
+    documented = set(re.findall(r"^\| ([A-Z]\d{3}) \|", (ROOT / "docs" / "errors.md").read_text("utf-8"), re.M))
+    missing = {c: str(p) for c, p in used.items() if c not in documented}
+    assert not missing, f"codes missing from docs/errors.md: {missing}"
+    assert not documented - set(used), f"docs/errors.md lists codes no source uses: {documented - set(used)}"

@@ -1,0 +1,388 @@
+"""Spec -> the source of a standalone torch training program (`placer generate`).
+
+The program imports torch, the standard library and the spec's own model / data files
+(never placer). In order: a header (which spec, how to run it, what each rank does),
+imports, the spec's values as constants, the hand-written communication pieces it uses
+(pasted from `placer/codegen/runtime`), helpers (`templates/helpers.py`), the model,
+optimizer and loss, the data, one function per segment (stage), `train(args)` written
+out segment by segment (`placer.codegen.train`), then `reference(args)` and `main()`
+(`templates/main.py`). Nothing from the spec becomes code except validated identifiers
+and `repr()` of values.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from placer import __version__
+from placer.codegen import runtime
+from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, node_of, program_segments, rank_order
+from placer.codegen.train import Code, train_source
+from placer.diagnostics import Diagnostic, SpecError
+from placer.spec.types import Spec
+
+TEMPLATES = Path(__file__).parent / "templates"
+STDLIB = ["argparse", "collections", "contextlib", "functools", "importlib", "importlib.util", "json", "os",
+          "queue", "shutil", "subprocess", "sys", "threading", "time"]
+
+
+@dataclass(frozen=True)
+class Program:
+    text: str
+    devices: tuple[str, ...]
+    """Spec devices in rank order: rank r runs devices[r]."""
+    nproc_per_node: int
+    nnodes: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def command(self, path: str = "program.py") -> str:
+        if self.nnodes == 1:
+            return f"torchrun --nproc-per-node {self.nproc_per_node} {path}"
+        return (f"torchrun --nnodes {self.nnodes} --node-rank K --nproc-per-node {self.nproc_per_node} "
+                f"--rdzv-endpoint HOST:PORT {path}")
+
+
+def literal(value) -> str:
+    """Python source for a YAML value (repr, with inf / nan spelled so they evaluate)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(literal(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def call_args(args, kwargs) -> str:
+    parts = [literal(a) for a in args] + [f"{k}={literal(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts)
+
+
+def spec_dir(spec: Spec) -> str:
+    return os.path.dirname(os.path.abspath(spec.file)) if spec.file not in ("<stdin>", "<spec>", "-") else os.getcwd()
+
+
+def spec_sha256(spec: Spec) -> str:
+    try:
+        return hashlib.sha256(Path(spec.file).read_bytes()).hexdigest()
+    except OSError:
+        return "unknown"
+
+
+def generate(spec: Spec, filename: str = "program.py") -> Program:
+    """The program for a valid spec. SpecError / PlanError for what cannot be generated."""
+    from placer.model.build import build_graph
+
+    graph = build_graph(spec)
+    devices = rank_order(spec.devices)
+    segs = program_segments(spec, graph)
+    per_node: dict[int, int] = {}
+    for d in devices:
+        per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
+    nproc = max(per_node.values())
+    program = Program("", devices, nproc, len(per_node))
+    pieces = ["batch"] + (["transfer"] if len(segs) > 1 else [])
+    for name, used in (("ddp_sum", any(s.sync == "allreduce" and s.overlap for s in segs)),
+                       ("buckets", any(s.sync == "allreduce" and not s.overlap for s in segs)),
+                       ("param_server", any(s.sync == "parameter_server" for s in segs)),
+                       ("broadcast_sync", any(s.sync == "broadcast" for s in segs)),
+                       ("syncbn", any(s.sync_batchnorm for s in segs))):
+        if used:
+            pieces.append(name)
+    piece_imports, piece_text = runtime.assemble(pieces)
+    module_model = not spec.model.inline
+    cut = module_model and len(segs) > 1
+    ckpt = spec.training.checkpoint is not None
+    parts = [
+        header(spec, program, segs, filename),
+        imports(piece_imports, ckpt, cut),
+        constants(spec, devices),
+        "# " + "-" * 76 + " communication pieces (placer/codegen/runtime)\n\n" + piece_text,
+        (TEMPLATES / "helpers.py").read_text(),
+    ]
+    if ckpt:
+        parts.append((TEMPLATES / "checkpoint.py").read_text())
+    if any(s.sync_batchnorm for s in segs):
+        parts.append(SYNC_BATCHNORM)
+    parts += [model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
+              train_source(segs, devices, cut, ckpt), (TEMPLATES / "main.py").read_text()]
+    text = "\n\n".join(p.strip("\n") + "\n" for p in parts)
+    ast.parse(text)  # a generator bug should fail here, not in a worker
+    return Program(text, devices, nproc, len(per_node))
+
+
+SYNC_BATCHNORM = '''
+def sync_batchnorm(module, group, device):
+    """BatchNorm statistics over the whole group's rows: torch's SyncBatchNorm on GPUs, the
+    pasted CPU version on host workers."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module, group)
+    return convert_sync_batchnorm_cpu(module, group)
+'''
+
+
+def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
+    rel = os.path.relpath(os.path.abspath(spec.file)) if os.path.exists(spec.file) else spec.file
+    n = program.nproc_per_node
+    lines = [
+        f"# {spec.name}: a training program generated by placer {__version__}",
+        f"#   spec    {rel} (sha256 {spec_sha256(spec)[:16]})",
+    ]
+    if spec.description:
+        lines.append(f"#           {' '.join(str(spec.description).split())[:100]}")
+    lines += ["#", f"# Run it:   {program.command(filename)}"]
+    if program.nnodes > 1:
+        lines.append(f"#           (on each of the {program.nnodes} machines, K = its node index)")
+    lines += [
+        f"#           python {filename}               starts its own {program.world_size} workers here",
+        f"#           python {filename} --reference   the whole model in one process, to compare with",
+        "#           add --simulate to run every device as a CPU worker on gloo, --out DIR to keep",
+        "#           progress.jsonl, metrics.json and final_params.pt",
+        "#",
+        "# rank  device         work",
+    ]
+    for r, device in enumerate(program.devices):
+        work = []
+        for s in segs:
+            if r in s.ranks:
+                what = f"{s.name} ({s.layers[0]}{'..' + s.layers[-1] if len(s.layers) > 1 else ''})"
+                if s.mode == "data":
+                    what += f" 1/{len(s.ranks)} of the batch"
+                work.append(what)
+            elif r == s.server:
+                work.append(f"parameter server of {s.name}")
+        lines.append(f"# {r:<5} {device:<14} {'; '.join(work) or 'idle'}")
+    lines.append("#")
+    lines.append("# Imports torch and the standard library only (and the spec's own model / data files).")
+    return "\n".join(lines) + "\n"
+
+
+def imports(piece_imports: list[str], checkpoint: bool, cut: bool) -> str:
+    std = [f"import {m}" for m in STDLIB if m != "shutil" or checkpoint] + ["from datetime import timedelta"]
+    third = ["import torch", "import torch.distributed as dist", "import torch.nn as nn"]
+    if cut:
+        third.append("from torch.distributed.pipelining import SplitPoint, pipeline")
+    third += [line for line in piece_imports if line not in third and line not in std]
+    return "\n".join(std) + "\n\n" + "\n".join(third) + "\n"
+
+
+def constants(spec: Spec, devices) -> str:
+    t, rt = spec.training, spec.runtime
+    c = Code()
+    c("# " + "-" * 76 + " the spec",
+      f"SPEC_NAME = {spec.name!r}",
+      f"SPEC_DIR = {spec_dir(spec)!r}  # the spec's model and data files are found from here",
+      f"DEVICES = {list(devices)!r}  # rank r runs DEVICES[r]",
+      f"BACKEND = {rt.backend!r}  # auto: NCCL between GPUs, gloo otherwise",
+      f"SIMULATE = {rt.simulate!r}  # auto: if this machine lacks a device, every device is a CPU worker",
+      f"TIMEOUT_S = {rt.timeout_s!r}  # a collective or copy that waits longer fails the run",
+      f"BATCH_SIZE = {t.batch_size!r}  # the global batch",
+      f"STEPS = {t.steps!r}",
+      f"SEED = {t.seed!r}",
+      f"PREFETCH = {t.prefetch!r}  # batches made ahead in a background thread (0: none)")
+    if t.checkpoint:
+        c(f"CHECKPOINT_DIR = {t.checkpoint.dir!r}  # relative to --out",
+          f"CHECKPOINT_EVERY = {t.checkpoint.every!r}",
+          f"CHECKPOINT_KEEP = {t.checkpoint.keep!r}")
+    return c.text()
+
+
+# -- model --------------------------------------------------------------------------------------------
+
+def _dotted(name: str, what: str, loc) -> str:
+    if not all(identifier(p) for p in name.split(".")):
+        raise SpecError(Diagnostic("G003", f"{what} {name!r} is not a Python name", loc))
+    return name
+
+
+def model_source(spec: Spec, graph) -> str:
+    c = Code()
+    c("# " + "-" * 76 + " model, optimizer, loss", "")
+    if spec.model.inline:
+        _inline_model(spec, c)
+    else:
+        loc = spec.doc.loc(("model", "module"))
+        cls = _dotted(spec.model.module.rpartition(":")[2], "model class", loc)
+        c(f"{cls} = load_user({spec.model.module!r})", f"MODEL_KWARGS = {literal(spec.model.kwargs)}", "", "",
+          "def build_model():",
+          '    """The whole model, initialised from the seed (identically on every rank)."""',
+          "    torch.manual_seed(SEED)", f"    return {cls}(**MODEL_KWARGS)")
+    opt = spec.training.optimizer
+    _dotted(opt.op, "optimizer", opt.loc)
+    kwargs = ({"lr": opt.lr} if opt.lr is not None else {}) | opt.kwargs
+    c("", "", "def make_optimizer(params):", f"    return torch.optim.{opt.op}({call_args(['PARAMS'], kwargs)})"
+      .replace("'PARAMS'", "params"))
+    _dotted(spec.model.loss, "loss", spec.doc.loc(("model", "loss")))
+    c("", "", f"loss_fn = nn.{spec.model.loss}()", "", "")
+    out, tgt, why = _loss_reshape(spec, graph)
+    c("def compute_loss(output, target):",
+      f'    """{spec.model.loss} of {why}, a mean over the rows given."""',
+      f"    return loss_fn({out}, {tgt})")
+    return c.text()
+
+
+def _inline_model(spec: Spec, c: Code) -> None:
+    runs: list[tuple[str, list]] = []  # (attribute, layers): a repeat's layers share one ModuleList
+    for layer in spec.model.layers:
+        base = layer.name.split(".")[0]
+        if "." in layer.name and runs and runs[-1][0] == base:
+            runs[-1][1].append(layer)
+        else:
+            runs.append((base, [layer]))
+    c("class Model(nn.Module):",
+      '    """The spec\'s layers, run in order; a `repeat` sits in a ModuleList (block.0, block.1, ...)."""', "",
+      "    def __init__(self):", "        super().__init__()")
+    for base, layers in runs:
+        _dotted(base, "layer name", layers[0].loc)
+        _dotted(layers[0].op, "op", layers[0].loc)
+        make = f"nn.{layers[0].op}({call_args(layers[0].args, layers[0].kwargs)})"
+        if "." in layers[0].name:
+            c(f"        self.{base} = nn.ModuleList([{make} for _ in range({len(layers)})])")
+        else:
+            c(f"        self.{base} = {make}")
+    c("", "    def forward(self, x):")
+    for base, layers in runs:
+        if "." in layers[0].name:
+            c(f"        for layer in self.{base}:", "            x = layer(x)")
+        else:
+            c(f"        x = self.{base}(x)")
+    c("        return x", "", "",
+      "def build_model():",
+      '    """The whole model, initialised from the seed (identically on every rank)."""',
+      "    torch.manual_seed(SEED)", "    return Model()")
+
+
+def _loss_reshape(spec: Spec, graph) -> tuple[str, str, str]:
+    """How compute_loss feeds the loss (placer.model.build.loss_inputs, decided once here)."""
+    shape, tshape = graph.output_shape, spec.model.target.shape
+    int_target = spec.model.target.dtype not in FLOAT_DTYPES
+    if spec.model.inline or shape is None or len(shape) < 2:
+        return "output", "target", "(output, target)"
+    if len(tshape) == len(shape) - 1 and int_target:
+        return "output.reshape(-1, output.shape[-1])", "target.reshape(-1)", "(output flattened, target flattened)"
+    if len(tshape) == len(shape):
+        return ("output.reshape(-1, output.shape[-1])", "target.reshape(-1, target.shape[-1])",
+                "(output flattened, target flattened)")
+    if math.prod(shape[1:]) == math.prod(spec.model.target.concrete(1)[1:]):
+        return "output.reshape(-1)", "target.reshape(-1)", "(output flattened, target flattened)"
+    return "output", "target", "(output, target)"
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+def _tensor_expr(t, rows: str) -> str:
+    shape = "(" + ", ".join(rows if d == "B" else str(d) for d in t.shape) + ("," if len(t.shape) == 1 else "") + ")"
+    if t.dtype in FLOAT_DTYPES:
+        return f"make_tensor(gen, {shape}{'' if t.dtype == 'float32' else f', torch.{t.dtype}'})"
+    expr = f"make_tensor(gen, {shape}, torch.{t.dtype}, {t.high - t.low})"
+    return f"({expr} + {t.low})" if t.low else expr
+
+
+def data_source(spec: Spec) -> str:
+    m, data = spec.model, spec.training.data
+    c = Code()
+    c("# " + "-" * 76 + " data", "")
+    if data.module is None:
+        c("def make_batch(step):",
+          '    """Step `step`\'s global batch, the same on every rank: a generator seeded by (SEED, step)."""',
+          "    gen = step_generator(SEED, step)",
+          f"    return {_tensor_expr(m.input, 'BATCH_SIZE')}, {_tensor_expr(m.target, 'BATCH_SIZE')}", "", "",
+          "def batches(steps):",
+          '    """The global (input, target) batch of each step; every rank keeps its own slice."""',
+          "    return prefetched(make_batch, steps)")
+        return c.text()
+    fn = _dotted(data.module.rpartition(":")[2], "data function", data.loc)
+    c(f"{fn} = load_user({data.module!r})", f"DATA_KWARGS = {literal(data.kwargs)}", "", "",
+      "def batches(steps):",
+      f'    """The global (input, target) batch of each step, from {fn}(**DATA_KWARGS); every rank',
+      '    draws the same batches and keeps its own slice."""',
+      f"    source = iter({fn}(**DATA_KWARGS))", "",
+      "    def make(step):",
+      "        x, y = next(source)",
+      "        if x.shape[0] != BATCH_SIZE:",
+      f'            raise ValueError(f"{fn} gave a batch of {{x.shape[0]}} rows at step {{step}}; '
+      'training.batch_size is {BATCH_SIZE}")',
+      "        return x, y", "",
+      "    return prefetched(make, steps)")
+    return c.text()
+
+
+# -- stages -------------------------------------------------------------------------------------------
+
+def _member(spec: Spec, names: tuple[str, ...]) -> str:
+    """`model.fc1, *model.block[0:2]`: the segment's layers as attributes of the inline Model."""
+    items, i = [], 0
+    sizes: dict[str, int] = {}
+    for layer in spec.model.layers:
+        if "." in layer.name:
+            base = layer.name.split(".")[0]
+            sizes[base] = sizes.get(base, 0) + 1
+    while i < len(names):
+        base, _, idx = names[i].partition(".")
+        if not idx:
+            items.append(f"model.{base}")
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(names) and names[j + 1].partition(".")[0] == base:
+            j += 1
+        lo, hi = int(idx), int(names[j].partition(".")[2])
+        if lo == hi:
+            items.append(f"model.{base}[{lo}]")
+        elif lo == 0 and hi == sizes[base] - 1:
+            items.append(f"*model.{base}")
+        else:
+            items.append(f"*model.{base}[{lo}:{hi + 1}]")
+        i = j + 1
+    return ", ".join(items)
+
+
+def _stage_doc(seg: Seg, devices) -> str:
+    where = ", ".join(f"{devices[r]} (rank {r})" for r in seg.ranks)
+    mode = f", data parallel ({seg.sync}), {seg.rows} rows each" if seg.mode == "data" else ""
+    shown = ", ".join(seg.layers) if len(seg.layers) <= 6 else f"{seg.layers[0]} .. {seg.layers[-1]}"
+    return f'"""Segment {seg.k} {seg.name!r}: {shown} on {where}{mode}."""'
+
+
+def stages_source(spec: Spec, segs: list[Seg], cut: bool) -> str:
+    devices = rank_order(spec.devices)
+    c = Code()
+    c("# " + "-" * 76 + " stages: one function per segment")
+    if cut:
+        ex = spec.model.input
+        shape = "(rows" + "".join(f", {d}" for d in ex.shape[1:]) + ")"
+        dtype = "" if ex.dtype == "float32" and ex.high is None else f", torch.{ex.dtype}" + (
+            f", {ex.high}" if ex.high is not None else "")
+        split = ", ".join(f"{s.layers[0]!r}: SplitPoint.BEGINNING" for s in segs[1:])
+        c("", f"SPLIT_SPEC = {{{split}}}  # where segments 1.. begin", "", "",
+          "@functools.lru_cache(maxsize=None)",
+          "def cut_model(rows):",
+          '    """(model, pipe): the model built from the seed and cut into one stage per segment by',
+          "    torch.distributed.pipelining, traced at `rows` rows (export fixes shapes, so every",
+          '    row count gets its own trace). Stage modules keep the model\'s parameter names."""',
+          "    model = build_model()",
+          f"    example = make_tensor(torch.Generator().manual_seed(SEED), {shape}{dtype})",
+          "    pipe = pipeline(model, mb_args=(example,), split_spec=SPLIT_SPEC)",
+          "    for node in pipe.split_gm.graph.nodes:",
+          '        if node.op == "call_module" and len(node.args) != 1:',
+          '            raise RuntimeError(f"stage {node.target} takes {len(node.args)} tensors from earlier stages; "',
+          '                               "this program passes exactly one between segments")',
+          "    return model, pipe")
+    for seg in segs:
+        c("", "")
+        if not spec.model.inline:
+            c(f"def {seg.func}(model, pipe):" if cut else f"def {seg.func}(model):",
+              f"    {_stage_doc(seg, devices)}",
+              f"    return pipe.get_stage_module({seg.k})" if cut else "    return model")
+        else:
+            c(f"def {seg.func}(model):", f"    {_stage_doc(seg, devices)}",
+              f"    return nn.Sequential({_member(spec, seg.layers)})")
+    return c.text()

@@ -1,0 +1,165 @@
+# ---------------------------------------------------------------------------- devices
+
+
+def bind_device(name, simulate):
+    """The torch device that spec device `name` runs on here: cuda:N is GPU N of this rank's
+    machine (a `nodeK/` prefix only says which machine); cpu and cpu:N are the host, and
+    so is every device when simulating."""
+    name = name.split("/")[-1]
+    if simulate or not name.startswith("cuda"):
+        return torch.device("cpu")
+    device = torch.device(name)
+    torch.cuda.set_device(device)
+    return device
+
+
+def missing_devices():
+    """The spec's cuda devices that this machine lacks."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cudas = [d for d in DEVICES if d.split("/")[-1].startswith("cuda")]
+    return [d for d in cudas if int(d.split(":")[-1]) >= have]
+
+
+def simulation(args):
+    """(simulate, why): whether every device runs as a CPU worker on gloo (runtime.simulate)."""
+    if args.simulate:
+        return True, "--simulate"
+    if SIMULATE == "always":
+        return True, "runtime.simulate is 'always'"
+    missing = missing_devices()
+    if missing and SIMULATE == "never":
+        raise SystemExit(f"this machine lacks {', '.join(missing)} and runtime.simulate is 'never'")
+    if missing:
+        return True, f"this machine lacks {', '.join(missing)}"
+    return False, None
+
+
+def pick_backend(simulate):
+    """gloo for CPU workers; NCCL between GPUs, with gloo beside it for host-memory copies."""
+    backend = BACKEND
+    if simulate:
+        backend = "gloo"
+    elif backend == "auto":
+        gpus_only = all(d.split("/")[-1].startswith("cuda") for d in DEVICES)
+        backend = "nccl" if gpus_only else "gloo"
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+
+SENT = collections.Counter()  # payload bytes this rank hands to torch.distributed, per call
+TIME = collections.Counter()  # seconds this rank spends per kind of work: data, comm
+
+
+def counted(call):
+    """torch.distributed's `call`, counting the bytes of the tensors this rank sends with it."""
+
+    @functools.wraps(call)
+    def wrapper(tensor, *args, **kwargs):
+        src = kwargs.get("src", args[0] if args else None)
+        if call.__name__ != "broadcast" or src == dist.get_rank():
+            SENT[call.__name__] += tensor.numel() * tensor.element_size()
+        return call(tensor, *args, **kwargs)
+
+    return wrapper
+
+
+# Every send and collective below (the pasted pieces' and DDP's hook's too) goes through these.
+for _call in ("send", "isend", "all_reduce", "reduce", "broadcast"):
+    setattr(dist, _call, counted(getattr(dist, _call)))
+
+
+@contextlib.contextmanager
+def timer(kind):
+    """Add the time spent in the block to TIME[kind]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        TIME[kind] += time.perf_counter() - start
+
+
+def report_step(out, step, steps, loss, start):
+    """Rank 0: one line per step on stdout and in OUT/progress.jsonl (what `placer run` shows)."""
+    elapsed = time.perf_counter() - start
+    record = {"step": step + 1, "steps": steps, "loss": loss,
+              "samples_per_s": (step + 1) * BATCH_SIZE / elapsed, "elapsed_s": elapsed}
+    print(f"step {step + 1}/{steps}  loss {loss:.6f}  {record['samples_per_s']:.0f} samples/s",
+          flush=True)
+    if out:
+        with open(os.path.join(out, "progress.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def named_params(stage, model):
+    """The stage's parameters under the whole model's names (the names the reference saves)."""
+    mine = {id(p) for p in stage.parameters()}
+    return {name: p for name, p in model.named_parameters() if id(p) in mine}
+
+
+def write_outputs(out, losses, params, seconds, **facts):
+    """OUT/metrics.json (losses, speed, what was measured) and OUT/final_params.pt."""
+    steps = len(losses)
+    metrics = {"spec": SPEC_NAME, "losses": losses, "steps": steps, "batch_size": BATCH_SIZE,
+               "wall_s": seconds, "steps_per_s": steps / seconds if seconds else None,
+               "samples_per_s": steps * BATCH_SIZE / seconds if seconds else None, **facts}
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    torch.save(dict(sorted(params.items())), os.path.join(out, "final_params.pt"))
+
+
+def finish(args, rank, world, losses, own, seconds, **facts):
+    """Rank 0 gathers what every rank measured and the parameters it owns, and writes them."""
+    stats = {"device": DEVICES[rank], "bytes_sent": sum(SENT.values()), "by_call": dict(SENT),
+             "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
+                        "comm": TIME["comm"], "data": TIME["data"]}}
+    every = [None] * world
+    dist.all_gather_object(every, stats)
+    params = [None] * world if rank == 0 else None
+    dist.gather_object({n: p.detach().cpu().clone() for n, p in own.items()}, params, dst=0)
+    if rank == 0 and args.out:
+        merged = {name: value for part in params for name, value in part.items()}
+        write_outputs(args.out, losses, merged, seconds, devices=DEVICES, world_size=world,
+                      bytes_sent={s["device"]: s["bytes_sent"] for s in every},
+                      bytes_by_call={s["device"]: s["by_call"] for s in every},
+                      time_s={s["device"]: s["time_s"] for s in every}, **facts)
+
+
+def load_user(target):
+    """The spec's own code: `file.py:name` (relative to the spec) or `package.module:name`."""
+    where, _, name = target.rpartition(":")
+    if not where.endswith(".py"):
+        sys.path.insert(0, SPEC_DIR)
+        return getattr(importlib.import_module(where), name)
+    path = os.path.join(SPEC_DIR, where)
+    sys.path.insert(0, os.path.dirname(path))  # the file may import its neighbours
+    module_name = "spec_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def prefetched(make, steps):
+    """Yield make(0), make(1), ... make(steps - 1); with PREFETCH > 0 a background thread
+    makes them up to PREFETCH ahead, so the step loop rarely waits for data."""
+    if PREFETCH == 0:
+        for step in range(steps):
+            yield make(step)
+        return
+    ready = queue.Queue(maxsize=PREFETCH)
+
+    def fill():
+        try:
+            for step in range(steps):
+                ready.put((make(step), None))
+        except Exception as e:  # hand the error to the step loop, which raises it
+            ready.put((None, e))
+
+    threading.Thread(target=fill, daemon=True).start()
+    for _ in range(steps):
+        batch, error = ready.get()
+        if error is not None:
+            raise error
+        yield batch

@@ -1,0 +1,54 @@
+# ---------------------------------------------------------------------------- reference
+
+
+def reference(args):
+    """The whole model in this one process, the whole batch, one optimizer: what every
+    placement must reproduce (`placer run --check` compares the two runs)."""
+    simulate, _ = simulation(args)
+    device = bind_device(DEVICES[0], simulate)
+    model = build_model().to(device)
+    optimizer = make_optimizer(model.parameters())
+    losses, data = [], batches(args.steps)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        x, y = next(data)
+        optimizer.zero_grad(set_to_none=True)
+        loss = compute_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        report_step(args.out, step, args.steps, losses[-1], start)
+    seconds = time.perf_counter() - start
+    if args.out:
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        write_outputs(args.out, losses, params, seconds, devices=[str(device)], world_size=1,
+                      simulated=simulate, backend=None)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=f"Train {SPEC_NAME} with one worker per device ({len(DEVICES)} in all).")
+    parser.add_argument("--out", help="write progress.jsonl, metrics.json and final_params.pt here")
+    parser.add_argument("--simulate", action="store_true",
+                        help="run every device as a CPU worker on gloo")
+    parser.add_argument("--reference", action="store_true",
+                        help="train the whole model in this one process instead")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps to train (default {STEPS})")
+    args = parser.parse_args()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    if args.reference:
+        reference(args)
+    elif "RANK" in os.environ:  # a worker started by torchrun
+        train(args)
+    else:  # `python program.py`: start one worker per device on this machine
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={len(DEVICES)}", os.path.abspath(__file__), *sys.argv[1:]]
+        sys.exit(subprocess.call(command))
+
+
+if __name__ == "__main__":
+    main()

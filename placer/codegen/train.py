@@ -1,0 +1,269 @@
+"""The generated program's `train(args)`: setup, then one training step written out
+segment by segment, so every copy, split, merge and gradient sync is a visible call.
+
+Every rank runs the same code and walks the same transitions in the same order (a rank
+in neither group of a transition returns at once), so the point-to-point messages of
+`redistribute` never deadlock. Each segment is its own autograd graph: its input is a
+fresh leaf, and in backward the gradient of that leaf goes back to the previous group.
+Losses are scaled by rows / BATCH_SIZE on every rank, so every gradient combination is
+a SUM and the step equals the one-device step on the whole batch.
+"""
+from __future__ import annotations
+
+from placer.codegen.segments import Seg
+
+
+class Code:
+    """Lines of Python with an indentation level."""
+
+    def __init__(self, indent: int = 0):
+        self.lines: list[str] = []
+        self.level = indent
+
+    def __call__(self, *lines: str) -> "Code":
+        for line in lines:
+            self.lines.append("    " * self.level + line if line else "")
+        return self
+
+    def indent(self) -> "Code":
+        self.level += 1
+        return self
+
+    def dedent(self) -> "Code":
+        self.level -= 1
+        return self
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def ranks_text(ranks) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+class TrainWriter:
+    def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool):
+        self.segs, self.world, self.devices = segs, world, devices
+        self.cut, self.checkpoint = cut, checkpoint
+        self.c = Code(1)
+
+    # -- small helpers ----------------------------------------------------------------------------
+    def cond(self, ranks) -> str | None:
+        """The condition `rank` is one of `ranks` (None: every rank is)."""
+        ranks = tuple(ranks)
+        if set(ranks) == set(range(self.world)):
+            return None
+        return f"rank == {ranks[0]}" if len(ranks) == 1 else f"rank in {tuple(sorted(ranks))}"
+
+    def when(self, ranks, *body: str) -> None:
+        cond = self.cond(ranks)
+        if cond is None:
+            self.c(*body)
+        else:
+            self.c(f"if {cond}:").indent()(*body).dedent()
+
+    def guarded(self, expr: str, ranks) -> str:
+        cond = self.cond(ranks)
+        return expr if cond is None else f"{expr} if {cond} else None"
+
+    def route(self, seg: Seg) -> str:
+        return '"via_host"' if seg.route == "via_host" else '"via_host" if host else "direct"'
+
+    def describe(self, seg: Seg) -> str:
+        where = ", ".join(f"{self.devices[r]}" for r in seg.ranks)
+        layers = seg.layers[0] if len(seg.layers) == 1 else f"{seg.layers[0]}..{seg.layers[-1]}"
+        text = f"segment {seg.k} {seg.name!r} ({layers}) on {where}"
+        if seg.mode == "data":
+            if seg.sync == "parameter_server":
+                how = f"parameter server rank {seg.server} ({self.devices[seg.server]})"
+            elif seg.sync == "broadcast":
+                how = f"parameters broadcast from rank {seg.ranks[0]}"
+            else:
+                how = f"gradients all-reduced {'by DDP during backward' if seg.overlap else 'after backward'}"
+            text += f": data parallel, {seg.rows} rows each, {how}"
+        return text
+
+    # -- the function -----------------------------------------------------------------------------
+    def write(self) -> str:
+        c = self.c
+        head = Code()("def train(args):")
+        head.indent()('"""One worker (rank) of the placed training run; torchrun starts one per device."""')
+        self.setup()
+        c("")
+        c("data = batches(args.steps)", "losses = []", "start = time.perf_counter()")
+        c("for step in range(args.steps):").indent()
+        self.step()
+        c.dedent()
+        self.finish()
+        return head.text() + c.text()
+
+    def setup(self) -> None:
+        c = self.c
+        c('rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])',
+          "if world != len(DEVICES):",
+          '    raise SystemExit(f"this program runs one worker per device: start {len(DEVICES)}, not {world}")',
+          "simulate, why = simulation(args)",
+          "device = bind_device(DEVICES[rank], simulate)",
+          "backend = pick_backend(simulate)",
+          'if device.type == "cpu":  # share the cores among this machine\'s workers',
+          '    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))',
+          "dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))",
+          "if rank == 0 and why:",
+          '    print(f"simulating {world} devices as CPU workers on gloo: {why}", flush=True)',
+          "# gloo moves host tensors only: a GPU rank on gloo stages its copies through host memory",
+          'host = backend == "gloo" and device.type == "cuda"',
+          'device_ids = [device.index] if device.type == "cuda" else None')
+        if not self.cut:
+            c("", "model = build_model()  # every rank builds the whole model from the seed, then keeps its part")
+        c("own = {}  # name -> parameter, for those this rank owns (saved at the end)")
+        for seg in self.segs:
+            self.setup_segment(seg)
+        c("", "# every segment this rank computes or keeps, and its optimizers",
+          f"modules = [m for m in ({', '.join(f'seg{s.k}' for s in self.segs)},) if m is not None]",
+          f"optimizers = [o for o in ({', '.join(f'opt{s.k}' for s in self.segs)},) if o is not None]")
+
+    def setup_segment(self, seg: Seg) -> None:
+        c, k = self.c, seg.k
+        c("", f"# {self.describe(seg)}")
+        group = None
+        if seg.mode == "data":  # every rank creates every group, in the same order
+            group = f"g{k}"
+            ranks = sorted(seg.holders) if seg.sync == "parameter_server" else list(seg.ranks)
+            note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
+            c(f"{group} = dist.new_group({ranks}){note}")
+        c(f"seg{k} = opt{k} = None")
+        cond = self.cond(seg.holders)
+        if cond:
+            c(f"if {cond}:").indent()
+        if self.cut:
+            c(f"model, pipe = cut_model({seg.rows})", f"stage = {seg.func}(model, pipe).to(device)")
+        else:
+            c(f"stage = {seg.func}(model).to(device)")
+        if seg.has_params:
+            if seg.owner in seg.holders and len(seg.holders) > 1:
+                c(f"if rank == {seg.owner}:").indent()("own.update(named_params(stage, model))").dedent()
+            else:
+                c("own.update(named_params(stage, model))")
+        if seg.sync_batchnorm:
+            c(f"stage = sync_batchnorm(stage, {group}, device)")
+        if seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
+            c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids)")
+        else:
+            c(f"seg{k} = stage")
+        if seg.has_params:
+            if len(seg.steppers) < len(seg.holders):
+                c(f"if rank == {seg.owner}:  # it alone keeps the optimizer")
+                c(f"    opt{k} = make_optimizer(seg{k}.parameters())")
+            else:
+                c(f"opt{k} = make_optimizer(seg{k}.parameters())")
+        if cond:
+            c.dedent()
+
+    def step(self) -> None:
+        c, segs = self.c, self.segs
+        c('with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
+          "for m in modules:", "    m.zero_grad(set_to_none=True)")
+        for seg in segs:
+            if seg.sync == "broadcast" and seg.has_params:
+                self.when(seg.ranks, 'with timer("comm"):  # every replica starts from the root\'s weights',
+                          f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
+                          f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
+        c("", "# forward, segment by segment")
+        for seg in segs:
+            self.forward(seg)
+        last = segs[-1]
+        c("", "# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM",
+          "loss = None")
+        y = "y" if len(last.ranks) == 1 else f"local_slice(y, {list(last.ranks)}, rank)"
+        self.when(last.ranks, f"loss = compute_loss(h{last.k}, {y}.to(device)) * (h{last.k}.shape[0] / BATCH_SIZE)",
+                  "loss.backward()")
+        c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
+        for seg in reversed(segs[1:]):
+            self.backward(seg)
+        c("", "# gradient sync and optimizer steps, segment by segment")
+        for seg in segs:
+            self.sync(seg)
+        c("", "# the loss of the whole batch: ranks without it add 0",
+          "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()",
+          "dist.all_reduce(total)", "losses.append(total.item())",
+          "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
+        if self.checkpoint:
+            c("if (step + 1) % CHECKPOINT_EVERY == 0:",
+              "    save_checkpoint(args.out, step, rank, own, optimizers)")
+
+    def forward(self, seg: Seg) -> None:
+        c, k = self.c, seg.k
+        if k == 0:
+            x = "x" if len(seg.ranks) == 1 else f"local_slice(x, {list(seg.ranks)}, rank)"
+            c(f"h0 = {self.guarded(f'seg0({x}.to(device))', seg.ranks)}")
+            return
+        prev = self.segs[k - 1]
+        if prev.ranks == seg.ranks:
+            c(f"# segment {k} reads segment {k - 1}'s output on the same rank(s): no copy")
+            leaf = f"h{k - 1}.detach()" + (".requires_grad_()" if seg.grad_in else "")
+            c(f"a{k} = {self.guarded(leaf, seg.ranks)}")
+        else:
+            c(f"with timer(\"comm\"):  # {self.transfer_text(prev.ranks, seg.ranks, seg.in_shape)}")
+            c(f"    a{k} = redistribute(h{k - 1}, {list(prev.ranks)}, {list(seg.ranks)}, {list(seg.in_shape)}"
+              f"{self.dtype_arg(seg)}, route={self.route(seg)}, device=device)")
+            if seg.grad_in:
+                self.when(seg.ranks, f"a{k}.requires_grad_()")
+        c(f"h{k} = {self.guarded(f'seg{k}(a{k})', seg.ranks)}")
+
+    def backward(self, seg: Seg) -> None:
+        c, k = self.c, seg.k
+        prev = self.segs[k - 1]
+        if not seg.grad_in:
+            c(f"# no gradient flows into segment {k - 1} (nothing before segment {k} trains)")
+            return
+        grad = self.guarded(f"a{k}.grad", seg.ranks)
+        if prev.ranks == seg.ranks:
+            c(f"d{k - 1} = {grad}")
+        else:
+            c(f"with timer(\"comm\"):  # {self.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)")
+            c(f"    d{k - 1} = redistribute_grad({grad}, {list(prev.ranks)}, {list(seg.ranks)}, "
+              f"{list(seg.in_shape)}{self.dtype_arg(seg)}, route={self.route(seg)}, device=device)")
+        note = "  # DDP sums the gradients over the group meanwhile" if (
+            prev.sync == "allreduce" and prev.overlap and prev.has_params) else ""
+        self.when(prev.ranks, f"torch.autograd.backward(h{k - 1}, d{k - 1}){note}")
+
+    def sync(self, seg: Seg) -> None:
+        k = seg.k
+        if not seg.has_params:
+            return
+        if seg.sync == "parameter_server":
+            outside = seg.server not in seg.ranks
+            extra = (f", buffers=list(seg{k}.buffers()), buffers_from={seg.ranks[0]}" if outside else "")
+            self.when(seg.holders, 'with timer("comm"):  # gradients up to the server, new weights back',
+                      f"    param_server_step(seg{k}.parameters(), opt{k}, g{k}, server={seg.server}, "
+                      f"bucket_mb={seg.bucket_mb!r}{extra})")
+        elif seg.sync == "broadcast":
+            self.when(seg.ranks, 'with timer("comm"):  # gradients summed on the root, which steps',
+                      f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, g{k}, "
+                      f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
+        elif seg.sync == "allreduce" and not seg.overlap:
+            self.when(seg.ranks, 'with timer("comm"):',
+                      f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={seg.bucket_mb!r})",
+                      f"opt{k}.step()")
+        else:
+            self.when(seg.ranks, f"opt{k}.step()")
+
+    def finish(self) -> None:
+        c = self.c
+        c("seconds = time.perf_counter() - start")
+        c("finish(args, rank, world, losses, own, seconds, simulated=simulate, simulate_reason=why,",
+          '       backend=backend.split(",")[-1].split(":")[-1])',
+          "dist.destroy_process_group()")
+
+    # -- descriptions -------------------------------------------------------------------------------
+    def transfer_text(self, src, dst, shape) -> str:
+        kind = ("copy" if len(dst) == 1 else "split") if len(src) == 1 else ("merge" if len(dst) == 1 else "re-split")
+        return f"{kind} {ranks_text(src)} -> {ranks_text(dst)}, {list(shape)} cut along dim 0"
+
+    def dtype_arg(self, seg: Seg) -> str:
+        return "" if seg.in_dtype == "float32" else f", dtype=torch.{seg.in_dtype}"
+
+
+def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool) -> str:
+    """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`)."""
+    return TrainWriter(segs, len(devices), devices, cut, checkpoint).write()

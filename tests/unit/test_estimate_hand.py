@@ -1,0 +1,291 @@
+"""Estimates of small specs against numbers worked out by hand (in the comments).
+
+Conventions used below: float32 (4 bytes); Linear(i, o) has i*o + o parameters
+and a forward of 2*B*i*o FLOPs (matmul only, as torch's FlopCounter counts);
+the step is forward + backward = 3x forward FLOPs; ring all-reduce sends
+2(n-1)/n of the bucket per device; sizes are on the global batch.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+
+from placer.cli.plan_cmd import build_and_plan  # noqa: E402
+from placer.spec.check import load_spec  # noqa: E402
+
+HEAD = """\
+placer: 1
+name: hand
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [8, 16]}
+    - {name: act, op: ReLU}
+    - {name: fc2, op: Linear, args: [16, 4]}
+  input: {shape: [B, 8]}
+  target: {shape: [B], dtype: int64, high: 4}
+  loss: CrossEntropyLoss
+"""
+# fc1: 8*16 + 16 = 144 params (576 B); fc2: 16*4 + 4 = 68 params (272 B); together 212 (848 B).
+
+
+def plan_of(tmp_path, body: str, head: str = HEAD, optimizer: str = "{op: SGD, lr: 0.1}", batch: int = 16):
+    text = head + textwrap.dedent(body) + f"training:\n  batch_size: {batch}\n  steps: 1\n  optimizer: {optimizer}\n"
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    graph, plan, est, _ = build_and_plan(load_spec(str(path)))
+    return plan, est
+
+
+def pairs(est) -> dict:
+    return dict(est.comm.pairs)
+
+
+def test_data_parallel_allreduce(tmp_path):
+    plan, est = plan_of(tmp_path, """\
+        devices: [cuda:0, cuda:1, cuda:2, cuda:3]
+        placement:
+          - {layers: fc1..fc2, devices: [cuda:0, cuda:1, cuda:2, cuda:3], parallel: data}
+        """, optimizer="{op: Adam, lr: 0.001}")
+    for d in plan.devices:
+        e = est.per_device[d]
+        assert (e.params, e.param_bytes, e.grad_bytes) == (212, 848, 848)
+        assert e.optimizer_bytes == 2 * 848  # Adam: exp_avg + exp_avg_sq
+        # saved for backward, batch 16: fc1's input 16*8*4 = 512, ReLU's output 16*16*4 = 1024
+        # (fc2 saves the same tensor); each device has 1/4 of the batch: 1536 / 4
+        assert e.activation_bytes == 384
+        assert e.total_bytes == 848 * 4 + 384
+        # forward 2*16*8*16 + 2*16*16*4 = 4096 + 2048 = 6144; x3 for the step, / 4 devices
+        assert e.flops == 4608
+    # one 848-byte bucket, ring of 4: each device sends 2*3/4*848 = 1272 to the next
+    assert pairs(est) == {("cuda:0", "cuda:1"): 1272, ("cuda:1", "cuda:2"): 1272,
+                          ("cuda:2", "cuda:3"): 1272, ("cuda:3", "cuda:0"): 1272}
+    assert est.comm.total == 4 * 1272
+    assert est.balance == 1.0
+
+
+def test_copies_direct_and_via_host(tmp_path):
+    plan, est = plan_of(tmp_path, """\
+        devices: [cuda:0, cuda:1, cuda:2]
+        placement:
+          - {layers: fc1, device: cuda:0}
+          - {layers: act, device: cuda:1, copies: {route: via_host}}
+          - {layers: fc2, device: cuda:2}
+        """, optimizer="{op: SGD, lr: 0.1, kwargs: {momentum: 0.9}}")
+    # fc1 -> act: fc1's output 16*16*4 = 1024 B, via the host CPU: two hops each way
+    # act -> fc2: the same 1024 B, direct
+    assert pairs(est) == {("cuda:0", "cpu"): 1024, ("cuda:1", "cuda:2"): 1024, ("cuda:1", "cpu"): 1024,
+                          ("cuda:2", "cuda:1"): 1024, ("cpu", "cuda:0"): 1024, ("cpu", "cuda:1"): 1024}
+    kinds = [(r.op.kind.value, r.op.phase, r.op.route, r.bytes) for r in est.comm.rows]
+    assert sorted(kinds) == sorted([("copy", "fwd", "via_host", 2048), ("copy", "bwd", "via_host", 2048),
+                                    ("copy", "fwd", "direct", 1024), ("copy", "bwd", "direct", 1024)])
+    e0, e1, e2 = (est.per_device[d] for d in plan.devices)
+    assert (e0.param_bytes, e0.optimizer_bytes) == (576, 576)  # SGD with momentum: one buffer
+    assert (e1.param_bytes, e1.optimizer_bytes, e1.grad_bytes) == (0, 0, 0)
+    assert (e2.param_bytes, e2.optimizer_bytes) == (272, 272)
+    # cuda:1 keeps the ReLU output (1024); cuda:2 keeps its received input (1024, fc2 saves it)
+    assert (e0.activation_bytes, e1.activation_bytes, e2.activation_bytes) == (512, 1024, 1024)
+    # FLOPs: fc1 3*4096 on cuda:0, fc2 3*2048 on cuda:2; mean over the two = 9216; busiest 12288
+    assert (e0.flops, e1.flops, e2.flops) == (12288, 0, 6144)
+    assert est.balance == pytest.approx(12288 / 9216)
+
+
+def test_parameter_server_outside_the_group(tmp_path):
+    plan, est = plan_of(tmp_path, """\
+        devices: [cpu, cuda:0, cuda:1]
+        placement:
+          - layers: fc1..fc2
+            devices: [cuda:0, cuda:1]
+            parallel: {mode: data, sync: parameter_server, server: cpu, bucket_mb: 0.0005}
+        """, optimizer="{op: SGD, lr: 0.1, kwargs: {momentum: 0.9}}")
+    # buckets of 0.0005 MiB = 524 B, filled in reverse: fc2 (272 B), then fc1 (576 B) alone
+    reduces = [r for r in est.comm.rows if r.op.kind.value == "reduce"]
+    assert [(r.op.bytes, r.op.attrs["layers"]) for r in reduces] == [(272, "fc2"), (576, "fc1")]
+    # grads up, weights down: 848 B per worker each way
+    assert pairs(est) == {("cuda:0", "cpu"): 848, ("cuda:1", "cpu"): 848,
+                          ("cpu", "cuda:0"): 848, ("cpu", "cuda:1"): 848}
+    cpu, w0, w1 = (est.per_device[d] for d in plan.devices)
+    assert (cpu.param_bytes, cpu.grad_bytes, cpu.optimizer_bytes, cpu.activation_bytes, cpu.flops) == \
+        (848, 848, 848, 0, 0)
+    for w in (w0, w1):
+        assert (w.param_bytes, w.grad_bytes, w.optimizer_bytes) == (848, 848, 0)
+        assert w.activation_bytes == 1536 // 2
+    assert [op.kind.value for op in plan.ops["cpu"]] == ["reduce", "reduce", "step", "broadcast", "broadcast"]
+
+
+@pytest.mark.parametrize("schedule, in_flight", [("gpipe", (4, 4)), ("1f1b", (2, 1))])
+def test_pipeline_sends_and_activations_in_flight(tmp_path, schedule, in_flight):
+    plan, est = plan_of(tmp_path, f"""\
+        devices: [cuda:0, cuda:1]
+        placement:
+          - {{layers: fc1..act, device: cuda:0}}
+          - {{layers: fc2, device: cuda:1}}
+        pipeline: {{microbatches: 4, schedule: {schedule}}}
+        """)
+    # the ReLU output, 16*16*4 = 1024 B, crosses in 4 micro-batches of 256 B, and its gradient back
+    sends = [(r.op.phase, r.op.microbatch, r.bytes) for r in est.comm.rows if r.op.kind.value == "send"]
+    assert sorted(sends) == sorted([(p, mb, 256) for p in ("bwd", "fwd") for mb in range(4)])
+    assert pairs(est) == {("cuda:0", "cuda:1"): 1024, ("cuda:1", "cuda:0"): 1024}
+    # per micro-batch: stage 0 keeps (512 + 1024) / 4 = 384, stage 1 its received input 1024 / 4 = 256;
+    # GPipe holds all 4 micro-batches, 1F1B min(m, p - stage) = 2 and 1
+    assert est.per_device["cuda:0"].activation_bytes == in_flight[0] * 384
+    assert est.per_device["cuda:1"].activation_bytes == in_flight[1] * 256
+    # FLOPs do not depend on the micro-batching: 3 * 4096 and 3 * 2048
+    assert (est.per_device["cuda:0"].flops, est.per_device["cuda:1"].flops) == (12288, 6144)
+
+
+CHANNEL_HEAD = """\
+placer: 1
+name: hand
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [8, 16]}
+    - {name: act, op: ReLU}
+    - {name: fc2, op: Linear, args: [16, 8]}
+    - {name: head, op: Linear, args: [8, 4]}
+  input: {shape: [B, 8]}
+  target: {shape: [B], dtype: int64, high: 4}
+  loss: CrossEntropyLoss
+"""
+# fc1: 144 params; fc2: 16*8 + 8 = 136; head: 8*4 + 4 = 36
+
+
+def test_channel_parallel(tmp_path):
+    plan, est = plan_of(tmp_path, """\
+        devices: [cuda:0, cuda:1]
+        placement:
+          - {layers: fc1..fc2, devices: [cuda:0, cuda:1], parallel: channel}
+          - {layers: head, device: cuda:0}
+        """, head=CHANNEL_HEAD)
+    rows = {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
+    # fc2 needs all 16 channels of its input (16*16*4 = 1024 B): all-gather, each device sends half
+    assert rows[("all_gather", "fwd")] == 1024
+    assert rows[("reduce_scatter", "bwd")] == 1024
+    # fc2's output (16*8*4 = 512 B) is split by channel: cuda:1 sends its half to cuda:0 ...
+    assert rows[("merge", "fwd")] == 256
+    # ... and gets the gradient of its half back
+    assert rows[("split", "bwd")] == 256
+    e0, e1 = est.per_device["cuda:0"], est.per_device["cuda:1"]
+    assert e1.params == 144 // 2 + 136 // 2  # half the output channels of fc1 and fc2
+    assert e0.params == e1.params + 36
+    # every device computes half the channels of the whole batch: 3 * (4096 + 2*16*16*8) / 2
+    assert e1.flops == 3 * (4096 + 4096) // 2
+    assert e0.flops == e1.flops + 3 * 2 * 16 * 8 * 4
+
+
+def test_tensor_parallel(tmp_path):
+    plan, est = plan_of(tmp_path, """\
+        devices: [cuda:0, cuda:1]
+        placement:
+          - {layers: fc1..fc2, devices: [cuda:0, cuda:1], parallel: tensor}
+          - {layers: head, device: cuda:0}
+        """, head=CHANNEL_HEAD)
+    ar = [(r.op.phase, r.op.attrs["layer"], r.op.bytes, r.bytes) for r in est.comm.rows
+          if r.op.kind.value == "all_reduce"]
+    # one all-reduce per pair: fc2's output forward (512 B), fc1's input gradient backward (16*8*4 = 512 B);
+    # ring of 2: each device sends 2*1/2*512 = 512
+    assert sorted(ar) == [("bwd", "fc1", 512, 1024), ("fwd", "fc2", 512, 1024)]
+    rows = {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
+    assert rows[("merge", "fwd")] == 0  # cuda:0 already holds the whole output
+    assert rows[("split", "bwd")] == 512  # the output gradient goes to cuda:1 too
+    e0, e1 = est.per_device["cuda:0"], est.per_device["cuda:1"]
+    # fc1 column-split: 144 / 2; fc2 row-split: weight 128 / 2 + its whole bias 8
+    assert e1.params == 72 + 64 + 8
+    assert e0.params == e1.params + 36
+
+
+BN_HEAD = """\
+placer: 1
+name: hand
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [8, 16]}
+    - {name: bn, op: BatchNorm1d, args: [16]}
+    - {name: fc2, op: Linear, args: [16, 4]}
+  input: {shape: [B, 8]}
+  target: {shape: [B], dtype: int64, high: 4}
+  loss: CrossEntropyLoss
+"""
+# fc1 144 + bn 32 (weight, bias) + fc2 68 = 244 params = 976 B; bn buffers: mean, var (16 * 4 each) + count 8
+
+
+@pytest.mark.parametrize("shard, per_device", [
+    # ZeRO-1: full parameters and gradients, half the optimizer state (Adam, 2 x 976 = 1952)
+    ("optimizer", (976, 976, 976)),
+    # fully sharded: half of everything
+    ("full", (488, 488, 976)),
+])
+def test_sharded_data_parallel(tmp_path, shard, per_device):
+    plan, est = plan_of(tmp_path, f"""\
+        devices: [cuda:0, cuda:1]
+        placement:
+          - {{layers: fc1..fc2, devices: [cuda:0, cuda:1], parallel: {{mode: data, shard: {shard}}}}}
+        """, head=BN_HEAD, optimizer="{op: Adam, lr: 0.001}")
+    params, grads, optim = per_device
+    for d in plan.devices:
+        e = est.per_device[d]
+        assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (params, grads, optim)
+    kinds = sorted({r.op.kind.value for r in est.comm.rows})
+    assert kinds == ["all_gather", "reduce_scatter"]
+    # reduce-scatter and all-gather over 2 devices: each sends half of each tensor
+    if shard == "optimizer":  # one bucket of grads (976 B), one of params after the step
+        assert est.comm.total == 976 + 976
+    else:  # per layer: params gathered in forward and backward, grads scattered
+        assert est.comm.total == 3 * 976
+
+
+def test_sync_batchnorm_and_broadcast_sync(tmp_path):
+    plan, est = plan_of(tmp_path, """\
+        devices: [cuda:0, cuda:1]
+        placement:
+          - layers: fc1..fc2
+            devices: [cuda:0, cuda:1]
+            parallel: {mode: data, sync: broadcast, sync_batchnorm: true}
+        """, head=BN_HEAD, optimizer="{op: SGD, lr: 0.1, kwargs: {momentum: 0.9}}")
+    rows = [(r.op.kind.value, r.op.phase, r.op.tensor, r.op.bytes, r.bytes) for r in est.comm.rows]
+    # BatchNorm statistics: (sum, sum of squares) per channel + a count, float64: 8 * (2*16 + 1) = 264;
+    # backward: two float32 sums per channel, 4 * 32 = 128; ring of 2 sends it twice in all
+    assert ("all_reduce", "fwd", "stats", 264, 528) in rows
+    assert ("all_reduce", "bwd", "stats", 128, 256) in rows
+    # broadcast sync: cuda:0 sends the weights (976 B) before forward, gets the gradients after backward
+    assert ("broadcast", "fwd", "params", 976, 976) in rows
+    assert ("reduce", "step", "grads", 976, 976) in rows
+    e0, e1 = est.per_device["cuda:0"], est.per_device["cuda:1"]
+    assert (e0.optimizer_bytes, e1.optimizer_bytes) == (976, 0)  # only the first device steps
+    assert e0.buffer_bytes == e1.buffer_bytes == 16 * 4 * 2 + 8
+
+
+SPATIAL = """\
+placer: 1
+name: hand
+model:
+  layers:
+    - {name: conv, op: Conv2d, args: [3, 4, 3], kwargs: {padding: 1}}
+    - {name: act, op: ReLU}
+    - {name: flat, op: Flatten}
+    - {name: head, op: Linear, args: [1024, 4]}
+  input: {shape: [B, 3, 16, 16]}
+  target: {shape: [B], dtype: int64, high: 4}
+  loss: CrossEntropyLoss
+"""
+
+
+def test_spatial_halo_and_split(tmp_path):
+    plan, est = plan_of(tmp_path, """\
+        devices: [cuda:0, cuda:1]
+        placement:
+          - {layers: conv..act, devices: [cuda:0, cuda:1], parallel: {mode: spatial, dim: H}}
+          - {layers: flat..head, device: cuda:0}
+        """, head=SPATIAL, batch=8)
+    halo = [r for r in est.comm.rows if r.op.kind.value == "halo"]
+    # 3x3 conv, padding 1: one row from each neighbour; a row of the input is 8*3*16*4 = 1536 B
+    assert [(r.op.phase, r.op.attrs["prev_rows"], r.op.attrs["next_rows"], r.bytes) for r in halo] == \
+        [("fwd", 1, 1, 3072), ("bwd", 1, 1, 3072)]
+    rows = {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
+    # the conv output 8*4*16*16*4 = 32768 B is merged along H on cuda:0: cuda:1 sends its half
+    assert rows[("merge", "fwd")] == 16384
+    assert rows[("split", "bwd")] == 16384
+    # conv weights are replicated: 3*4*9 + 4 = 112 params, gradients all-reduced (448 B, ring of 2)
+    assert rows[("all_reduce", "bwd")] == 2 * 448
