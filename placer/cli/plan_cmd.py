@@ -32,6 +32,10 @@ def _si(n: float) -> str:
     return ""
 
 
+def _n(n: int, what: str) -> str:
+    return f"{n:,} {what}" + ("" if n == 1 else "s")
+
+
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in
@@ -64,18 +68,23 @@ def comm_lines(plan, est) -> list[str]:
         g[1] += op.bytes
         g[2] += row.bytes
     rows = [["op", "segment", "phase", "devices", "count", "payload", "moved"]]
-    for (kind, seg, phase, tensor, ends, route), (count, payload, moved) in groups.items():
+
+    def step_order(item):  # as the step runs: forward in model order, backward in reverse, then steps
+        (_, seg, phase, *_), _ = item
+        return (0, seg) if phase == "fwd" else (2, seg) if phase == "step" else (1, -seg)
+
+    for (kind, seg, phase, tensor, ends, route), (count, payload, moved) in sorted(groups.items(), key=step_order):
         name = plan.segments[seg].name
         what = f"{kind} {tensor}".strip() + (" via host" if route == "via_host" else "")
         rows.append([what, name, phase, ends, str(count), _size(payload), _size(moved)])
     rows.append(["total", "", "", "", str(len(est.comm.rows)), "", _size(est.comm.total)])
-    return _table(rows, {4, 5, 6}) if len(rows) > 2 else ["  (none: every segment runs on one device)"]
+    return _table(rows, {4, 5, 6}) if len(rows) > 2 else ["  (none)"]
 
 
 def table(plan, graph, est, timeline=None) -> str:
     """The readable report: segments, memory and FLOPs per device, communication, balance."""
-    lines = [f"plan {plan.name}: {graph.total_params:,} parameters, {len(plan.segments)} segments on "
-             f"{len(plan.devices)} devices, batch {plan.batch_size}"
+    lines = [f"plan {plan.name}: {_n(graph.total_params, 'parameter')}, {_n(len(plan.segments), 'segment')} on "
+             f"{_n(len(plan.devices), 'device')}, batch {plan.batch_size}"
              + (f", pipeline {plan.schedule} x{plan.microbatches} micro-batches" if plan.schedule else "")]
     lines.append("")
     seg_rows = [["segment", "devices", "mode", "layers"]]
@@ -128,7 +137,8 @@ def to_json(plan, graph, est, timeline=None) -> dict:
                         "recv_bytes": e.recv_bytes})
     ops = [{"kind": r.op.kind.value, "segment": r.op.segment, "phase": r.op.phase, "tensor": r.op.tensor,
             "devices": list(r.op.devices), "src": list(r.op.src), "dst": list(r.op.dst),
-            "microbatch": r.op.microbatch, "route": r.op.route, "bytes": r.op.bytes, "moved_bytes": r.bytes,
+            "src_dim": r.op.src_dim, "dst_dim": r.op.dst_dim, "dim": r.op.dim, "microbatch": r.op.microbatch,
+            "route": r.op.route, "bytes": r.op.bytes, "moved_bytes": r.bytes, "attrs": r.op.attrs,
             "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
     sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                 "total_bytes", "flops")
@@ -185,14 +195,14 @@ def _timeline(plan, graph):
 def _write(path: str, text: str) -> None:
     from pathlib import Path
 
-    from placer.diagnostics import Diagnostic, PlanError
+    from placer.diagnostics import Diagnostic, Loc, PlanError
 
     try:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
     except OSError as e:
-        raise PlanError(Diagnostic("R002", f"cannot write {path}: {e.strerror or e}",
+        raise PlanError(Diagnostic("R002", f"cannot write this file: {e.strerror or e}", Loc(str(path)),
                                    hint="choose a writable path")) from None
 
 
@@ -230,26 +240,28 @@ def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> 
 @click.option("--png", type=click.Path(dir_okay=False), help="Render the placement graph as PNG (needs graphviz).")
 @click.option("--schedule", "schedule_path", type=click.Path(dir_okay=False),
               help="Write the pipeline schedule chart: .svg, or text for any other suffix.")
+@click.option("--deep", is_flag=True, help="Needed for `model.module` specs: building the model on the meta "
+              "device RUNS THE USER'S MODEL CODE.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
-def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, quiet):
+def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet):
     """Plan a spec: memory per device, communication ops and bytes, FLOPs and balance.
 
-    Builds the model on the meta device (no weight memory; for `model.module`
-    specs this RUNS THE USER'S MODEL CODE), places every segment, lowers the
+    Builds the model on the meta device (no weight memory; `model.module` specs
+    need --deep, as that RUNS THE USER'S MODEL CODE), places every segment, lowers the
     plan (copies, splits, collectives, pipeline sends) and estimates one
     training step. Sizes are on the global batch and per step.
 
     \b
     Examples:
       placer plan specs/mlp_data_allreduce.yaml
-      placer plan --format json specs/gpt_1b.yaml > plan.json
+      placer plan --deep --format json specs/gpt_1b.yaml > plan.json
       placer plan --plan-text specs/mlp_pipeline_1f1b.yaml
-      placer plan --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
+      placer plan --deep --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
     """
     import json
 
     from placer.cli.main import fail
-    from placer.diagnostics import PlacerError
+    from placer.diagnostics import Diagnostic, PlacerError, SpecError
     from placer.spec.check import load_spec
 
     def say(msg: str) -> None:
@@ -258,6 +270,11 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, quiet):
 
     try:
         spec = load_spec(spec_path)
+        if not spec.model.inline and not deep:  # SPEC.md: user model code runs only with plan --deep
+            raise SpecError(Diagnostic(
+                "P071", f"model.module {spec.model.module!r} is user code, and planning it runs that code",
+                spec.doc.loc(("model", "module")), "pass --deep to build it on the meta device (it runs "
+                "the model's __init__ and forward; no weights are allocated)"))
         graph, plan, est, timeline = build_and_plan(spec, progress=say)
         _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say)
     except PlacerError as e:

@@ -66,6 +66,10 @@ class TrainWriter:
         cond = self.cond(ranks)
         return expr if cond is None else f"{expr} if {cond} else None"
 
+    def tuple_of(self, prefix: str) -> str:
+        names = [f"{prefix}{s.k}" for s in self.segs]
+        return f"({names[0]},)" if len(names) == 1 else f"({', '.join(names)})"
+
     def route(self, seg: Seg) -> str:
         return '"via_host"' if seg.route == "via_host" else '"via_host" if host else "direct"'
 
@@ -119,8 +123,8 @@ class TrainWriter:
         for seg in self.segs:
             self.setup_segment(seg)
         c("", "# every segment this rank computes or keeps, and its optimizers",
-          f"modules = [m for m in ({', '.join(f'seg{s.k}' for s in self.segs)},) if m is not None]",
-          f"optimizers = [o for o in ({', '.join(f'opt{s.k}' for s in self.segs)},) if o is not None]")
+          f"modules = [m for m in {self.tuple_of('seg')} if m is not None]",
+          f"optimizers = [o for o in {self.tuple_of('opt')} if o is not None]")
 
     def setup_segment(self, seg: Seg) -> None:
         c, k = self.c, seg.k
@@ -204,8 +208,8 @@ class TrainWriter:
             c(f"a{k} = {self.guarded(leaf, seg.ranks)}")
         else:
             c(f"with timer(\"comm\"):  # {self.transfer_text(prev.ranks, seg.ranks, seg.in_shape)}")
-            c(f"    a{k} = redistribute(h{k - 1}, {list(prev.ranks)}, {list(seg.ranks)}, {list(seg.in_shape)}"
-              f"{self.dtype_arg(seg)}, route={self.route(seg)}, device=device)")
+            c(f"    a{k} = redistribute(h{k - 1}, {list(prev.ranks)}, {list(seg.ranks)}, {list(seg.in_shape)},",
+              f"                      {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
                 self.when(seg.ranks, f"a{k}.requires_grad_()")
         c(f"h{k} = {self.guarded(f'seg{k}(a{k})', seg.ranks)}")
@@ -221,8 +225,9 @@ class TrainWriter:
             c(f"d{k - 1} = {grad}")
         else:
             c(f"with timer(\"comm\"):  # {self.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)")
-            c(f"    d{k - 1} = redistribute_grad({grad}, {list(prev.ranks)}, {list(seg.ranks)}, "
-              f"{list(seg.in_shape)}{self.dtype_arg(seg)}, route={self.route(seg)}, device=device)")
+            c(f"    d{k - 1} = redistribute_grad({grad}, {list(prev.ranks)}, {list(seg.ranks)},",
+              f"                           {list(seg.in_shape)}, {self.dtype_arg(seg)}route={self.route(seg)}, "
+              "device=device)")
         note = "  # DDP sums the gradients over the group meanwhile" if (
             prev.sync == "allreduce" and prev.overlap and prev.has_params) else ""
         self.when(prev.ranks, f"torch.autograd.backward(h{k - 1}, d{k - 1}){note}")
@@ -258,10 +263,11 @@ class TrainWriter:
     # -- descriptions -------------------------------------------------------------------------------
     def transfer_text(self, src, dst, shape) -> str:
         kind = ("copy" if len(dst) == 1 else "split") if len(src) == 1 else ("merge" if len(dst) == 1 else "re-split")
-        return f"{kind} {ranks_text(src)} -> {ranks_text(dst)}, {list(shape)} cut along dim 0"
+        rows = "" if kind == "copy" else " by rows (dim 0)"
+        return f"{kind} {ranks_text(src)} -> {ranks_text(dst)}{rows}, {list(shape)} in all"
 
     def dtype_arg(self, seg: Seg) -> str:
-        return "" if seg.in_dtype == "float32" else f", dtype=torch.{seg.in_dtype}"
+        return "" if seg.in_dtype == "float32" else f"dtype=torch.{seg.in_dtype}, "
 
 
 def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool) -> str:

@@ -18,7 +18,7 @@ ATOL = 4e-5
 class CheckReport:
     ok: bool
     steps: list = field(default_factory=list)
-    """(step, run loss, reference loss, abs diff, ok) per step."""
+    """(step, run loss, reference loss, abs diff, ok) per step; steps count from 1."""
     params: list = field(default_factory=list)
     """(name, numel, max abs diff, max rel diff, ok) per parameter."""
     first_bad_step: int | None = None
@@ -57,7 +57,7 @@ def compare(run_dir: Path, ref_dir: Path) -> CheckReport:
     ref_m = json.loads((ref_dir / "metrics.json").read_text())
     report = CheckReport(ok=True)
     run_l, ref_l = run_m["losses"], ref_m["losses"]
-    for i, (a, b) in enumerate(zip(run_l, ref_l)):
+    for i, (a, b) in enumerate(zip(run_l, ref_l), start=1):
         ok = _close(a, b)
         report.steps.append((i, a, b, abs(a - b), ok))
         if not ok and report.first_bad_step is None:

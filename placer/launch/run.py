@@ -53,13 +53,14 @@ def cuda_count() -> int:
 
 
 def bind(spec: Spec, nnodes: int = 1) -> Binding:
-    """Decide real vs simulated devices and the backend (runtime.simulate / backend)."""
+    """Decide real vs simulated devices and the backend (runtime.simulate / backend), and how
+    many workers each of `nnodes` machines starts (nnodes 1: all of them here)."""
     cudas = [local_device_name(d) for d in spec.devices if "cuda" in d]
     have = cuda_count()
     missing = sorted({d for d in cudas if int(d.split(":")[1]) >= have})
     mode = spec.runtime.simulate
     if mode == "never" and missing:
-        raise RunError(Diagnostic("R001", f"devices {', '.join(missing)} are not on this machine "
+        raise RunError(Diagnostic("R030", f"devices {', '.join(missing)} are not on this machine "
                                   f"({have} GPU(s) found) and runtime.simulate is 'never'", spec.runtime.loc,
                                   "set runtime.simulate: auto to run them as CPU workers"))
     simulate = mode == "always" or (mode == "auto" and bool(missing))
@@ -69,16 +70,24 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
             f"this machine lacks {', '.join(missing)} ({have} GPU(s) found)"
         reason = f"simulating {len(spec.devices)} devices as CPU workers on gloo: {why}"
     backend = spec.runtime.backend
-    if backend == "auto":
-        backend = "nccl" if cudas and len(cudas) == len(spec.devices) and not simulate else "gloo"
+    if simulate:  # CPU workers talk over gloo whatever the spec asks for
+        backend = "gloo"
+    elif backend == "auto":
+        backend = "nccl" if cudas and len(cudas) == len(spec.devices) else "gloo"
     per_node: dict[int, int] = {}
     for d in spec.devices:
         per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
+    if nnodes == 1:  # every device's worker on this machine (a multi-node spec included)
+        return Binding(simulate, reason, backend, len(spec.devices), 1)
+    if sorted(per_node) != list(range(nnodes)):
+        raise RunError(Diagnostic("R003", f"--nnodes is {nnodes} but the spec places devices on node(s) "
+                                  f"{', '.join(map(str, sorted(per_node)))}", Loc(spec.file),
+                                  f"pass --nnodes {len(per_node)}, or name devices node0/ .. node{nnodes - 1}/"))
     counts = set(per_node.values())
     if len(counts) > 1:
-        raise RunError(Diagnostic("R002", f"nodes hold different numbers of devices {per_node}", Loc(spec.file),
+        raise RunError(Diagnostic("R031", f"nodes hold different numbers of devices {per_node}", Loc(spec.file),
                                   "torch's launcher starts the same number of workers on every node"))
-    return Binding(simulate, reason, backend, counts.pop(), max(nnodes, len(per_node)))
+    return Binding(simulate, reason, backend, counts.pop(), nnodes)
 
 
 def worker_threads(nproc_per_node: int) -> int:
@@ -92,7 +101,7 @@ class RunResult:
     run_dir: Path
     metrics: dict = field(default_factory=dict)
     failures: dict = field(default_factory=dict)
-    """local rank -> (exit code, tail of its stderr)."""
+    """global rank -> (exit code, tail of its stderr)."""
     wall_s: float = 0.0
 
 
@@ -126,11 +135,15 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / PROGRESS).unlink(missing_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))
+    # One node: a private c10d rendezvous on a free port. Several: the static rendezvous, which
+    # (unlike c10d's, which orders nodes by arrival) makes node K's workers ranks K*n .. K*n+n-1,
+    # so the spec's nodeK/ devices run on the machine started with --node-rank K.
+    multi = binding.nnodes > 1
     config = LaunchConfig(
         min_nodes=binding.nnodes, max_nodes=binding.nnodes, nproc_per_node=binding.nproc_per_node,
-        run_id=os.environ.get("PLACER_RUN_ID", uuid.uuid4().hex[:12]) if binding.nnodes == 1 else "placer",
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
-        rdzv_configs={"rank": node_rank} if binding.nnodes > 1 else {},
+        run_id=os.environ.get("PLACER_RUN_ID", uuid.uuid4().hex[:12]) if not multi else "placer",
+        rdzv_backend="static" if multi else "c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
+        rdzv_configs={"rank": node_rank, "timeout": 120} if multi else {},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
     )
@@ -146,8 +159,8 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as e:
         result.ok = False
-        for local_rank, failure in e.failures.items():
-            result.failures[local_rank] = (failure.exitcode, _stderr_tail(run_dir, local_rank))
+        for rank, failure in e.failures.items():  # keyed by global rank
+            result.failures[rank] = (failure.exitcode, _stderr_tail(run_dir, failure.local_rank))
     finally:
         stop.set()
         if follower:

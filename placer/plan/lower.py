@@ -103,9 +103,10 @@ def insert_splits(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
 class _Attached:
     """Collectives of one segment, by where they run relative to its layers.
 
-    Layer-level ops hang on chunks (runs of layers computed without a break):
-    `pre_fwd[i]` run before the forward of the chunk starting at layer i,
-    `post_fwd[i]` after it, `pre_bwd[i]` / `post_bwd[i]` around its backward.
+    Layer-level ops hang on chunks (runs of layers computed without a break; `cuts` are the
+    layer indices where chunks start): `pre_fwd[i]` / `pre_bwd[i]` run before the forward /
+    backward of the chunk starting at layer i, `post_fwd[i]` / `post_bwd[i]` after those of
+    the chunk holding layer i.
     Each entry is (op, scale, weight): entries repeat for every micro-batch, `scale` ones
     (activations) with bytes / m; `weight` ones go with a zero-bubble schedule's weight half."""
 
@@ -327,7 +328,7 @@ def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
             has_step = False
             for i, o in enumerate(lst):
                 if o.kind == OpKind.COMPUTE and o.segment == s:
-                    new += [x.with_(microbatch=None) for x in a.seg_pre_fwd] if i == first else []
+                    new += a.seg_pre_fwd if i == first else []
                     new += _expand(o, seg, a, m)
                     new += a.seg_post_bwd if i == last else []
                 elif o.kind == OpKind.STEP and o.segment == s:

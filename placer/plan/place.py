@@ -8,10 +8,11 @@ yet: that is what the lowering passes add.
 """
 from __future__ import annotations
 
-from placer.diagnostics import Diagnostic, Loc, PlanError
+from placer.diagnostics import Diagnostic, PlanError, SpecError
 from placer.model.graph import ModelGraph
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, layer_range
 from placer.spec import shapes
+from placer.spec.check import resolve_segments
 from placer.spec.types import Segment, Spec
 
 PHASE_OF_ACTION = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
@@ -72,17 +73,11 @@ def _options(seg: Segment, layers, graph: ModelGraph) -> dict:
 
 
 def _layers_per_segment(spec: Spec, graph: ModelGraph) -> list[list[str]]:
-    try:
-        from placer.model.build import segment_layers
-    except ImportError:  # the model builder is optional until torch is installed
-        from placer.diagnostics import SpecError
-        from placer.spec.check import resolve_segments
-
-        groups, diags = resolve_segments(spec, graph.names)
-        if diags:
-            raise SpecError(diags)
-        return [[graph.names[i] for i in idx] for idx in groups]
-    return segment_layers(spec, graph)
+    """Layer names per segment (what `placer.model.build.segment_layers` does, without importing torch)."""
+    groups, diags = resolve_segments(spec, graph.names)
+    if diags:
+        raise SpecError(diags)
+    return [[graph.names[i] for i in idx] for idx in groups]
 
 
 def placed_segments(spec: Spec, graph: ModelGraph, layers: list[list[str]] | None = None) -> tuple:
@@ -163,7 +158,3 @@ def layer_geometry(spec: Spec, name: str) -> dict | None:
     if not all(isinstance(x, int) for x in k + s + p + d):
         return None  # padding="same" and friends: no static halo
     return {"kernel": k, "stride": s, "padding": p, "dilation": d}
-
-
-def spec_loc(spec: Spec) -> Loc:
-    return spec.doc.loc(("placement",))

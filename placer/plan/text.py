@@ -23,23 +23,37 @@ import re
 
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, union
 
-_BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/\-]*")
+_BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/\-]*")
 _KEYWORDS = {"null", "true", "false", "NaN", "Infinity"}
 _TOKEN = re.compile(r'(?:[^\s"]|"(?:[^"\\]|\\.)*")+')
 OP_FIELDS = ("mb", "bytes", "dim", "route", "src_dim", "dst_dim", "devices")
 SEGMENT_FIELDS = ("mode", "route", "stage", "layers")
 
 
+def _json(token: str):
+    try:
+        return json.loads(token)
+    except ValueError:
+        return _NOT_JSON
+
+
+_NOT_JSON = object()
+
+
 def enc(value) -> str:
     """One value as a token: a bare word if that reads back the same, else compact JSON."""
-    if isinstance(value, str) and _BARE.fullmatch(value) and value not in _KEYWORDS:
+    if isinstance(value, str) and _BARE.fullmatch(value) and value not in _KEYWORDS and _json(value) is _NOT_JSON:
         return value
     return json.dumps(value, separators=(",", ":"))
 
 
 def dec(token: str):
-    if token in _KEYWORDS or token[0] in '"[{-0123456789':
+    """A token back to its value: JSON where it parses as JSON (`1f1b` does not: a word)."""
+    if token in _KEYWORDS or token[0] in '"[{':
         return json.loads(token)
+    if token[0] in "-0123456789":
+        value = _json(token)
+        return token if value is _NOT_JSON else value
     return token
 
 

@@ -88,12 +88,14 @@ def _order(plan: Plan) -> Problem | None:
     stuck = [d for d in plan.devices if head[d] < len(lists[d])]
     if not stuck:
         return None
-    d = stuck[0]
-    op = lists[d][head[d]]
-    missing = [e for e in _in_list_of(op) if op not in lists[e]]
-    why = (f"it is missing from the list of {missing[0]}" if missing
-           else "the devices in it reach it in different orders (deadlock)")
-    return "V002", f"op {head[d]} on {d} can never run: {why}", [(e, head[e]) for e in stuck]
+    for d in stuck:  # a head missing from a member's list is the root cause; else a cycle
+        op = lists[d][head[d]]
+        missing = [e for e in _in_list_of(op) if op not in lists[e]]
+        if missing:
+            return "V002", f"op {head[d]} on {d} can never run: it is missing from the list of {missing[0]}", \
+                [(d, head[d])]
+    return "V002", f"op {head[stuck[0]]} on {stuck[0]} can never run: the devices in it reach it in " \
+                   "different orders (deadlock)", [(e, head[e]) for e in stuck]
 
 
 def _segments(plan: Plan) -> Problem | None:

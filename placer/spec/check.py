@@ -70,8 +70,9 @@ def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], lis
     if not diags:
         missing = [n for i, n in enumerate(names) if i not in owner]
         if missing:
+            listed = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
             msg = f"layer {missing[0]!r} is placed nowhere" if len(missing) == 1 else \
-                f"{len(missing)} layers are placed nowhere: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else "")
+                f"{len(missing)} layers are placed nowhere: {listed}"
             diags.append(D("P003", msg, spec.doc.loc(("placement",)),
                            "every layer must be in exactly one segment: add the missing ones"))
         order = [i for seg in out for i in seg]
@@ -184,8 +185,8 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
             bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS and l.op not in CHANNEL_NORMS]
             if bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
-                               "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm, InstanceNorm and "
-                               "elementwise layers"))
+                               "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm, "
+                               "InstanceNorm and elementwise layers"))
             elif not any(k in ("linear", "conv") for k in kinds):
                 diags.append(D("P027", f"segment {seg.name!r} has no Linear or Conv to split by channel", seg.loc,
                                "put the Linear/Conv layers in this segment"))
@@ -399,7 +400,7 @@ def _check_size(doc: load.Document) -> list[Diagnostic]:
     if total <= MAX_LAYERS:
         return []
     i = max(range(len(layers)), key=lambda i: layers[i].get("repeat", 1))
-    return [D("P005", f"the model has {total} layers once repeats are expanded; the limit is {MAX_LAYERS}",
+    return [D("P006", f"the model has {total} layers once repeats are expanded; the limit is {MAX_LAYERS}",
               doc.loc(("model", "layers", i, "repeat")), "use fewer, larger layers (or a model module)")]
 
 

@@ -6,7 +6,7 @@ import copy
 import pytest
 import yaml
 
-from placer.diagnostics import SpecError, closest, did_you_mean, format_report, name_hint, Diagnostic, Loc
+from placer.diagnostics import Diagnostic, Loc, SpecError, closest, did_you_mean, format_report, name_hint
 from placer.spec import check, select
 from placer.spec.load import load_text
 
@@ -89,7 +89,8 @@ def test_resolve_segments_gives_layer_indices_per_segment():
 
 
 def test_selector_hints():
-    d = spec_with(devices=["cuda:0", "cuda:1"], placement=segs({"layers": ["inp", "act", "blocks.*"], "device": "cuda:0"},
+    d = spec_with(devices=["cuda:0", "cuda:1"],
+                  placement=segs({"layers": ["inp", "act", "blocks.*"], "device": "cuda:0"},
                                  {"layers": "hed", "device": "cuda:1"}))
     diags = run(d)[1]
     assert [x.code for x in diags] == ["P001", "P001"]
@@ -134,7 +135,8 @@ def channel_model(norm: dict) -> dict:
             {"name": "flat", "op": "Flatten"},
             {"name": "head", "op": "Linear", "args": [256, 2]}],
             "input": {"shape": ["B", 3, 8, 8]}},
-        devices=["cuda:0", "cuda:1"], placement=segs({"layers": "conv..norm", "devices": ["cuda:0", "cuda:1"], "parallel": "channel"},
+        devices=["cuda:0", "cuda:1"],
+        placement=segs({"layers": "conv..norm", "devices": ["cuda:0", "cuda:1"], "parallel": "channel"},
                        {"layers": "flat..head", "device": "cuda:0"}))
 
 
@@ -190,16 +192,17 @@ def test_tensor_needs_linear_pairs(layers, ok):
 
 
 def test_sync_batchnorm_without_batchnorm_warns():
-    d = spec_with(devices=["cuda:0", "cuda:1"], placement=segs({"layers": "inp..head", "devices": ["cuda:0", "cuda:1"],
-                                                                "parallel": {"mode": "data", "sync_batchnorm": True}}))
+    d = spec_with(devices=["cuda:0", "cuda:1"],
+                  placement=segs({"layers": "inp..head", "devices": ["cuda:0", "cuda:1"],
+                                  "parallel": {"mode": "data", "sync_batchnorm": True}}))
     assert codes(d) == ["W002"]
 
 
 def test_dropout_warns_only_with_several_devices():
     model = {**BASE["model"], "layers": BASE["model"]["layers"][:2] + [{"name": "drop", "op": "Dropout"}]
              + BASE["model"]["layers"][2:]}
-    many = spec_with(model=model, devices=["cuda:0", "cuda:1"], placement=segs({"layers": "inp..head", "devices": ["cuda:0", "cuda:1"],
-                                                  "parallel": "data"}))
+    many = spec_with(model=model, devices=["cuda:0", "cuda:1"],
+                     placement=segs({"layers": "inp..head", "devices": ["cuda:0", "cuda:1"], "parallel": "data"}))
     assert codes(many) == ["W003"]
     assert codes(spec_with(model=model)) == []
     model["layers"][2]["kwargs"] = {"p": 0}
@@ -250,7 +253,8 @@ def test_pipeline_microbatch_rules():
     assert codes(pipe("1f1b", [A, B, C], microbatches=2)) == ["P049"]
     assert codes(pipe("gpipe", [A, B, C], microbatches=2)) == []
     assert codes(pipe("1f1b", [A, B], microbatches=3, batch=8)) == ["P041"]
-    assert codes(pipe("1f1b", [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], microbatches=8, batch=8)) == ["P042", "P042"]
+    data_stages = [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    assert codes(pipe("1f1b", data_stages, microbatches=8, batch=8)) == ["P042", "P042"]
 
 
 # --- names, shapes, data

@@ -171,3 +171,19 @@ def test_plain_validate_imports_neither_torch_nor_user_code(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.stdout.split() == ["0", "False", "False"], out.stdout + out.stderr
     assert not marker.exists(), "plain validate ran the user's model file"
+
+
+def test_pre_commit_hook_runs_placer_validate_on_spec_folders():
+    import re
+
+    import yaml
+
+    hooks = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+    hook = next(h for h in hooks if h["id"] == "placer-validate")
+    assert hook["entry"] == "placer validate" and hook["language"] == "python"
+    files = re.compile(hook["files"])
+    assert files.search("specs/mlp.yaml") and files.search("team/specs/big/gpt.yml")
+    assert not files.search(".github/workflows/ci.yaml") and not files.search("specs/models/net.py")
+    r = CliRunner().invoke(main, hook["entry"].split()[1:] + hook.get("args", []) +
+                           [str(p) for p in sorted((ROOT / "specs").glob("*.yaml"))])
+    assert (r.exit_code, r.output) == (0, "")

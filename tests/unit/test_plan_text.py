@@ -67,10 +67,10 @@ def test_value_tokens_round_trip(value):
 
 
 def test_bare_words_where_unambiguous():
-    assert [enc(v) for v in ("cuda:0", "blocks.3..blocks.7", "node1/cpu", "via_host")] == \
-        ["cuda:0", "blocks.3..blocks.7", "node1/cpu", "via_host"]
-    assert [enc(v) for v in ("null", "3", "a b", "", None, True, 25.0)] == \
-        ['"null"', '"3"', '"a b"', '""', "null", "true", "25.0"]
+    assert [enc(v) for v in ("cuda:0", "blocks.3..blocks.7", "node1/cpu", "via_host", "1f1b")] == \
+        ["cuda:0", "blocks.3..blocks.7", "node1/cpu", "via_host", "1f1b"]
+    assert [enc(v) for v in ("null", "3", "1e5", "a b", "", None, True, 25.0)] == \
+        ['"null"', '"3"', '"1e5"', '"a b"', '""', "null", "true", "25.0"]
 
 
 SAMPLE = """\

@@ -1,0 +1,245 @@
+"""`placer run`: generate the program into a run directory and launch it, one worker per device."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
+
+
+class Console:
+    """What the run prints, also kept in RUN_DIR/run.log. Progress goes to stderr."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet  # json: stdout carries only the final object
+        self.log: list[str] = []
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def say(self, line: str = "", err: bool = False) -> None:
+        self.log.append(line)
+        if not self.quiet or err:
+            click.echo(line, err=err)
+
+    def progress(self, record: dict) -> None:
+        """A progress bar on a terminal; otherwise a line per second (and the first and last step)."""
+        step, steps = record.get("step", 0), record.get("steps", 0)
+        text = f"step {step}/{steps}  loss {record.get('loss', float('nan')):.6f}  " \
+               f"{record.get('samples_per_s', 0):.0f} samples/s"
+        self.log.append(text)
+        if self.tty:
+            done = int(24 * step / steps) if steps else 0
+            click.echo(f"\r[{'=' * done}{' ' * (24 - done)}] {text}", err=True, nl=step == steps)
+        elif step in (1, steps) or time.monotonic() - self.last >= 1.0:
+            click.echo(text, err=True)
+            self.last = time.monotonic()
+
+    def save(self, run_dir: Path) -> None:
+        (run_dir / "run.log").write_text("\n".join(self.log) + "\n")
+
+
+def default_run_dir(name: str, node_rank: int) -> Path:
+    stem = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
+    path, n = Path(stem), 2
+    while path.exists():
+        path, n = Path(f"{stem}-{n}"), n + 1
+    return path
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summary_lines(metrics: dict, wall_s: float) -> list[str]:
+    steps, sps = metrics.get("steps", 0), metrics.get("steps_per_s") or 0.0
+    lines = [f"trained {steps} steps: {sps:.2f} steps/s, {metrics.get('samples_per_s') or 0:.0f} samples/s "
+             f"({metrics.get('wall_s', 0):.2f} s training, {wall_s:.1f} s with start-up)",
+             f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8}"]
+    times = metrics.get("time_s", {})
+    for device in metrics.get("devices", []):
+        t = times.get(device, {})
+        lines.append(f"{device:<16} {_size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
+                     f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f}")
+    lines.append("(bytes: payload this rank handed to send / collectives; comm: time in copies and "
+                 "gradient syncs, waiting included; DDP's overlapped all-reduce counts as compute)")
+    return lines
+
+
+def check_lines(report) -> list[str]:
+    from placer.launch.check import ATOL, RTOL
+
+    lines = [f"check: the run against the one-device reference (rtol {RTOL:g}, atol {ATOL:g})",
+             f"  {'step':>5}  {'loss (run)':>14}  {'loss (reference)':>16}  {'|diff|':>9}"]
+    steps = report.steps
+    shown = set(range(len(steps))) if len(steps) <= 12 else set(range(5)) | set(range(len(steps) - 5, len(steps)))
+    if report.first_bad_step is not None:
+        shown.add(report.first_bad_step - 1)
+    prev = -1
+    for i in sorted(shown):
+        if i != prev + 1:
+            lines.append(f"  {'...':>5}")
+        step, a, b, d, ok = steps[i]
+        lines.append(f"  {step:>5}  {a:>14.8f}  {b:>16.8f}  {d:>9.2e}{'' if ok else '  <- differs'}")
+        prev = i
+    worst = max(report.params, key=lambda p: p[2], default=None)
+    if worst:
+        lines.append(f"  parameters: {len(report.params)} compared, max |diff| {worst[2]:.2e} ({worst[0]})")
+    return lines
+
+
+def check_failure(report) -> str:
+    parts = []
+    if report.problem:
+        parts.append(report.problem)
+    if report.first_bad_step is not None:
+        s = report.steps[report.first_bad_step - 1]
+        parts.append(f"the loss differs from step {s[0]} on ({s[1]:.8f} vs {s[2]:.8f})")
+    if report.first_bad_param is not None:
+        p = next(p for p in report.params if p[0] == report.first_bad_param)
+        parts.append(f"parameter {p[0]!r} differs by up to {p[2]:.2e}")
+    return "; ".join(parts)
+
+
+@click.command("run")
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
+@click.option("--check", is_flag=True,
+              help="Also train the one-device reference and compare every step's loss and all final parameters.")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Default: runs/<name>-<YYYYmmdd-HHMMSS>/.")
+@click.option("--steps", type=click.IntRange(min=1), help="Train this many steps instead of training.steps.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Machines taking part; start `placer run` on each with its --node-rank.")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="This machine's index: it runs the spec's nodeK/ devices.")
+@click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Node 0's address, where the nodes meet (--nnodes > 1).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, fmt):
+    """Generate SPEC's program into a run directory and launch it, one worker per device.
+
+    Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
+    (the run says so). The run directory keeps program.py, spec.yaml, run.log, logs/ (each
+    worker's output), progress.jsonl, metrics.json and final_params.pt.
+
+    \b
+    Examples:
+      placer run specs/mlp_group_transitions.yaml --check
+      placer run spec.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node 0
+      placer run spec.yaml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node 1
+    """
+    from placer.cli.main import fail
+
+    if nnodes > 1 and not rdzv_endpoint:
+        raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if node_rank >= nnodes:
+        raise click.UsageError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
+    console = Console(quiet=fmt == "json")
+    try:
+        outcome = run(spec_path, console, check=check, run_dir=run_dir, steps=steps, nnodes=nnodes,
+                      node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    except PlacerError as e:
+        fail(e, fmt)
+    if fmt == "json":
+        click.echo(json.dumps(outcome, indent=2, default=str))
+    sys.exit(0 if outcome["ok"] else 1)
+
+
+def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint) -> dict:
+    from placer.codegen.program import generate
+    from placer.launch import run as launcher
+    from placer.spec.check import load_spec
+
+    spec = load_spec(spec_path)
+    binding = launcher.bind(spec, nnodes)
+    run_dir = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    program = generate(spec, filename="program.py")
+    (run_dir / "program.py").write_text(program.text)
+    shutil.copyfile(spec_path, run_dir / "spec.yaml")
+    outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
+               "backend": binding.backend, "world_size": program.world_size}
+    try:
+        return _launch_and_check(spec, program, binding, run_dir, console, outcome, check=check, steps=steps,
+                                 nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    except PlacerError as e:
+        console.log += [d.format() for d in e.diagnostics]
+        raise
+    finally:
+        console.save(run_dir)
+
+
+def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, outcome: dict, *, check, steps,
+                      nnodes, node_rank, rdzv_endpoint) -> dict:
+    from placer.launch import run as launcher
+
+    if binding.reason:
+        console.say(binding.reason)
+    where = f"node {node_rank} of {nnodes}: " if nnodes > 1 else ""
+    console.say(f"{where}{binding.nproc_per_node} workers ({binding.backend}), run dir {run_dir}")
+    if nnodes == 1 and len({launcher.node_of(d) for d in program.devices}) > 1:
+        console.say("the spec spans several machines; all its workers run here "
+                    "(use --nnodes N --node-rank K --rdzv-endpoint HOST:PORT on each machine)")
+    args = ["--steps", str(steps)] if steps else []
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    result = launcher.launch(run_dir / "program.py", run_dir, binding, args, node_rank=node_rank,
+                             rdzv_endpoint=rdzv_endpoint, max_restarts=spec.runtime.max_restarts,
+                             on_progress=console.progress)
+    outcome["metrics"] = result.metrics
+    if not result.ok:
+        outcome["failures"] = {r: {"exit_code": c, "stderr_tail": t} for r, (c, t) in result.failures.items()}
+        raise RunError([_failure(spec, program, run_dir, r, code, tail)
+                        for r, (code, tail) in sorted(result.failures.items())])
+    if not result.metrics:  # ranks of node 0 write the results
+        console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt")
+        outcome["ok"] = True
+        return outcome
+    for line in summary_lines(result.metrics, result.wall_s):
+        console.say(line)
+    if check:
+        report = _check(spec, run_dir, binding, args)
+        outcome["check"] = report.as_dict()
+        for line in check_lines(report):
+            console.say(line)
+        if not report.ok:
+            diag = Diagnostic("R021", f"the run does not match the one-device reference: {check_failure(report)}",
+                              Loc(spec.file), "see RUN_DIR/reference and the table above; a layer with randomness "
+                              "(Dropout) or a mode that changes numerics cannot match")
+            console.say(diag.format(), err=True)
+            return outcome
+        console.say("check passed: every step's loss and every parameter match the reference")
+    outcome["ok"] = True
+    return outcome
+
+
+def _failure(spec, program, run_dir: Path, rank: int, code: int, tail: str) -> Diagnostic:
+    device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    last = [line for line in tail.splitlines() if line.strip()][-8:]
+    shown = "\n".join("    " + line for line in last)
+    return Diagnostic("R020", f"rank {rank} ({device}) {how}" + (f":\n{shown}" if shown else ""), Loc(spec.file),
+                      f"its whole output is under {run_dir / 'logs'}")
+
+
+def _check(spec, run_dir: Path, binding, args: list[str]):
+    from placer.launch.check import compare
+
+    ref_dir = run_dir / "reference"
+    cmd = [sys.executable, str(run_dir / "program.py"), "--reference", "--out", str(ref_dir), *args]
+    if binding.simulate:
+        cmd.append("--simulate")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (run_dir / "reference.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = "\n".join("    " + line for line in proc.stderr.strip().splitlines()[-8:])
+        raise RunError(Diagnostic("R022", f"the one-device reference exited with code {proc.returncode}:\n{tail}",
+                                  Loc(spec.file), f"its whole output is in {run_dir / 'reference.log'}"))
+    return compare(run_dir, ref_dir)
