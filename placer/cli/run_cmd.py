@@ -196,8 +196,11 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     outcome["metrics"] = result.metrics
     if not result.ok:
         outcome["failures"] = {r: {"exit_code": c, "stderr_tail": t} for r, (c, t) in result.failures.items()}
-        raise RunError([_failure(spec, program, run_dir, r, code, tail)
-                        for r, (code, tail) in sorted(result.failures.items())])
+        # A rank that exited with an error first, then those the launcher stopped because of it.
+        order = sorted(result.failures.items(), key=lambda kv: (kv[1][0] is None or kv[1][0] <= 0, kv[0]))
+        first = order[0][0]
+        raise RunError([_failure(spec, program, run_dir, r, code, tail, after=None if r == first else first)
+                        for r, (code, tail) in order])
     if not result.metrics:  # ranks of node 0 write the results
         console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt")
         outcome["ok"] = True
@@ -220,13 +223,15 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     return outcome
 
 
-def _failure(spec, program, run_dir: Path, rank: int, code: int, tail: str) -> Diagnostic:
+def _failure(spec, program, run_dir: Path, rank: int, code: int, tail: str, after: int | None) -> Diagnostic:
     device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
-    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    if code is not None and code < 0:
+        how = f"was stopped by signal {-code}" + (f" after rank {after} failed" if after is not None else "")
+        return Diagnostic("R020", f"rank {rank} ({device}) {how}", Loc(spec.file))
     last = [line for line in tail.splitlines() if line.strip()][-8:]
     shown = "\n".join("    " + line for line in last)
-    return Diagnostic("R020", f"rank {rank} ({device}) {how}" + (f":\n{shown}" if shown else ""), Loc(spec.file),
-                      f"its whole output is under {run_dir / 'logs'}")
+    return Diagnostic("R020", f"rank {rank} ({device}) exited with code {code}" + (f":\n{shown}" if shown else ""),
+                      Loc(spec.file), f"its whole output is under {run_dir / 'logs'}")
 
 
 def _check(spec, run_dir: Path, binding, args: list[str]):

@@ -112,6 +112,7 @@ class TrainWriter:
           'if device.type == "cpu":  # share the cores among this machine\'s workers',
           '    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))',
           "dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))",
+          "count_sent_bytes()",
           "if rank == 0 and why:",
           '    print(f"simulating {world} devices as CPU workers on gloo: {why}", flush=True)',
           "# gloo moves host tensors only: a GPU rank on gloo stages its copies through host memory",

@@ -41,6 +41,11 @@ def _overlap(a: dict, b: dict) -> Fraction:
     return frac
 
 
+def _share(nbytes: int, j: int, n: int) -> int:
+    """Bytes of slice j of n: cumulative rounding, so the slices add up to nbytes exactly."""
+    return round(Fraction(nbytes * (j + 1), n)) - round(Fraction(nbytes * j, n))
+
+
 def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
     """(from, to, bytes) that take a tensor of `nbytes` from layout `src` to layout `dst`.
 
@@ -48,18 +53,27 @@ def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
     from each source device that holds a piece of it, from one holder (its
     own copy if it has one) when the source is whole on several devices, and
     from every holder when the source is a partial sum. Nothing moves to
-    itself."""
+    itself. Pieces are whole bytes that add up exactly."""
     out = []
     for j, t in enumerate(dst.devices):
         want = _piece(dst, j)
+        size = _share(nbytes, j, len(dst.devices)) if dst.dim is not None else nbytes
         if src.partial:
-            sources = [(s, _overlap({}, want)) for s in src.devices]
+            sources = [(s, None) for s in src.devices]  # each holder sends a whole (partial) piece
         elif src.dim is None and len(src.devices) > 1:
-            s = t if t in src.devices else src.devices[j % len(src.devices)]
-            sources = [(s, _overlap({}, want))]
+            sources = [(t if t in src.devices else src.devices[j % len(src.devices)], Fraction(1))]
         else:
-            sources = [(s, _overlap(_piece(src, i), want)) for i, s in enumerate(src.devices)]
-        out += [(s, t, round(nbytes * f)) for s, f in sources if s != t and f]
+            whole = _overlap({}, want)
+            sources = [(s, _overlap(_piece(src, i), want) / whole) for i, s in enumerate(src.devices)]
+        acc = Fraction(0)
+        for s, f in sources:
+            if f is None:
+                b = size
+            else:
+                b = round(size * (acc + f)) - round(size * acc)
+                acc += f
+            if s != t and b:
+                out.append((s, t, b))
     return out
 
 

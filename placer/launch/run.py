@@ -7,8 +7,11 @@ progress through a callback and the outcome as a `RunResult`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -130,11 +133,13 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     """Run `program` with one worker per device through torch's elastic launcher."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / PROGRESS).unlink(missing_ok=True)
-    os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
     # One node: a private c10d rendezvous on a free port. Several: the static rendezvous, which
     # (unlike c10d's, which orders nodes by arrival) makes node K's workers ranks K*n .. K*n+n-1,
     # so the spec's nodeK/ devices run on the machine started with --node-rank K.
@@ -156,15 +161,26 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     t0 = time.perf_counter()
     result = RunResult(ok=True, run_dir=run_dir)
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*args)
+        with _quiet_launcher():
+            elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as e:
         result.ok = False
         for rank, failure in e.failures.items():  # keyed by global rank
             result.failures[rank] = (failure.exitcode, _stderr_tail(run_dir, failure.local_rank))
+    except (RendezvousError, RuntimeError, OSError) as e:  # the nodes never met: nothing ran
+        where = f" at {rdzv_endpoint}" if rdzv_endpoint else ""
+        raise RunError(Diagnostic("R023", f"the workers could not start{where}: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}", Loc(str(program)),
+                                  "check --rdzv-endpoint (node 0's HOST:PORT, reachable from every node) "
+                                  "and start `placer run` on every node")) from None
     finally:
         stop.set()
         if follower:
             follower.join(timeout=2)
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     result.wall_s = time.perf_counter() - t0
     metrics = run_dir / METRICS
     if metrics.exists():
@@ -172,9 +188,27 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     return result
 
 
+@contextlib.contextmanager
+def _quiet_launcher():
+    """The launcher logs each failure and SIGTERM it sends; the RunResult reports them instead."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _stderr_tail(run_dir: Path, local_rank: int, lines: int = 15) -> str:
     logs = sorted((run_dir / "logs").glob(f"*/attempt_*/{local_rank}/stderr.log"), key=os.path.getmtime)
     if not logs:
         return ""
-    text = logs[-1].read_text(errors="replace").splitlines()
+    text = [_RANK_PREFIX.sub("", line) for line in logs[-1].read_text(errors="replace").splitlines()]
     return "\n".join(text[-lines:])
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch prefixes worker errors with their rank

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
-from placer.plan.ir import P2P, TRANSFERS, Op, OpKind, Plan, in_layout
+from placer.estimate.comm import moves
+from placer.plan.ir import P2P, TRANSFERS, Op, OpKind, Plan, in_grad_layout, in_layout
 
 Problem = tuple[str, str, list]  # (code, message, marks)
 
@@ -211,12 +212,18 @@ def _boundaries(plan: Plan, complete: bool) -> Problem | None:
                 return "V006", f"pipeline stage boundary {prev.name!r} -> {cur.name!r} uses a " \
                                f"{xfers[0][2].kind.value}, not sends", [xfers[0][:2]]
             if plan.schedule:
+                src, dst = plan.out_layout(prev), in_layout(cur)
+                if phase == "bwd":
+                    src, dst = in_grad_layout(cur), src
+                pairs = {(a, b) for a, b, _ in moves(src, dst, 10 ** 9)} if changes else set()
                 for mb in range(plan.microbatches):
                     sends = [x for x in counts.get((cur.index, phase, mb, True), []) if x[2].kind == OpKind.SEND]
-                    if sends and not changes:
-                        return "V006", f"stages {prev.name!r} and {cur.name!r} share their layout but " \
-                                       f"micro-batch {mb} is sent between them", [sends[0][:2]]
-                    if complete and changes and not sends:
+                    stray = [x for x in sends if x[2].devices not in pairs]
+                    if stray:
+                        return "V006", f"micro-batch {mb} is sent ({phase}) between stages {prev.name!r} and " \
+                                       f"{cur.name!r} from {stray[0][2].devices[0]} to {stray[0][2].devices[1]}, " \
+                                       "which the layouts do not call for", [stray[0][:2]]
+                    if complete and pairs and not sends:
                         return "V006", f"micro-batch {mb} is never sent ({phase}) from stage {prev.name!r} to " \
                                        f"{cur.name!r}", []
                 continue

@@ -47,7 +47,8 @@ def run_modes(rt, rank, world, sc):
         if rank in seg.ranks:
             seq = nn.Sequential(OrderedDict((str(i), full[i]) for i in range(*seg.layers)))
             module = _build(rt, seg.mode, seq, group, seg.ranks)
-            opt = h.make_optimizer(sc, module.parameters())
+            params = list(module.parameters())
+            opt = h.make_optimizer(sc, params) if params else None
         segs.append((seg, group, module, opt))
     rep = [len(seg.ranks) > 1 for seg in sc.segments]  # every multi-rank group here is
     loss_fn = getattr(nn, sc.loss)()                     # replicated
@@ -77,10 +78,10 @@ def run_modes(rt, rank, world, sc):
             seg, group, module, opt = segs[k]
             inp, out = acts[k]
             if module is not None:
-                opt.zero_grad(set_to_none=True)
+                module.zero_grad(set_to_none=True)
                 if k == len(segs) - 1:
                     loss.backward()
-                else:
+                elif out.requires_grad:  # not so for a first segment without weights
                     torch.autograd.backward(out, grad)
             if k > 0:
                 prev = segs[k - 1]

@@ -193,8 +193,9 @@ def test_random_placements_lower_to_valid_plans(tmp_path, body):
     for op in unique:
         if op.kind in TRANSFERS and not op.attrs.get("reduce"):
             # every destination gets at most its part, and all of it when it held none of the tensor
-            part = op.bytes // len(op.dst) if op.dst_dim is not None else op.bytes
-            for t in op.dst:
+            n = len(op.dst)
+            for j, t in enumerate(op.dst):
+                part = round(op.bytes * (j + 1) / n) - round(op.bytes * j / n) if op.dst_dim is not None else op.bytes
                 got = sum(n for a, b, n in _direct(op) if b == t)
                 assert got <= part and (t in op.src or got == part)
     for seg in plan.segments:

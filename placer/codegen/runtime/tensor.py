@@ -43,7 +43,8 @@ def tensor_parallelize(module, group, device_type="cpu"):
     pairs = tensor_pairs(module)
     plan = {}
     for col, row in pairs:
-        plan[col] = ColwiseParallel()
+        # DTensor between the two (not local shards) keeps uneven splits' true shape
+        plan[col] = ColwiseParallel(use_local_output=False)
         plan[row] = RowwiseParallel()
     parallelize_module(module, mesh, plan)
     return pairs

@@ -1,0 +1,54 @@
+"""Tensor parallelism with DTensor's ColwiseParallel/RowwiseParallel on a mesh made from a
+segment's own group (runtime/tensor.py), for real over gloo: training equals one device's,
+pairs found across elementwise layers, replicated layers around them, uneven splits,
+copies into and out of the group, and whole parameters back under their own names."""
+
+import pytest
+import torch.nn as nn
+
+try:
+    from . import _harness as h
+    from .test_runtime_channel import ModeSegment as M
+    from .test_runtime_channel import job
+except ImportError:
+    import _harness as h
+    from test_runtime_channel import ModeSegment as M
+    from test_runtime_channel import job
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 4
+TWO_PAIRS = [("Tanh",), ("Linear", 6, 16), ("GELU",), ("Linear", 16, 6), ("LayerNorm", 6),
+             ("Linear", 6, 8), ("ReLU",), ("Tanh",), ("Linear", 8, 4)]
+
+SCENARIOS = [
+    # two pairs with a replicated LayerNorm between, the loss on both ranks (reported once)
+    h.Scenario("two_pairs_2", TWO_PAIRS, [M((0, 9), [0, 1], "tensor")]),
+    # one rank -> 3-way tensor group (16 features as 6, 6, 4) -> one rank; layer 5 has
+    # no partner (the segment ends after it) and runs replicated
+    h.Scenario("between_ranks_3", TWO_PAIRS, loss="CrossEntropyLoss", segments=[
+        M((0, 1), [3]), M((1, 6), [1, 2, 0], "tensor"), M((6, 9), [3])]),
+    # tensor group -> channel group: replicated to replicated
+    h.Scenario("tensor_to_channel", TWO_PAIRS, segments=[
+        M((0, 5), [0, 1], "tensor"), M((5, 9), [1, 2, 3], "channel")]),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return h.run_world(WORLD, [job(sc) for sc in SCENARIOS])
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
+def test_training_equals_one_device(results, scenario):
+    h.check_scenario(scenario, results)
+
+
+def test_pairs_are_linears_joined_by_elementwise_layers():
+    rt = h.pasted_runtime(["tensor"])
+    seq = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Dropout(), nn.Linear(4, 4),
+                        nn.Linear(4, 4), nn.GELU(), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 2))
+    # Dropout breaks the first pair (it is not elementwise-deterministic); 3 starts a new one
+    assert rt["tensor_pairs"](seq) == [("3", "4"), ("7", "8")]
+    assert rt["tensor_pairs"](nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2),
+                                            nn.Linear(2, 2))) == []
