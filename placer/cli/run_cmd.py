@@ -128,7 +128,8 @@ def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, 
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
     (the run says so). The run directory keeps program.py, spec.yaml, run.log, logs/ (each
-    worker's output), progress.jsonl, metrics.json and final_params.pt.
+    worker's output), progress.jsonl, metrics.json and final_params.pt; with --check also
+    reference/ (the one-device run) and check.json.
 
     \b
     Examples:
@@ -210,6 +211,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     if check:
         report = _check(spec, run_dir, binding, args)
         outcome["check"] = report.as_dict()
+        (run_dir / "check.json").write_text(json.dumps(outcome["check"], indent=2))
         for line in check_lines(report):
             console.say(line)
         if not report.ok:

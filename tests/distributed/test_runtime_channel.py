@@ -94,16 +94,18 @@ def run_modes(rt, rank, world, sc):
                 opt.step()
         dist.all_reduce(reported)
         losses.append(reported.item())
-    state = {}
-    for seg, _, module, _ in segs:
+    state, held = {}, {}
+    for k, (seg, _, module, _) in enumerate(segs):
         if module is None:
             continue
+        held[k] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                      for p in module.parameters())  # what this rank holds of segment k
         if seg.mode == "channel":
             rt["channel_unshard"](module)
         for i in range(*seg.layers):
             layer_state = rt["unsharded_state_dict"](full[i])
             state.update({f"{i}.{k}": v.detach().clone() for k, v in layer_state.items()})
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "held": held}
 
 
 def job(sc):
@@ -142,6 +144,23 @@ def results():
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
 def test_training_equals_one_device(results, scenario):
     h.check_scenario(scenario, results)
+
+
+def test_split_segments_hold_a_slice_of_their_weights(results):
+    check_held_slices(SCENARIOS, results)
+
+
+def check_held_slices(scenarios, results):
+    """On every rank of a multi-rank segment: less than the whole segment's weights, and
+    the group's holdings together at least all of them."""
+    for sc in scenarios:
+        model = h.build_model(sc)
+        for k, seg in enumerate(sc.segments):
+            if len(seg.ranks) < 2:
+                continue
+            whole = sum(p.numel() for i in range(*seg.layers) for p in model[i].parameters())
+            held = [results[r][sc.name]["held"][k] for r in seg.ranks]
+            assert all(n < whole for n in held) and sum(held) >= whole, (sc.name, k, held)
 
 
 def test_slices_are_as_even_as_possible_and_cover_the_layer():

@@ -9,11 +9,11 @@ import torch.nn as nn
 try:
     from . import _harness as h
     from .test_runtime_channel import ModeSegment as M
-    from .test_runtime_channel import job
+    from .test_runtime_channel import check_held_slices, job
 except ImportError:
     import _harness as h
     from test_runtime_channel import ModeSegment as M
-    from test_runtime_channel import job
+    from test_runtime_channel import check_held_slices, job
 
 pytestmark = pytest.mark.distributed
 
@@ -42,6 +42,10 @@ def results():
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
 def test_training_equals_one_device(results, scenario):
     h.check_scenario(scenario, results)
+
+
+def test_split_segments_hold_a_slice_of_their_weights(results):
+    check_held_slices(SCENARIOS, results)
 
 
 def test_pairs_are_linears_joined_by_elementwise_layers():

@@ -188,7 +188,7 @@ class ChannelSplit(nn.Sequential):
         super().__init__()
         for name, child in children:
             self.add_module(name, child)
-        self.group, self.ranks, self.end_split = group, ranks, split
+        self.group, self.ranks = group, ranks
         self._plan = plan
         self._full = dict(named)  # plain dict: the full layers are not submodules
 
@@ -236,6 +236,6 @@ def unshard_into(full, shard, group, order=None):
 def channel_unshard(split):
     """Bring the full layers of a ChannelSplit up to date (for saving: their state_dicts
     then hold the trained values under the original names). Every rank of the group calls."""
-    for (name, child), (kind, _) in zip(split.named_children(), split._plan):
-        if child is not split._full[name]:
+    for name, child in split.named_children():
+        if child is not split._full[name]:  # a shard
             unshard_into(split._full[name], child, split.group, split.ranks)

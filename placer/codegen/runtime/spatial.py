@@ -73,6 +73,8 @@ class _HaloExchange(torch.autograd.Function):
                 pieces[mine[0]] = x.narrow(dim, mine[0] - owned[me][0], mine[1] - mine[0])
             for w in works:
                 w.wait()
+            if not pieces:  # every row this rank reads is padding
+                return x.narrow(dim, 0, 0).clone()
             return torch.cat([pieces[s] for s in sorted(pieces)], dim)
 
     @staticmethod
@@ -166,6 +168,8 @@ class SpatialSplit(nn.Sequential):
                 _check_layer(layer)
                 n, k, s, dil, pads = _geometry(layer)
                 j = dim - 2  # which spatial dim
+                if not 0 <= j < n:
+                    raise ValueError(f"{name}: {type(layer).__name__} has no spatial dim {dim}")
                 out = _out_size(layer, size, j)
                 if out < d:
                     raise ValueError(f"{name}: {out} output rows along dim {dim} cannot be "
@@ -174,8 +178,9 @@ class SpatialSplit(nn.Sequential):
                 for a, b in band_ranges(out, d):
                     lo = a * s[j] - pads[j][0]
                     hi = (b - 1) * s[j] - pads[j][0] + dil[j] * (k[j] - 1) + 1
-                    needed.append((max(lo, 0), min(hi, size)))
-                    padding.append((max(0, -lo), max(0, hi - size)))  # outside the image
+                    inside = (min(max(lo, 0), size), max(min(hi, size), 0))
+                    needed.append((inside[0], max(inside)))  # empty if all is padding
+                    padding.append((max(0, min(hi, 0) - lo), max(0, hi - max(lo, size))))
                 plan.append(("halo", owned, needed, padding[me], pads, n))
                 size = out
             elif isinstance(layer, nn.modules.batchnorm._BatchNorm):

@@ -6,7 +6,6 @@
 # whole on every rank. Input and output are the whole tensor on every rank ("replicated",
 # see replicate.py). The mesh is made from the segment's own process group, so a tensor
 # group may be any subset of the world; this works on CPU with gloo.
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor

@@ -6,6 +6,8 @@ def reference(args):
     placement must reproduce (`placer run --check` compares the two runs)."""
     simulate, _ = simulation(args)
     device = bind_device(DEVICES[0], simulate)
+    if device.type == "cpu":  # a worker's share of the cores: sums then add up in the same order
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(DEVICES)))
     model = build_model().to(device)
     optimizer = make_optimizer(model.parameters())
     losses, data = [], batches(args.steps)
