@@ -7,7 +7,18 @@ import sys
 
 import click
 
-from placer.diagnostics import PlacerError
+from placer.diagnostics import PlacerError, SpecError
+
+
+def load_checked(spec_path: str):
+    """(spec, warnings); SpecError if the spec has errors."""
+    from placer.spec import check, load
+
+    spec, diags = check.validate_document(load.load_file(spec_path))
+    errors = [d for d in diags if d.severity == "error"]
+    if errors:
+        raise SpecError(errors)
+    return spec, diags
 
 
 
@@ -33,12 +44,12 @@ def command(spec_path, output, fmt):
       python program.py                          # starts its own workers
       python program.py --reference              # the whole model in one process
     """
-    from placer.cli.main import fail
+    from placer.cli.main import emit_diagnostics, fail
     from placer.codegen.program import generate
-    from placer.spec.check import load_spec
 
     try:
-        spec = load_spec(spec_path)
+        spec, warnings = load_checked(spec_path)
+        emit_diagnostics(warnings, "text", file=sys.stderr)
         output = output or f"{spec.name}_program.py"
         program = generate(spec, filename=os.path.basename(output))
     except PlacerError as e:

@@ -155,11 +155,13 @@ def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, 
 
 
 def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint) -> dict:
+    from placer.cli.generate_cmd import load_checked
     from placer.codegen.program import generate
     from placer.launch import run as launcher
-    from placer.spec.check import load_spec
 
-    spec = load_spec(spec_path)
+    spec, warnings = load_checked(spec_path)
+    for w in warnings:
+        console.say(w.format(), err=True)
     binding = launcher.bind(spec, nnodes)
     run_dir = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
     run_dir.mkdir(parents=True, exist_ok=True)

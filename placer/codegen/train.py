@@ -115,6 +115,8 @@ class TrainWriter:
           "count_sent_bytes()",
           "if rank == 0 and why:",
           '    print(f"simulating {world} devices as CPU workers on gloo: {why}", flush=True)',
+          "if rank == 0 and args.out:  # a restarted run reports its steps afresh",
+          '    open(os.path.join(args.out, "progress.jsonl"), "w").close()',
           "# gloo moves host tensors only: a GPU rank on gloo stages its copies through host memory",
           'host = backend == "gloo" and device.type == "cuda"',
           'device_ids = [device.index] if device.type == "cuda" else None')
@@ -136,6 +138,8 @@ class TrainWriter:
             ranks = sorted(seg.holders) if seg.sync == "parameter_server" else list(seg.ranks)
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
             c(f"{group} = dist.new_group({ranks}){note}")
+            if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
+                c(f"{group}_bn = dist.new_group({list(seg.ranks)})  # batch statistics: the data ranks only")
         c(f"seg{k} = opt{k} = None")
         cond = self.cond(seg.holders)
         if cond:
@@ -150,7 +154,8 @@ class TrainWriter:
             else:
                 c("own.update(named_params(stage, model))")
         if seg.sync_batchnorm:
-            c(f"stage = sync_batchnorm(stage, {group}, device)")
+            bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
+            c(f"stage = sync_batchnorm(stage, {bn}, device)")
         if seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
             c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids)")
         else:
