@@ -264,6 +264,7 @@ class TrainWriter:
         c("seconds = time.perf_counter() - start")
         c("finish(args, rank, world, losses, own, seconds, simulated=simulate, simulate_reason=why,",
           '       backend=backend.split(",")[-1].split(":")[-1])',
+          "dist.barrier()  # no rank tears down gloo while a peer still talks to it",
           "dist.destroy_process_group()")
 
     # -- descriptions -------------------------------------------------------------------------------
