@@ -20,8 +20,9 @@ from pathlib import Path
 
 from placer import __version__
 from placer.codegen import runtime
+from placer.codegen.pipeline import pipeline_train_source
 from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, node_of, program_segments, rank_order
-from placer.codegen.train import Code, train_source
+from placer.codegen.train import Code, TrainWriter, train_source
 from placer.diagnostics import Diagnostic, SpecError
 from placer.spec.types import Spec
 
@@ -89,12 +90,18 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
         per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
-    pieces = ["batch"] + (["transfer"] if len(segs) > 1 else [])
-    for name, used in (("ddp_sum", any(s.sync == "allreduce" and s.overlap for s in segs)),
-                       ("buckets", any(s.sync == "allreduce" and not s.overlap for s in segs)),
+    pl = spec.pipeline
+    pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else [])
+    for name, used in (("ddp_sum", not pl and any(s.sync == "allreduce" and s.overlap for s in segs)),
+                       ("buckets", any(s.sync == "allreduce" and (not s.overlap or pl) or s.mode == "spatial" for s in segs)),
                        ("param_server", any(s.sync == "parameter_server" for s in segs)),
                        ("broadcast_sync", any(s.sync == "broadcast" for s in segs)),
-                       ("syncbn", any(s.sync_batchnorm for s in segs))):
+                       ("syncbn", any(s.sync_batchnorm for s in segs)),
+                       ("channel", any(s.mode == "channel" for s in segs)),
+                       ("tensor", any(s.mode == "tensor" or s.shard == "full" for s in segs)),
+                       ("spatial", any(s.mode == "spatial" for s in segs)),
+                       ("sharding", any(s.shard != "none" for s in segs)),
+                       ("replicate", any(TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:])))):
         if used:
             pieces.append(name)
     piece_imports, piece_text = runtime.assemble(pieces)
@@ -113,7 +120,8 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
     if any(s.sync_batchnorm for s in segs):
         parts.append(SYNC_BATCHNORM)
     parts += [model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
-              train_source(segs, devices, cut, ckpt), (TEMPLATES / "main.py").read_text()]
+              pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches) if pl else
+              train_source(segs, devices, cut, ckpt, zero_args(spec)), (TEMPLATES / "main.py").read_text()]
     text = "\n\n".join(p.strip("\n") + "\n" for p in parts)
     ast.parse(text)  # a generator bug should fail here, not in a worker
     return Program(text, devices, nproc, len(per_node))
@@ -127,6 +135,13 @@ def sync_batchnorm(module, group, device):
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, group)
     return convert_sync_batchnorm_cpu(module, group)
 '''
+
+
+def zero_args(spec: Spec) -> str:
+    """`torch.optim.Adam, lr=0.001`: what ZeroRedundancyOptimizer is given to shard."""
+    opt = spec.training.optimizer
+    kwargs = ({"lr": opt.lr} if opt.lr is not None else {}) | opt.kwargs
+    return ", ".join([f"torch.optim.{_dotted(opt.op, 'optimizer', opt.loc)}"] + ([call_args([], kwargs)] if kwargs else []))
 
 
 def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
@@ -156,6 +171,8 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
                 what = f"{s.name} ({s.layers[0]}{'..' + s.layers[-1] if len(s.layers) > 1 else ''})"
                 if s.mode == "data":
                     what += f" 1/{len(s.ranks)} of the batch"
+                elif s.mode != "none":
+                    what += f" {s.mode} split 1/{len(s.ranks)}"
                 work.append(what)
             elif r == s.server:
                 work.append(f"parameter server of {s.name}")
@@ -347,7 +364,8 @@ def _member(spec: Spec, names: tuple[str, ...]) -> str:
 
 def _stage_doc(seg: Seg, devices) -> str:
     where = ", ".join(f"{devices[r]} (rank {r})" for r in seg.ranks)
-    mode = f", data parallel ({seg.sync}), {seg.rows} rows each" if seg.mode == "data" else ""
+    mode = f", data parallel ({seg.sync}), {seg.rows} rows each" if seg.mode == "data" else (
+        f", {seg.mode} split" if seg.mode != "none" else "")
     shown = ", ".join(seg.layers) if len(seg.layers) <= 6 else f"{seg.layers[0]} .. {seg.layers[-1]}"
     return f'"""Segment {seg.k} {seg.name!r}: {shown} on {where}{mode}."""'
 

@@ -42,10 +42,15 @@ def ranks_text(ranks) -> str:
 
 
 class TrainWriter:
-    def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool):
+    def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = ""):
         self.segs, self.world, self.devices = segs, world, devices
         self.cut, self.checkpoint = cut, checkpoint
+        self.zero_args = zero_args
+        """`torch.optim.X, lr=...`: the optimizer class and arguments ZeroRedundancyOptimizer wraps."""
         self.c = Code(1)
+        # whose parameters are split (channel, tensor, FSDP): gathered whole by `owned()` to be saved
+        self.gathered = [s for s in segs if s.sharded_params and s.has_params and len(s.ranks) > 1]
+        self.own = "owned()" if self.gathered else "own"
 
     # -- small helpers ----------------------------------------------------------------------------
     def cond(self, ranks) -> str | None:
@@ -77,13 +82,24 @@ class TrainWriter:
         where = ", ".join(f"{self.devices[r]}" for r in seg.ranks)
         layers = seg.layers[0] if len(seg.layers) == 1 else f"{seg.layers[0]}..{seg.layers[-1]}"
         text = f"segment {seg.k} {seg.name!r} ({layers}) on {where}"
+        d = len(seg.ranks)
+        if seg.mode == "channel":
+            text += f": channel split, 1/{d} of every Linear/Conv's output channels each, gathered after"
+        elif seg.mode == "tensor":
+            text += f": tensor parallel, Linear pairs split by columns then rows over {d} ranks"
+        elif seg.mode == "spatial":
+            text += f": spatial split, 1/{d} of dim {seg.axis} each, halo rows exchanged before every Conv/Pool"
         if seg.mode == "data":
             if seg.sync == "parameter_server":
                 how = f"parameter server rank {seg.server} ({self.devices[seg.server]})"
             elif seg.sync == "broadcast":
                 how = f"parameters broadcast from rank {seg.ranks[0]}"
+            elif seg.shard == "full":
+                how = "parameters, gradients and optimizer state sharded (FSDP)"
             else:
                 how = f"gradients all-reduced {'by DDP during backward' if seg.overlap else 'after backward'}"
+            if seg.shard == "optimizer":
+                how += ", optimizer state sharded (ZeRO)"
             text += f": data parallel, {seg.rows} rows each, {how}"
         return text
 
@@ -128,12 +144,28 @@ class TrainWriter:
         c("", "# every segment this rank computes or keeps, and its optimizers",
           f"modules = [m for m in {self.tuple_of('seg')} if m is not None]",
           f"optimizers = [o for o in {self.tuple_of('opt')} if o is not None]")
+        if self.gathered:
+            self.owned()
+
+    def owned(self) -> None:
+        c = self.c
+        c("", "def owned():").indent()
+        c('"""name -> whole parameter, for those this rank owns. Split parameters are gathered',
+          'first: every rank of their group takes part."""', "params = dict(own)")
+        for seg in self.gathered:
+            if seg.mode == "channel":
+                body = [f"channel_unshard(seg{seg.k})  # segment {seg.k}: the channel slices back into the full layers",
+                        f"whole = named_params(full{seg.k}, model)"]
+            else:
+                body = [f"whole = whole_params(named_params(seg{seg.k}, model))  # segment {seg.k}: DTensors gathered"]
+            self.when(seg.ranks, *body, f"if rank == {seg.owner}:", "    params.update(whole)")
+        c("return params").dedent()
 
     def setup_segment(self, seg: Seg) -> None:
         c, k = self.c, seg.k
         c("", f"# {self.describe(seg)}")
         group = None
-        if seg.mode == "data":  # every rank creates every group, in the same order
+        if seg.mode != "none":  # every rank creates every group, in the same order
             group = f"g{k}"
             ranks = sorted(seg.holders) if seg.sync == "parameter_server" else list(seg.ranks)
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
@@ -148,7 +180,9 @@ class TrainWriter:
             c(f"model, pipe = cut_model({seg.rows})", f"stage = {seg.func}(model, pipe).to(device)")
         else:
             c(f"stage = {seg.func}(model).to(device)")
-        if seg.has_params:
+        if seg in self.gathered:
+            pass  # saved through owned()
+        elif seg.has_params:
             if seg.owner in seg.holders and len(seg.holders) > 1:
                 c(f"if rank == {seg.owner}:").indent()("own.update(named_params(stage, model))").dedent()
             else:
@@ -156,11 +190,24 @@ class TrainWriter:
         if seg.sync_batchnorm:
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
-        if seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
+        ranks = list(seg.ranks)
+        if seg.mode == "channel":
+            c(f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
+              f"seg{k} = ChannelSplit(stage, {group}, {ranks})")
+        elif seg.mode == "tensor":
+            c(f"tensor_parallelize(stage, {group}, device.type)  # Linear pairs: column split, then row split",
+              f"seg{k} = stage")
+        elif seg.mode == "spatial":
+            c(f"seg{k} = SpatialSplit(stage, {group}, {ranks}, dim={seg.axis}, size={seg.in_shape[seg.axis]})")
+        elif seg.shard == "full":
+            c(f"seg{k} = fully_shard_segment(stage, {group}, device.type)  # gradients reduce-scattered in backward")
+        elif seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
             c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids)")
         else:
             c(f"seg{k} = stage")
-        if seg.has_params:
+        if seg.has_params and seg.shard == "optimizer":
+            c(f"opt{k} = zero_optimizer(seg{k}.parameters(), {group}, {self.zero_args})  # each rank steps 1/{len(ranks)}")
+        elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
                 c(f"if rank == {seg.owner}:  # it alone keeps the optimizer")
                 c(f"    opt{k} = make_optimizer(seg{k}.parameters())")
@@ -184,9 +231,14 @@ class TrainWriter:
         last = segs[-1]
         c("", "# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM",
           "loss = None")
-        y = "y" if len(last.ranks) == 1 else f"local_slice(y, {list(last.ranks)}, rank)"
+        if last.replicated:
+            c("# every rank of the last group holds the whole output: each backpropagates the whole loss")
+            c("# (reaching its own slices of the parameters); it counts once, on the first")
+        y = "y" if len(last.ranks) == 1 or last.replicated else f"local_slice(y, {list(last.ranks)}, rank)"
         self.when(last.ranks, f"loss = compute_loss(h{last.k}, {y}.to(device)) * (h{last.k}.shape[0] / BATCH_SIZE)",
                   "loss.backward()")
+        if last.replicated:
+            c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
         c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
         for seg in reversed(segs[1:]):
             self.backward(seg)
@@ -199,16 +251,23 @@ class TrainWriter:
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",
-              "    save_checkpoint(args.out, step, rank, own, optimizers)")
+              f"    save_checkpoint(args.out, step, rank, {self.own}, optimizers)")
 
     def forward(self, seg: Seg) -> None:
         c, k = self.c, seg.k
         if k == 0:
-            x = "x" if len(seg.ranks) == 1 else f"local_slice(x, {list(seg.ranks)}, rank)"
+            x = "x" if len(seg.ranks) == 1 or seg.replicated else \
+                f"local_slice(x, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
             c(f"h0 = {self.guarded(f'seg0({x}.to(device))', seg.ranks)}")
             return
         prev = self.segs[k - 1]
-        if prev.ranks == seg.ranks:
+        if self.relaid(prev, seg):
+            c(f"with timer(\"comm\"):  # {self.layout_text(prev)} -> {self.layout_text(seg)}, {list(seg.in_shape)} in all")
+            c(f"    a{k} = relayout(h{k - 1}, {self.layout_arg(prev)}, {self.layout_arg(seg)}, {list(seg.in_shape)},",
+              f"              {self.src_group(prev)}{self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
+            if seg.grad_in:
+                self.when(seg.ranks, f"a{k}.requires_grad_()")
+        elif prev.layout == seg.layout:
             c(f"# segment {k} reads segment {k - 1}'s output on the same rank(s): no copy")
             leaf = f"h{k - 1}.detach()" + (".requires_grad_()" if seg.grad_in else "")
             c(f"a{k} = {self.guarded(leaf, seg.ranks)}")
@@ -227,7 +286,12 @@ class TrainWriter:
             c(f"# no gradient flows into segment {k - 1} (nothing before segment {k} trains)")
             return
         grad = self.guarded(f"a{k}.grad", seg.ranks)
-        if prev.ranks == seg.ranks:
+        if self.relaid(prev, seg):
+            c(f"with timer(\"comm\"):  # {self.layout_text(seg)} -> {self.layout_text(prev)} (gradient)")
+            c(f"    d{k - 1} = relayout_grad({grad}, {self.layout_arg(prev)}, {self.layout_arg(seg)},",
+              f"                       {list(seg.in_shape)}, {self.src_group(prev)}{self.dtype_arg(seg)}"
+              f"route={self.route(seg)}, device=device)")
+        elif prev.layout == seg.layout:
             c(f"d{k - 1} = {grad}")
         else:
             c(f"with timer(\"comm\"):  # {self.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)")
@@ -252,7 +316,11 @@ class TrainWriter:
             self.when(seg.ranks, 'with timer("comm"):  # gradients summed on the root, which steps',
                       f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, g{k}, "
                       f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        elif seg.sync == "allreduce" and not seg.overlap:
+        elif seg.mode == "spatial":
+            self.when(seg.ranks, 'with timer("comm"):  # each rank\'s weight gradients cover its bands only',
+                      f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={seg.bucket_mb!r})",
+                      f"opt{k}.step()")
+        elif seg.sync == "allreduce" and not seg.overlap and seg.shard != "full":
             self.when(seg.ranks, 'with timer("comm"):',
                       f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={seg.bucket_mb!r})",
                       f"opt{k}.step()")
@@ -262,10 +330,34 @@ class TrainWriter:
     def finish(self) -> None:
         c = self.c
         c("seconds = time.perf_counter() - start")
-        c("finish(args, rank, world, losses, own, seconds, simulated=simulate, simulate_reason=why,",
+        c(f"finish(args, rank, world, losses, {self.own}, seconds, simulated=simulate, simulate_reason=why,",
           '       backend=backend.split(",")[-1].split(":")[-1])',
           "dist.barrier()  # no rank tears down gloo while a peer still talks to it",
           "dist.destroy_process_group()")
+
+    # -- layouts: how a group holds the activations that enter and leave it ---------------------------
+    @staticmethod
+    def relaid(prev: Seg, seg: Seg) -> bool:
+        """Whether the copy between two segments needs `relayout` (a replicated group, or a split
+        along something other than rows) rather than the plain row-wise `redistribute`."""
+        return prev.layout != seg.layout and any(s.replicated or s.split_dim for s in (prev, seg))
+
+    @staticmethod
+    def layout_arg(seg: Seg) -> str:
+        ranks, dim, replicated = seg.layout
+        return f"({ranks}, {dim}, {replicated})"
+
+    @staticmethod
+    def layout_text(seg: Seg) -> str:
+        if len(seg.ranks) == 1:
+            return ranks_text(seg.ranks)
+        if seg.replicated:
+            return f"{ranks_text(seg.ranks)} (whole on each)"
+        return f"{ranks_text(seg.ranks)} ({'rows' if seg.split_dim == 0 else f'bands of dim {seg.split_dim}'})"
+
+    @staticmethod
+    def src_group(prev: Seg) -> str:
+        return f"src_group=g{prev.k}, " if prev.replicated and len(prev.ranks) > 1 else ""
 
     # -- descriptions -------------------------------------------------------------------------------
     def transfer_text(self, src, dst, shape) -> str:
@@ -277,6 +369,6 @@ class TrainWriter:
         return "" if seg.in_dtype == "float32" else f"dtype=torch.{seg.in_dtype}, "
 
 
-def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool) -> str:
+def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "") -> str:
     """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`)."""
-    return TrainWriter(segs, len(devices), devices, cut, checkpoint).write()
+    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args).write()

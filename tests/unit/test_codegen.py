@@ -17,14 +17,6 @@ from placer.spec.check import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))
-# Modes this version does not write yet: generate says so (G001) instead of writing a wrong program.
-NOT_GENERATED = {"pipeline", "channel", "tensor", "spatial", "shard"}
-
-
-def _expect_generated(spec) -> bool:
-    modes = {s.mode for s in spec.placement} | {"shard" for s in spec.placement if s.parallel.shard != "none"}
-    return spec.pipeline is None and not modes & NOT_GENERATED
-
 
 def _imported_modules(tree) -> set[str]:
     names = set()
@@ -37,13 +29,8 @@ def _imported_modules(tree) -> set[str]:
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
-def test_every_example_spec_generates_a_program_or_says_why_not(path):
+def test_every_example_spec_generates_a_program(path):
     spec = load_spec(str(path))
-    if not _expect_generated(spec):
-        with pytest.raises(PlanError) as err:
-            generate(spec)
-        assert err.value.diagnostics[0].code == "G001"
-        return
     program = generate(spec, filename="prog.py")
     tree = ast.parse(program.text)
     imported = _imported_modules(tree)
@@ -74,10 +61,7 @@ def test_program_model_has_the_reference_parameter_names(name):
     from placer.model.build import build_module
 
     spec = load_spec(str(ROOT / "specs" / f"{name}.yaml"))
-    try:
-        program = generate(spec)
-    except PlanError:
-        pytest.skip(f"{name} uses a mode this version does not generate")
+    program = generate(spec)
     ns = _program_namespace(program.text)
     got = [n for n, _ in ns["build_model"]().named_parameters()]
     want = [n for n, _ in build_module(spec).named_parameters()]
@@ -141,10 +125,63 @@ def test_generate_cli_writes_the_program(tmp_path):
 
 
 def test_generate_cli_reports_an_unsupported_mode_without_traceback(tmp_path):
-    r = CliRunner().invoke(main, ["generate", str(ROOT / "specs" / "mlp_tensor.yaml"), "-o", str(tmp_path / "p.py")])
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text((ROOT / "specs" / "mlp_pipeline_data_stages.yaml").read_text().replace(
+        "parallel: data\n  - name: stage1", "parallel: {mode: data, sync: broadcast}\n  - name: stage1"))
+    r = CliRunner().invoke(main, ["validate", str(spec_file)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["generate", str(spec_file), "-o", str(tmp_path / "p.py")])
     assert r.exit_code == 1
-    assert "error[G001]" in r.stderr and "Traceback" not in r.output
+    assert "error[G001]" in r.stderr and "sync 'broadcast'" in r.stderr and "Traceback" not in r.output
     assert not (tmp_path / "p.py").exists()
+
+
+# what each mode's program calls: the pasted piece that does the mode's communication
+MODE_CALLS = {
+    "cnn_channel": ["seg0 = ChannelSplit(stage, g0, [0, 1])", "relayout(h0, ([0, 1], 0, True), ([0], 0, False)",
+                    "channel_unshard(seg0)"],
+    "mlp_tensor": ["tensor_parallelize(stage, g0, device.type)", "whole_params(named_params(seg0, model))"],
+    "cnn_spatial": ["SpatialSplit(stage, g0, [0, 1], dim=2, size=16)", "local_slice(x, [0, 1], rank, 2)",
+                    "relayout(h0, ([0, 1], 2, False), ([0], 0, False)", "all_reduce_grads(seg0.parameters(), g0"],
+    "mlp_data_shard_optimizer": ["zero_optimizer(seg0.parameters(), g0, torch.optim.", "ddp_sum("],
+    "mlp_data_shard_full": ["fully_shard_segment(stage, g0, device.type)"],
+    "mlp_data_sync_batchnorm": ["sync_batchnorm(stage, g"],
+    "mlp_pipeline_data_stages": ["PIPELINES = [[0, 2], [1, 3]]", "make_pipeline_schedule('1f1b', stages, 4",
+                                 "x = pipeline_local_batch(x, 4, 2, j)", "all_reduce_grads(seg1.parameters(), g1"],
+    "mlp_pipeline_interleaved_1f1b": ["PIPELINES = [[0, 1]]", "make_pipeline_schedule('interleaved_1f1b', stages, 4"],
+    "mlp_pipeline_dualpipev": ["make_pipeline_schedule('dualpipev'"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODE_CALLS))
+def test_each_mode_program_calls_its_pieces(name):
+    text = generate(load_spec(str(ROOT / "specs" / f"{name}.yaml"))).text
+    for call in MODE_CALLS[name]:
+        assert call in text, call
+    if "PIPELINES" in text:  # stages send through torch's schedules, not our point-to-point copies
+        assert "redistribute(" not in text and "DistributedDataParallel" not in text
+
+
+def test_a_spatial_segment_that_ends_the_model_is_refused(tmp_path):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text("""placer: 1
+name: seg_map
+model:
+  layers:
+    - {name: conv1, op: Conv2d, args: [3, 4, 3], kwargs: {padding: 1}}
+    - {name: act, op: ReLU}
+    - {name: conv2, op: Conv2d, args: [4, 2, 3], kwargs: {padding: 1}}
+  input: {shape: [B, 3, 8, 8]}
+  target: {shape: [B, 2, 8, 8]}
+  loss: MSELoss
+devices: [cpu, "cpu:1"]
+placement:
+  - {layers: conv1..conv2, devices: [cpu, "cpu:1"], parallel: spatial}
+training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}
+""")
+    with pytest.raises(PlanError) as err:
+        generate(load_spec(str(spec_file)))
+    assert err.value.diagnostics[0].code == "G001" and "ends the model" in err.value.diagnostics[0].message
 
 
 def test_generate_cli_reports_an_invalid_spec(tmp_path):

@@ -46,3 +46,40 @@ def redistribute_replicated_grad(grad, src_ranks, dst_ranks, full_shape, dim=0,
         g = torch.empty(full_shape, dtype=dtype, device=device)
     dist.broadcast(g, src[0], group=src_group)
     return g
+
+
+def _via(src, dst):
+    """How relayout moves between layouts (ranks, dim, replicated): the dim both sides cut,
+    or None when they cut different dims (then the tensor goes whole through dst's first rank)."""
+    (sr, sd, srep), (dr, dd, drep) = src, dst
+    src_whole, dst_whole = srep or len(sr) == 1, drep or len(dr) == 1
+    if src_whole or dst_whole or sd == dd:
+        return dd if src_whole else sd
+    return None
+
+
+def relayout(x, src, dst, full_shape, src_group=None, dtype=torch.float32, route="direct",
+             device="cpu"):
+    """Move an activation between two groups' layouts, each (ranks, dim, replicated): slices
+    along dim over ranks (rows of a data group, bands of a spatial one), or the whole tensor
+    on every rank (replicated: channel and tensor groups). Every rank of the program calls."""
+    dim = _via(src, dst)
+    if dim is None:  # rows -> bands (or back): merge on one rank, then cut the other dim
+        mid = ([dst[0][0]], dst[1], False)
+        x = relayout(x, src, mid, full_shape, src_group, dtype, route, device)
+        return relayout(x, mid, dst, full_shape, src_group, dtype, route, device)
+    return redistribute_replicated(x, src[0], dst[0], full_shape, dim, src[2], dst[2], src_group,
+                                   dtype, route, device)
+
+
+def relayout_grad(grad, src, dst, full_shape, src_group=None, dtype=torch.float32,
+                  route="direct", device="cpu"):
+    """Backward of relayout with the same arguments: grad is this rank's gradient of what it
+    received; returns the gradient of what it sent (None outside src's ranks)."""
+    dim = _via(src, dst)
+    if dim is None:
+        mid = ([dst[0][0]], dst[1], False)
+        grad = relayout_grad(grad, mid, dst, full_shape, src_group, dtype, route, device)
+        return relayout_grad(grad, src, mid, full_shape, src_group, dtype, route, device)
+    return redistribute_replicated_grad(grad, src[0], dst[0], full_shape, dim, src[2], dst[2],
+                                        src_group, dtype, route, device)

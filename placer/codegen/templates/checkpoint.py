@@ -4,8 +4,15 @@ def save_checkpoint(out, step, rank, own, optimizers):
     root = os.path.join(out or ".", CHECKPOINT_DIR)
     path = os.path.join(root, f"step_{step + 1}")
     os.makedirs(path, exist_ok=True)
-    state = {"step": step + 1, "params": {n: p.detach().cpu() for n, p in own.items()},
-             "optimizers": [opt.state_dict() for opt in optimizers]}
+    states = []
+    for opt in optimizers:
+        if hasattr(opt, "consolidate_state_dict"):  # ZeRO: the shards' state, on the group's first rank
+            first = dist.get_process_group_ranks(opt.process_group)[0]
+            opt.consolidate_state_dict(to=first)
+            if rank != first:
+                continue
+        states.append(opt.state_dict())
+    state = {"step": step + 1, "params": {n: p.detach().cpu() for n, p in own.items()}, "optimizers": states}
     torch.save(state, os.path.join(path, f"rank{rank}.pt"))
     dist.barrier()  # every rank's file is written before old checkpoints go
     if rank == 0:

@@ -66,11 +66,14 @@ def counted(call):
 
 
 def count_sent_bytes():
-    """From here on, every send and collective of this process (the pasted pieces' and DDP's
-    hook's too) counts its payload in SENT."""
+    """From here on, every send and collective of this process (the pasted pieces', DDP's
+    hook's and the pipeline stages' too) counts its payload in SENT."""
     for call in ("send", "isend", "all_reduce", "reduce", "broadcast"):
         if not hasattr(getattr(dist, call), "counts_bytes"):
             setattr(dist, call, counted(getattr(dist, call)))
+    # pipeline stages send as P2POp(dist.isend, ...), which torch accepts only if it is the
+    # module's own isend: make the counting one that
+    dist.distributed_c10d.isend = dist.isend
 
 
 @contextlib.contextmanager

@@ -1,0 +1,107 @@
+"""The generated program's `train(args)` for a spec with `pipeline:`: the segments become
+stages of torch.distributed.pipelining, and one torch schedule (GPipe, 1F1B, interleaved,
+zero-bubble, ...) runs every micro-batch's forward and backward and their sends.
+
+With data-parallel stages (every stage on d devices) there are d pipelines: pipeline j is
+the j-th rank of every stage's group and takes slice j of every micro-batch. After the
+schedule's step each stage's gradients are summed over its group, then every stage steps.
+The schedule gets a loss that is the micro-batch mean times its share of the global batch
+(`pipeline_loss`, scale_grads=False), so the summed gradients are the one-device ones.
+"""
+from __future__ import annotations
+
+from placer.codegen.segments import Seg
+from placer.codegen.train import TrainWriter
+
+
+def pipelines(segs: list[Seg]) -> list[list[int]]:
+    """Pipeline j's ranks in stage-owner order (group rank i of its process group runs the
+    stages at position i). Every layout the validator accepts (one stage per group,
+    round-robin, V) has its distinct groups first in stage order, so position i is the
+    i-th distinct group."""
+    groups: list[tuple[int, ...]] = []
+    for s in segs:
+        if s.ranks not in groups:
+            groups.append(s.ranks)
+    return [[g[j] for g in groups] for j in range(len(segs[0].ranks))]
+
+
+class PipelineWriter(TrainWriter):
+    def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, schedule: str,
+                 microbatches: int):
+        super().__init__(segs, world, devices, cut, checkpoint)
+        self.schedule, self.microbatches = schedule, microbatches
+        self.pipelines = pipelines(segs)
+        self.degree = len(segs[0].ranks)
+
+    def setup_segment(self, seg: Seg) -> None:
+        c, k = self.c, seg.k
+        c("", f"# {self.describe(seg)}")
+        if self.degree > 1:
+            c(f"g{k} = dist.new_group({list(seg.ranks)})  # its gradients are summed over this group")
+        c(f"seg{k} = opt{k} = None")
+        self.c(f"if {self.cond(seg.ranks)}:").indent()
+        if self.cut:
+            c(f"model, pipe = cut_model({seg.rows})", f"seg{k} = {seg.func}(model, pipe).to(device)")
+        else:
+            c(f"seg{k} = {seg.func}(model).to(device)")
+        if seg.has_params:
+            if self.degree > 1:
+                c(f"if rank == {seg.owner}:", f"    own.update(named_params(seg{k}, model))")
+            else:
+                c(f"own.update(named_params(seg{k}, model))")
+            c(f"opt{k} = make_optimizer(seg{k}.parameters())")
+        c.dedent()
+
+    def setup(self) -> None:
+        super().setup()
+        c, n = self.c, len(self.segs)
+        c("", f"# the pipeline: {n} stages, {self.microbatches} micro-batches, schedule {self.schedule!r}")
+        if self.degree > 1:
+            c(f"# {self.degree} pipelines, one per data replica: pipeline j is the j-th rank of every stage's group")
+        c(f"PIPELINES = {self.pipelines}  # each pipeline's ranks; group rank i runs the stages at position i",
+          "pp_groups = [pipeline_group(ranks) for ranks in PIPELINES]  # every rank creates every group",
+          "j = next(i for i, ranks in enumerate(PIPELINES) if rank in ranks)  # this rank's pipeline",
+          f"mine = {{s: m for s, m in enumerate({self.tuple_of('seg')}) if m is not None}}  # stage index -> module",
+          f"stages = pipeline_stages(mine, {n}, pp_groups[j], device)",
+          f"schedule = make_pipeline_schedule({self.schedule!r}, stages, {self.microbatches}, compute_loss, BATCH_SIZE)")
+
+    def step(self) -> None:
+        c, last = self.c, len(self.segs) - 1
+        c('with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
+          "for m in modules:", "    m.zero_grad(set_to_none=True)")
+        if self.degree > 1:
+            c(f"# pipeline j's rows: slice j (of {self.degree}) of every micro-batch",
+              f"x = pipeline_local_batch(x, {self.microbatches}, {self.degree}, j)",
+              f"y = pipeline_local_batch(y, {self.microbatches}, {self.degree}, j)")
+        c("", "# every micro-batch's forward and backward, in the schedule's order; stages send",
+          "# activations and gradients to their neighbours. Returns this rank's summed micro-batch",
+          "# losses (0 unless it holds the last stage).",
+          f"loss = pipeline_step(schedule, x.to(device) if 0 in mine else None, y.to(device) if {last} in mine else None)")
+        if self.degree > 1:
+            c("", "# every stage's gradients summed over its data group")
+            for seg in self.segs:
+                if seg.has_params:
+                    self.when(seg.ranks, 'with timer("comm"):',
+                              f"    all_reduce_grads(seg{seg.k}.parameters(), g{seg.k}, bucket_mb={seg.bucket_mb!r})")
+        c("for opt in optimizers:", "    opt.step()")
+        c("", "# the loss of the whole batch: ranks without the last stage add 0",
+          "total = loss.float().cpu()", "dist.all_reduce(total)", "losses.append(total.item())",
+          "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
+        if self.checkpoint:
+            c("if (step + 1) % CHECKPOINT_EVERY == 0:",
+              "    save_checkpoint(args.out, step, rank, own, optimizers)")
+
+    def describe(self, seg: Seg) -> str:
+        layers = seg.layers[0] if len(seg.layers) == 1 else f"{seg.layers[0]}..{seg.layers[-1]}"
+        where = ", ".join(self.devices[r] for r in seg.ranks)
+        text = f"stage {seg.k} {seg.name!r} ({layers}) on {where}"
+        if len(seg.ranks) > 1:
+            text += f": data parallel, {seg.rows} rows of every micro-batch on each"
+        return text
+
+
+def pipeline_train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, schedule: str,
+                          microbatches: int) -> str:
+    return PipelineWriter(segs, len(devices), devices, cut, checkpoint, schedule, microbatches).write()
+
