@@ -36,6 +36,21 @@ MODES = [
     ("mlp_prefetch", "prefetch 4 batches in a thread", 2),
     ("mlp_user_data", "user data module", 2),
     ("tinygpt", "module model cut by torch.distributed.pipelining", 3),
+    ("cnn_channel", "channel-split convs (BatchNorm, pool), then a one-device classifier", 2),
+    ("mlp_tensor", "tensor parallel Linear pairs (DTensor), then a one-device head", 2),
+    ("cnn_spatial", "spatial halo split of a conv stack with a pool, then a one-device head", 2),
+    ("mlp_data_shard_optimizer", "data, optimizer state sharded (ZeroRedundancyOptimizer)", 2),
+    ("mlp_data_shard_full", "data, fully sharded (FSDP2 fully_shard)", 2),
+    ("mlp_data_sync_batchnorm", "data with BatchNorm under sync_batchnorm (CPU version)", 2),
+    ("cnn_mixed_modes", "rows, bands, channel, one device, tensor, rows: every layout change", 4),
+    ("mlp_pipeline_gpipe", "pipeline, GPipe, 4 stages", 4),
+    ("mlp_pipeline_1f1b", "pipeline, 1F1B, 4 stages", 4),
+    ("mlp_pipeline_data_stages", "pipeline, 1F1B, 2 stages each data parallel over 2", 4),
+    ("mlp_pipeline_interleaved_1f1b", "pipeline, interleaved 1F1B, 2 stages per device", 2),
+    ("mlp_pipeline_looped_bfs", "pipeline, looped BFS, 2 stages per device", 2),
+    ("mlp_pipeline_interleaved_zero_bubble", "pipeline, interleaved zero bubble", 2),
+    ("mlp_pipeline_zbv_zero_bubble", "pipeline, ZBV zero bubble (V layout)", 2),
+    ("mlp_pipeline_dualpipev", "pipeline, DualPipeV (V layout)", 2),
 ]
 MEASURED: dict[str, tuple] = {}
 
