@@ -50,6 +50,8 @@ class Seg:
     in_shape: tuple = ()
     """The entering activation on the global batch (the model input for segment 0)."""
     in_dtype: str = "float32"
+    out_shape: tuple = ()
+    """The activation leaving the segment, on the global batch."""
     rows: int = 0
     """Rows of the batch each rank of the group computes."""
     grad_in: bool = False
@@ -147,10 +149,6 @@ def program_segments(spec: Spec, graph: ModelGraph) -> list[Seg]:
         if mode in ("channel", "tensor", "spatial") and not spec.model.inline:
             raise _unsupported(spec, k, f"mode {mode!r} of a module model (`model.module`)",
                                "give the model as inline `layers`, or use mode data / none here")
-        if mode == "spatial" and k == len(spec.placement) - 1:
-            raise _unsupported(spec, k, "a spatial segment that ends the model",
-                               "put the layers after the last Conv/Pool (at least the loss input) in a segment "
-                               "of their own")
         ranks = tuple(devices.index(d) for d in placed.devices)
         first = graph.layer(placed.layers[0])
         if k == 0:
@@ -172,6 +170,7 @@ def program_segments(spec: Spec, graph: ModelGraph) -> list[Seg]:
             bucket_mb=float(opts.get("bucket_mb", 25.0)), overlap=bool(opts.get("overlap", True)),
             sync_batchnorm=bool(opts.get("sync_batchnorm", False)), route=placed.route,
             has_params=n_params > 0, in_shape=tuple(shape), in_dtype=dtype,
+            out_shape=tuple(graph.layer(placed.layers[-1]).out_shape or ()),
             rows=spec.training.batch_size // (spec.pipeline.microbatches if spec.pipeline else 1)
             // (len(ranks) if data else 1),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,

@@ -229,16 +229,30 @@ class TrainWriter:
         for seg in segs:
             self.forward(seg)
         last = segs[-1]
+        out, whole = f"h{last.k}", (list(last.ranks[:1]), 0, False)
+        if last.mode == "spatial":
+            out = "out"
+            c("", f"# the loss needs the whole output: the bands go to rank {last.ranks[0]}",
+              f"with timer(\"comm\"):  # {self.layout_text(last)} -> rank {last.ranks[0]}, {list(last.out_shape)}",
+              f"    out = relayout(h{last.k}, {self.layout_arg(last)}, {whole}, {list(last.out_shape)},",
+              f"                   route={self.route(last)}, device=device)")
+            self.when(last.ranks[:1], "out.requires_grad_()")
         c("", "# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM",
           "loss = None")
         if last.replicated:
             c("# every rank of the last group holds the whole output: each backpropagates the whole loss")
             c("# (reaching its own slices of the parameters); it counts once, on the first")
-        y = "y" if len(last.ranks) == 1 or last.replicated else f"local_slice(y, {list(last.ranks)}, rank)"
-        self.when(last.ranks, f"loss = compute_loss(h{last.k}, {y}.to(device)) * (h{last.k}.shape[0] / BATCH_SIZE)",
-                  "loss.backward()")
+        whole_y = len(last.ranks) == 1 or last.replicated or last.mode == "spatial"
+        y = "y" if whole_y else f"local_slice(y, {list(last.ranks)}, rank)"
+        self.when(last.ranks[:1] if out == "out" else last.ranks,
+                  f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)", "loss.backward()")
         if last.replicated:
             c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
+        if out == "out":
+            c(f"with timer(\"comm\"):  # the output's gradient back to the bands",
+              f"    d{last.k} = relayout_grad(out.grad if rank == {last.ranks[0]} else None, {self.layout_arg(last)}, "
+              f"{whole},", f"                       {list(last.out_shape)}, route={self.route(last)}, device=device)")
+            self.when(last.ranks, f"torch.autograd.backward(h{last.k}, d{last.k})")
         c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
         for seg in reversed(segs[1:]):
             self.backward(seg)

@@ -51,15 +51,26 @@ SENT = collections.Counter()  # payload bytes this rank hands to torch.distribut
 TIME = collections.Counter()  # seconds this rank spends per kind of work: data, comm
 
 
-def counted(call):
-    """torch.distributed's `call`, counting the bytes of the tensors this rank sends with it."""
+# What each counted call sends: (position, keyword) of the tensor it hands over
+SENT_ARG = {"send": (0, "tensor"), "isend": (0, "tensor"), "all_reduce": (0, "tensor"),
+            "reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),
+            "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input")}
+# DTensor (tensor parallel) talks through the functional collectives: the input comes first
+SENT_ARG_FUNCTIONAL = {"all_reduce": (0, "self"), "all_gather_single": (0, "self"),
+                       "reduce_scatter_single": (0, "self")}
+
+
+def counted(call, index, keyword):
+    """torch.distributed's `call`, counting the bytes of the tensor this rank sends with it
+    (argument `index` or `keyword`; a broadcast counts on its source only)."""
 
     @functools.wraps(call)
-    def wrapper(tensor, *args, **kwargs):
-        src = kwargs.get("src", args[0] if args else None)
+    def wrapper(*args, **kwargs):
+        tensor = kwargs[keyword] if keyword in kwargs else args[index]
+        src = kwargs.get("src", args[1] if len(args) > 1 else None)
         if call.__name__ != "broadcast" or src == dist.get_rank():
             SENT[call.__name__] += tensor.numel() * tensor.element_size()
-        return call(tensor, *args, **kwargs)
+        return call(*args, **kwargs)
 
     wrapper.counts_bytes = True
     return wrapper
@@ -67,10 +78,13 @@ def counted(call):
 
 def count_sent_bytes():
     """From here on, every send and collective of this process (the pasted pieces', DDP's
-    hook's and the pipeline stages' too) counts its payload in SENT."""
-    for call in ("send", "isend", "all_reduce", "reduce", "broadcast"):
-        if not hasattr(getattr(dist, call), "counts_bytes"):
-            setattr(dist, call, counted(getattr(dist, call)))
+    hook's, FSDP's, DTensor's and the pipeline stages' too) counts its payload in SENT."""
+    from torch.distributed import _functional_collectives as functional
+
+    for module, calls in ((dist, SENT_ARG), (functional, SENT_ARG_FUNCTIONAL)):
+        for name, (index, keyword) in calls.items():
+            if not hasattr(getattr(module, name), "counts_bytes"):
+                setattr(module, name, counted(getattr(module, name), index, keyword))
     # pipeline stages send as P2POp(dist.isend, ...), which torch accepts only if it is the
     # module's own isend: make the counting one that
     dist.distributed_c10d.isend = dist.isend
