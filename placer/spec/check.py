@@ -28,13 +28,6 @@ CHANNEL_KINDS = {"linear", "conv", "pool", "elementwise", "batchnorm"}
 # Norms with per-channel statistics split by channel; LayerNorm, GroupNorm, RMSNorm and
 # LocalResponseNorm mix channels and do not.
 CHANNEL_NORMS = {"InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"}
-MODE_OPTIONS = {
-    "none": set(),
-    "data": {"sync", "server", "bucket_mb", "overlap", "shard", "sync_batchnorm"},
-    "channel": set(),
-    "tensor": set(),
-    "spatial": {"dim"},
-}
 INT_DTYPES = {"int64", "int32", "bool"}
 MAX_LAYERS = 10_000
 
@@ -147,10 +140,6 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
         if p.mode != "none" and n < 2:
             diags.append(D("P021", f"segment {seg.name!r}: parallel mode {p.mode!r} needs at least 2 devices",
                            ploc, "use 'devices: [a, b, ...]', or drop 'parallel'"))
-        for opt in sorted(p.given - {"mode"} - MODE_OPTIONS[p.mode]):
-            owner = next((m for m, o in MODE_OPTIONS.items() if opt in o), "another mode")
-            diags.append(D("P022", f"segment {seg.name!r}: option {opt!r} belongs to mode {owner!r}, not {p.mode!r}",
-                           spec.doc.key_loc(("placement", seg.index, "parallel", opt)), f"remove {opt!r}"))
         if p.mode == "data":
             if p.sync == "parameter_server" and not p.server:
                 diags.append(D("P023", f"segment {seg.name!r}: sync 'parameter_server' needs 'server: DEVICE'",

@@ -3,6 +3,8 @@ small "programs" composed from the runtime pieces, compare with a one-process re
 
 The runtime pieces are not imported as a package here: every worker pastes them with
 ``runtime.source(...)`` and execs the text, exactly as a generated program contains them.
+A worker pastes only the pieces its module names (``world_results(jobs, pieces)``): the
+pipelining, FSDP and DTensor imports of the others cost a second or more per worker.
 
 `run_program` is the step loop the code generator emits, written once as a loop over
 segments instead of unrolled per segment; keep the two in step.
@@ -14,12 +16,15 @@ import copy
 import importlib.util
 import os
 import socket
+import sys
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -27,6 +32,8 @@ import torch.nn as nn
 
 RUNTIME_DIR = Path(__file__).resolve().parents[2] / "placer" / "codegen" / "runtime"
 RTOL, ATOL = 1e-5, 4e-5
+WORLD = 4
+BASE_PIECES = ["batch", "transfer"]  # what run_program and global_batch always call
 
 
 def load_runtime_package():
@@ -52,13 +59,20 @@ def pasted_runtime(names=None) -> dict:
 @dataclass
 class Segment:
     layers: tuple[int, int]  # [start, stop) indices into Scenario.layers
-    ranks: list[int]
+    ranks: list[int]  # listed order: slice order
     sync: str | None = None  # None (one device) | allreduce | parameter_server | broadcast
     overlap: bool = True  # allreduce: DDP (True) or bucketed all-reduce after backward
     server: int | None = None
     bucket_mb: float = 25.0
     sync_batchnorm: bool = False
     route: str = "direct"  # how this segment's input arrives
+    shard: str = "none"  # allreduce: none | optimizer (ZeRO-1) | full (FSDP2)
+    mode: str | None = None  # None (rows, or one device) | channel | tensor: replicated groups
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the whole activation (channel and tensor groups)."""
+        return self.mode in ("channel", "tensor")
 
 
 @dataclass
@@ -75,6 +89,9 @@ class Scenario:
     lr: float = 0.05
     momentum: float = 0.9
     kwargs: dict = field(default_factory=dict)  # per layer index: kwargs for its class
+
+
+MLP = [("Linear", 6, 16), ("ReLU",), ("Linear", 16, 16), ("ReLU",), ("Linear", 16, 4)]
 
 
 def build_model(sc: Scenario) -> nn.Sequential:
@@ -112,6 +129,27 @@ def make_optimizer(sc: Scenario, params):
     return torch.optim.SGD(params, lr=sc.lr, momentum=sc.momentum)
 
 
+def segment_module(full: nn.Sequential, layers: tuple[int, int]) -> nn.Sequential:
+    """full's layers [start, stop), under their own names (as a generated program's stages)."""
+    return nn.Sequential(OrderedDict((str(i), full[i]) for i in range(*layers)))
+
+
+def held_state(rt, full: nn.Sequential, held, whole: bool = False) -> dict:
+    """{"<layer>.<name>": tensor} of the layers `held`. whole: DTensor parameters (tensor
+    parallel, FSDP) gathered by unsharded_state_dict, a collective over each one's group."""
+    state = {}
+    for i in held:
+        layer = rt["unsharded_state_dict"](full[i]) if whole else full[i].state_dict()
+        state.update({f"{i}.{k}": v.detach().clone() for k, v in layer.items()})
+    return state
+
+
+def is_dtensor(t) -> bool:
+    """Without importing DTensor: a worker that never loaded it holds none."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def reference(sc: Scenario) -> dict:
     """One process, whole batch, mean loss: what every placement must reproduce."""
     rt = pasted_runtime(["batch"])
@@ -134,7 +172,8 @@ def reference(sc: Scenario) -> dict:
 
 
 def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
-    """A rank's whole training run, composed from the runtime pieces as codegen emits it."""
+    """A rank's whole training run, composed from the runtime pieces as codegen emits it:
+    one-device and data segments (every sync and shard), channel and tensor groups."""
     full = build_model(sc)  # every rank builds the full model from the seed
     shapes = activation_shapes(sc, full)
     segs = []
@@ -146,26 +185,37 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
             sync_group = dist.new_group(sync_ranks)
         else:
             sync_group = group
-        module, opt = None, None
+        module, opt, params = None, None, []
         if rank in sync_ranks:  # keep only what this rank holds
-            module = nn.Sequential(*[full[i] for i in range(*seg.layers)])
+            module = segment_module(full, seg.layers)
             if seg.sync_batchnorm:
                 module = rt["convert_sync_batchnorm_cpu"](module, group)
+            if seg.mode == "channel":
+                module = rt["ChannelSplit"](module, group, seg.ranks)
+            elif seg.mode == "tensor":
+                rt["tensor_parallelize"](module, group)
+            elif seg.shard == "full":
+                module = rt["fully_shard_segment"](module, group)
             params = list(module.parameters())
             owner = {"parameter_server": seg.server, "broadcast": seg.ranks[0]}.get(seg.sync, rank)
-            if rank == owner:
-                opt = make_optimizer(sc, params)
-            if seg.sync == "allreduce" and seg.overlap:
+            if seg.sync == "allreduce" and seg.overlap and seg.shard != "full":
                 module = rt["ddp_sum"](module, group, bucket_mb=seg.bucket_mb)
+            if seg.shard == "optimizer":  # each rank steps its part, after the summed gradients
+                opt = rt["zero_optimizer"](params, group, torch.optim.SGD, lr=sc.lr,
+                                           momentum=sc.momentum)
+            elif rank == owner and params:
+                opt = make_optimizer(sc, params)
         segs.append(dict(seg=seg, group=group, sync_group=sync_group, sync_ranks=sync_ranks,
-                         module=module, params=params if module is not None else [], opt=opt))
+                         module=module, params=params, opt=opt))
+    rep = [seg.replicated for seg in sc.segments]
 
     loss_fn = getattr(nn, sc.loss)()
     losses = []
     for step in range(sc.steps):
         x, y = global_batch(rt, sc, step, shapes[-1])  # the whole batch, on every rank
-        for p in full.parameters():
-            p.grad = None
+        for s in segs:
+            if s["module"] is not None:
+                s["module"].zero_grad(set_to_none=True)
         for s in segs:
             if s["seg"].sync == "broadcast" and rank in s["seg"].ranks:
                 rt["broadcast_sync_before_forward"](s["params"], s["group"], s["seg"].ranks[0],
@@ -175,7 +225,13 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
         for k, s in enumerate(segs):
             seg = s["seg"]
             if k == 0:
-                inp = rt["local_slice"](x, seg.ranks, rank) if rank in seg.ranks else None
+                inp = None
+                if rank in seg.ranks:
+                    inp = x if rep[0] else rt["local_slice"](x, seg.ranks, rank)
+            elif rep[k - 1] or rep[k]:
+                inp = rt["redistribute_replicated"](
+                    h, segs[k - 1]["seg"].ranks, seg.ranks, shapes[k], src_replicated=rep[k - 1],
+                    dst_replicated=rep[k], route=seg.route)
             else:
                 inp = rt["redistribute"](h, segs[k - 1]["seg"].ranks, seg.ranks, shapes[k],
                                          route=seg.route)
@@ -185,11 +241,12 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
                     inp.requires_grad_()
                 h = s["module"](inp)
             acts.append((inp, h))
-        # loss on the last segment's ranks, scaled by their share of the batch
+        # loss on the last segment's ranks, scaled by their share of the batch (a replicated
+        # group: every rank holds the whole batch and backpropagates the whole loss)
         loss_local = torch.zeros(())
         last = segs[-1]["seg"]
         if rank in last.ranks:
-            tgt = rt["local_slice"](y, last.ranks, rank)
+            tgt = y if rep[-1] else rt["local_slice"](y, last.ranks, rank)
             loss_local = loss_fn(h, tgt) * (h.shape[0] / sc.batch)
         # backward, segments in reverse: output grad in, input grad back to the previous group
         grad = None
@@ -199,12 +256,18 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
             if rank in seg.ranks:
                 if k == len(segs) - 1:
                     loss_local.backward()
-                else:
+                elif out.requires_grad:  # not so for a first segment without weights
                     torch.autograd.backward(out, grad)
             if k > 0:
                 g_in = inp.grad if rank in seg.ranks else None
-                grad = rt["redistribute_grad"](g_in, segs[k - 1]["seg"].ranks, seg.ranks,
-                                               shapes[k], route=seg.route)
+                prev = segs[k - 1]
+                if rep[k - 1] or rep[k]:
+                    grad = rt["redistribute_replicated_grad"](
+                        g_in, prev["seg"].ranks, seg.ranks, shapes[k], src_replicated=rep[k - 1],
+                        dst_replicated=rep[k], src_group=prev["group"], route=seg.route)
+                else:
+                    grad = rt["redistribute_grad"](g_in, prev["seg"].ranks, seg.ranks, shapes[k],
+                                                   route=seg.route)
         # gradient sync and optimizer steps, in spec order
         for s in segs:
             seg = s["seg"]
@@ -219,10 +282,13 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
                 rt["broadcast_sync_after_backward"](s["params"], s["opt"], s["group"],
                                                     seg.ranks[0], seg.bucket_mb)
             else:
-                if seg.sync == "allreduce" and not seg.overlap:
+                if seg.sync == "allreduce" and not seg.overlap and seg.shard != "full":
                     rt["all_reduce_grads"](s["params"], s["group"], seg.bucket_mb)
-                s["opt"].step()
+                if s["opt"] is not None:
+                    s["opt"].step()
         total = loss_local.detach().clone()
+        if rep[-1] and rank != last.ranks[0]:
+            total.zero_()  # the group's ranks hold the same loss: it counts once
         dist.all_reduce(total)  # ranks without the loss add 0
         losses.append(total.item())
 
@@ -230,9 +296,22 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
         if s["seg"].sync == "broadcast" and rank in s["seg"].ranks:
             rt["broadcast_sync_before_forward"](s["params"], s["group"], s["seg"].ranks[0],
                                                 s["seg"].bucket_mb)
-    held = sorted(i for s in segs if s["module"] is not None for i in range(*s["seg"].layers))
-    state = {f"{i}.{k}": v.clone() for i in held for k, v in full[i].state_dict().items()}
-    return {"losses": losses, "state": state}
+    out = {"losses": losses, "state": {}, "held": {}, "dtensor_params": False, "zero_params": None}
+    for k, s in enumerate(segs):  # in spec order: gathering DTensors is a collective
+        seg, module = s["seg"], s["module"]
+        if module is None:
+            continue
+        params = list(module.parameters())  # what this rank holds of segment k, now
+        out["held"][k] = sum((p.to_local() if is_dtensor(p) else p).numel() for p in params)
+        out["dtensor_params"] |= any(is_dtensor(p) for p in params)
+        if seg.shard == "optimizer":  # ZeRO: (parameters this rank steps, all of them)
+            out["zero_params"] = (sum(len(g["params"]) for g in s["opt"].optim.param_groups),
+                                  len(params))
+        if seg.mode == "channel":
+            rt["channel_unshard"](module)  # the slices back into the full layers
+        out["state"].update(held_state(rt, full, range(*seg.layers),
+                                       whole=seg.mode == "tensor" or seg.shard == "full"))
+    return out
 
 
 # ---------------------------------------------------------------------------- processes
@@ -244,11 +323,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, jobs, out_dir):
+def _worker(rank, world, port, jobs, pieces, out_dir):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
-    rt = pasted_runtime()
+    rt = pasted_runtime(BASE_PIECES + list(pieces))
     results = {}
     for job in jobs:
         t0 = time.perf_counter()
@@ -265,10 +344,11 @@ def _worker(rank, world, port, jobs, out_dir):
     dist.destroy_process_group()
 
 
-def run_world(world: int, jobs: list, timeout: float = 180.0) -> list[dict]:
-    """Run all jobs in one gloo world of `world` ranks; return each rank's results."""
+def run_world(jobs: list, pieces, world: int = WORLD, timeout: float = 180.0) -> list[dict]:
+    """Run all jobs in one gloo world of `world` ranks whose runtime is BASE_PIECES plus
+    `pieces` (and what they import); return each rank's results."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.spawn(_worker, args=(world, free_port(), jobs, out_dir), nprocs=world,
+        ctx = mp.spawn(_worker, args=(world, free_port(), jobs, pieces, out_dir), nprocs=world,
                        join=False)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
@@ -297,6 +377,40 @@ def check_scenario(sc: Scenario, per_rank: list[dict]) -> None:
                                        msg=lambda m: f"{sc.name} rank {rank} {key}: {m}")
     missing = set(ref_state) - seen
     assert not missing, f"{sc.name}: no rank holds {sorted(missing)}"
+
+
+def check_held_slices(scenarios, per_rank: list[dict]) -> None:
+    """On every rank of a multi-rank segment: less than the whole segment's weights, and
+    the group's holdings together at least all of them."""
+    for sc in scenarios:
+        model = build_model(sc)
+        for k, seg in enumerate(sc.segments):
+            if len(seg.ranks) < 2:
+                continue
+            whole = sum(p.numel() for i in range(*seg.layers) for p in model[i].parameters())
+            held = [per_rank[r][sc.name]["held"][k] for r in seg.ranks]
+            assert all(n < whole for n in held) and sum(held) >= whole, (sc.name, k, held)
+
+
+# ---------------------------------------------------------------------------- test modules
+
+
+def world_results(jobs: list, pieces, world: int = WORLD):
+    """A test module's `results` fixture: its jobs (Scenarios for run_program, or (name,
+    function, args)) run once in one gloo world that pasted BASE_PIECES plus `pieces`."""
+    @pytest.fixture(scope="module", name="results")
+    def results():
+        return run_world(jobs, pieces, world)
+    return results
+
+
+def training_test(scenarios: list):
+    """A test module's test_training_equals_one_device over its scenarios (needs the
+    module's `results` fixture): see check_scenario."""
+    @pytest.mark.parametrize("scenario", scenarios, ids=lambda sc: sc.name)
+    def test_training_equals_one_device(results, scenario):
+        check_scenario(scenario, results)
+    return test_training_equals_one_device
 
 
 # ---------------------------------------------------------------------------- plain jobs

@@ -3,8 +3,6 @@ every schedule by name trains exactly like one device (losses summed over microb
 gradients of the global mean with scale_grads=False), on a subgroup of the world, with
 stage owners out of rank order, several stages per rank, and data-parallel stages."""
 
-from collections import OrderedDict
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,8 +14,6 @@ except ImportError:
     import _harness as h
 
 pytestmark = pytest.mark.distributed
-
-WORLD = 4
 
 
 def run_pipeline(rt, rank, world, sc, schedule, n_microbatches):
@@ -39,7 +35,7 @@ def run_pipeline(rt, rank, world, sc, schedule, n_microbatches):
     losses, held = [], []
     if mine:
         j = mine[0]
-        modules = {s: nn.Sequential(OrderedDict((str(i), full[i]) for i in range(*seg.layers)))
+        modules = {s: h.segment_module(full, seg.layers)
                    for s, seg in enumerate(sc.segments) if seg.ranks[j] == rank}
         held = [i for s in modules for i in range(*sc.segments[s].layers)]
         stages = rt["pipeline_stages"](modules, n_stages, pp_groups[j])
@@ -62,8 +58,7 @@ def run_pipeline(rt, rank, world, sc, schedule, n_microbatches):
             opt.step()
         dist.all_reduce(reported)  # the last stage's ranks hold the losses, the others 0
         losses.append(reported.item())
-    state = {f"{i}.{k}": v.detach().clone() for i in held for k, v in full[i].state_dict().items()}
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": h.held_state(rt, full, held)}
 
 
 S = h.Segment
@@ -98,14 +93,8 @@ SCENARIOS = [sc for sc, _ in CASES]
 JOBS = [job for _, job in CASES]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return h.run_world(WORLD, JOBS)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
-def test_training_equals_one_device(results, scenario):
-    h.check_scenario(scenario, results)
+results = h.world_results(JOBS, ["pipeline", "buckets"])
+test_training_equals_one_device = h.training_test(SCENARIOS)
 
 
 def test_stage_owners_and_local_batches():

@@ -2,8 +2,6 @@
 stack split along H or W trains exactly like one device, bands even and uneven, stride,
 dilation, ceil_mode, padding only at the image borders, BatchNorm synced over the bands."""
 
-from collections import OrderedDict
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,8 +14,6 @@ except ImportError:
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 4
-
 
 def run_spatial(rt, rank, world, sc, ranks, dim, stop, merge_to):
     """Layers [0, stop) split along dim over ranks, the rest (the classifier) on rank
@@ -29,8 +25,8 @@ def run_spatial(rt, rank, world, sc, ranks, dim, stop, merge_to):
     head_ranks = ranks if merge_to is None else [merge_to]
     split = head = None
     if rank in ranks:
-        split = rt["SpatialSplit"](nn.Sequential(OrderedDict(
-            (str(i), full[i]) for i in range(stop))), group, ranks, dim, sc.in_shape[dim - 1])
+        split = rt["SpatialSplit"](h.segment_module(full, (0, stop)), group, ranks, dim,
+                                   sc.in_shape[dim - 1])
         split_opt = h.make_optimizer(sc, split.parameters())
     if rank in head_ranks:
         head = nn.Sequential(*[full[i] for i in range(stop, len(full))])
@@ -76,8 +72,7 @@ def run_spatial(rt, rank, world, sc, ranks, dim, stop, merge_to):
         losses.append(reported.item())
     held = (list(range(stop)) if split is not None else []) + (
         list(range(stop, len(full))) if head is not None else [])
-    state = {f"{i}.{k}": v.detach().clone() for i in held for k, v in full[i].state_dict().items()}
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": h.held_state(rt, full, held)}
 
 
 def case(sc, ranks, dim, stop, merge_to):
@@ -111,14 +106,9 @@ SCENARIOS = [sc for sc, _ in CASES]
 JOBS = [job for _, job in CASES]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return h.run_world(WORLD, JOBS)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
-def test_training_equals_one_device(results, scenario):
-    h.check_scenario(scenario, results)
+# channel: gather_channels; buckets: all_reduce_grads
+results = h.world_results(JOBS, ["spatial", "channel", "buckets"])
+test_training_equals_one_device = h.training_test(SCENARIOS)
 
 
 def test_band_ranges_and_unsupported_layers():

@@ -10,9 +10,7 @@ except ImportError:
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 4
-MLP = [("Linear", 6, 16), ("ReLU",), ("Linear", 16, 16), ("ReLU",), ("Linear", 16, 4)]
-S = h.Segment
+MLP, S = h.MLP, h.Segment
 TINY = 0.0005  # MB: about 500 bytes, so the 16x16 weight alone fills a bucket
 
 SCENARIOS = [
@@ -40,11 +38,5 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return h.run_world(WORLD, SCENARIOS)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
-def test_training_equals_one_device(results, scenario):
-    h.check_scenario(scenario, results)
+results = h.world_results(SCENARIOS, ["buckets", "ddp_sum", "param_server", "broadcast_sync"])
+test_training_equals_one_device = h.training_test(SCENARIOS)

@@ -12,7 +12,6 @@ except ImportError:
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 4
 S = h.Segment
 BN1D = [("Linear", 6, 16), ("BatchNorm1d", 16), ("ReLU",), ("Linear", 16, 4)]
 
@@ -37,14 +36,9 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return h.run_world(WORLD, SCENARIOS)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
-def test_training_equals_one_device(results, scenario):
-    h.check_scenario(scenario, results)  # running_mean/var and num_batches_tracked included
+# the state compared includes running_mean/var and num_batches_tracked
+results = h.world_results(SCENARIOS, ["buckets", "ddp_sum", "param_server", "syncbn"])
+test_training_equals_one_device = h.training_test(SCENARIOS)
 
 
 def test_convert_keeps_parameters_buffers_and_state_dict_keys():

@@ -8,44 +8,34 @@ import torch.nn as nn
 
 try:
     from . import _harness as h
-    from .test_runtime_channel import ModeSegment as M
-    from .test_runtime_channel import check_held_slices, job
 except ImportError:
     import _harness as h
-    from test_runtime_channel import ModeSegment as M
-    from test_runtime_channel import check_held_slices, job
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 4
+S = h.Segment
 TWO_PAIRS = [("Tanh",), ("Linear", 6, 16), ("GELU",), ("Linear", 16, 6), ("LayerNorm", 6),
              ("Linear", 6, 8), ("ReLU",), ("Tanh",), ("Linear", 8, 4)]
 
 SCENARIOS = [
     # two pairs with a replicated LayerNorm between, the loss on both ranks (reported once)
-    h.Scenario("two_pairs_2", TWO_PAIRS, [M((0, 9), [0, 1], "tensor")]),
+    h.Scenario("two_pairs_2", TWO_PAIRS, [S((0, 9), [0, 1], mode="tensor")]),
     # one rank -> 3-way tensor group (16 features as 6, 6, 4) -> one rank; layer 5 has
     # no partner (the segment ends after it) and runs replicated
     h.Scenario("between_ranks_3", TWO_PAIRS, loss="CrossEntropyLoss", segments=[
-        M((0, 1), [3]), M((1, 6), [1, 2, 0], "tensor"), M((6, 9), [3])]),
+        S((0, 1), [3]), S((1, 6), [1, 2, 0], mode="tensor"), S((6, 9), [3])]),
     # tensor group -> channel group: replicated to replicated
     h.Scenario("tensor_to_channel", TWO_PAIRS, segments=[
-        M((0, 5), [0, 1], "tensor"), M((5, 9), [1, 2, 3], "channel")]),
+        S((0, 5), [0, 1], mode="tensor"), S((5, 9), [1, 2, 3], mode="channel")]),
 ]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return h.run_world(WORLD, [job(sc) for sc in SCENARIOS])
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
-def test_training_equals_one_device(results, scenario):
-    h.check_scenario(scenario, results)
+results = h.world_results(SCENARIOS, ["tensor", "channel", "replicate"])
+test_training_equals_one_device = h.training_test(SCENARIOS)
 
 
 def test_split_segments_hold_a_slice_of_their_weights(results):
-    check_held_slices(SCENARIOS, results)
+    h.check_held_slices(SCENARIOS, results)
 
 
 def test_pairs_are_linears_joined_by_elementwise_layers():

@@ -10,9 +10,7 @@ except ImportError:
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 4
-MLP = [("Linear", 6, 16), ("ReLU",), ("Linear", 16, 16), ("ReLU",), ("Linear", 16, 4)]
-S = h.Segment
+MLP, S = h.MLP, h.Segment
 
 SCENARIOS = [
     # (a) layer-wise model parallel over 3 ranks: 1 -> 1 copies
@@ -42,10 +40,7 @@ CASES = [  # (src ranks, dst ranks, full shape, dim, route)
     ([0, 1, 2], [0, 1, 2], [12, 3], 0, "direct"),  # same group: local copies only
 ]
 
-
-@pytest.fixture(scope="module")
-def results():
-    return h.run_world(WORLD, SCENARIOS + [("cases", h.redistribute_cases, (CASES,))])
+results = h.world_results(SCENARIOS + [("cases", h.redistribute_cases, (CASES,))], ["ddp_sum"])
 
 
 def test_redistribute_moves_exact_values_and_gradients_back(results):
@@ -53,6 +48,4 @@ def test_redistribute_moves_exact_values_and_gradients_back(results):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda sc: sc.name)
-def test_training_equals_one_device(results, scenario):
-    h.check_scenario(scenario, results)
+test_training_equals_one_device = h.training_test(SCENARIOS)

@@ -16,18 +16,16 @@ pytest.importorskip("torch")
 from placer.cli.plan_cmd import build_and_plan  # noqa: E402
 from placer.spec.check import load_spec  # noqa: E402
 
-HEAD = """\
-placer: 1
-name: hand
-model:
-  layers:
-    - {name: fc1, op: Linear, args: [8, 16]}
-    - {name: act, op: ReLU}
-    - {name: fc2, op: Linear, args: [16, 4]}
-  input: {shape: [B, 8]}
-  target: {shape: [B], dtype: int64, high: 4}
-  loss: CrossEntropyLoss
-"""
+
+def spec_head(*layers: str, input_shape: str = "[B, 8]") -> str:
+    """A spec's first lines: the model of these layers, with 4-class targets."""
+    listed = "".join(f"    - {layer}\n" for layer in layers)
+    return (f"placer: 1\nname: hand\nmodel:\n  layers:\n{listed}  input: {{shape: {input_shape}}}\n"
+            "  target: {shape: [B], dtype: int64, high: 4}\n  loss: CrossEntropyLoss\n")
+
+
+FC1, ACT = "{name: fc1, op: Linear, args: [8, 16]}", "{name: act, op: ReLU}"
+HEAD = spec_head(FC1, ACT, "{name: fc2, op: Linear, args: [16, 4]}")
 # fc1: 8*16 + 16 = 144 params (576 B); fc2: 16*4 + 4 = 68 params (272 B); together 212 (848 B).
 
 
@@ -41,6 +39,11 @@ def plan_of(tmp_path, body: str, head: str = HEAD, optimizer: str = "{op: SGD, l
 
 def pairs(est) -> dict:
     return dict(est.comm.pairs)
+
+
+def bytes_by_kind(est) -> dict:
+    """{(op kind, phase): bytes sent} of the communication rows."""
+    return {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
 
 
 def test_data_parallel_allreduce(tmp_path):
@@ -136,19 +139,7 @@ def test_pipeline_sends_and_activations_in_flight(tmp_path, schedule, in_flight)
     assert (est.per_device["cuda:0"].flops, est.per_device["cuda:1"].flops) == (12288, 6144)
 
 
-CHANNEL_HEAD = """\
-placer: 1
-name: hand
-model:
-  layers:
-    - {name: fc1, op: Linear, args: [8, 16]}
-    - {name: act, op: ReLU}
-    - {name: fc2, op: Linear, args: [16, 8]}
-    - {name: head, op: Linear, args: [8, 4]}
-  input: {shape: [B, 8]}
-  target: {shape: [B], dtype: int64, high: 4}
-  loss: CrossEntropyLoss
-"""
+CHANNEL_HEAD = spec_head(FC1, ACT, "{name: fc2, op: Linear, args: [16, 8]}", "{name: head, op: Linear, args: [8, 4]}")
 # fc1: 144 params; fc2: 16*8 + 8 = 136; head: 8*4 + 4 = 36
 
 
@@ -159,7 +150,7 @@ def test_channel_parallel(tmp_path):
           - {layers: fc1..fc2, devices: [cuda:0, cuda:1], parallel: channel}
           - {layers: head, device: cuda:0}
         """, head=CHANNEL_HEAD)
-    rows = {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
+    rows = bytes_by_kind(est)
     # fc2 needs all 16 channels of its input (16*16*4 = 1024 B): all-gather, each device sends half
     assert rows[("all_gather", "fwd")] == 1024
     assert rows[("reduce_scatter", "bwd")] == 1024
@@ -187,7 +178,7 @@ def test_tensor_parallel(tmp_path):
     # one all-reduce per pair: fc2's output forward (512 B), fc1's input gradient backward (16*8*4 = 512 B);
     # ring of 2: each device sends 2*1/2*512 = 512
     assert sorted(ar) == [("bwd", "fc1", 512, 1024), ("fwd", "fc2", 512, 1024)]
-    rows = {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
+    rows = bytes_by_kind(est)
     assert rows[("merge", "fwd")] == 0  # cuda:0 already holds the whole output
     assert rows[("split", "bwd")] == 512  # the output gradient goes to cuda:1 too
     e0, e1 = est.per_device["cuda:0"], est.per_device["cuda:1"]
@@ -196,18 +187,7 @@ def test_tensor_parallel(tmp_path):
     assert e0.params == e1.params + 36
 
 
-BN_HEAD = """\
-placer: 1
-name: hand
-model:
-  layers:
-    - {name: fc1, op: Linear, args: [8, 16]}
-    - {name: bn, op: BatchNorm1d, args: [16]}
-    - {name: fc2, op: Linear, args: [16, 4]}
-  input: {shape: [B, 8]}
-  target: {shape: [B], dtype: int64, high: 4}
-  loss: CrossEntropyLoss
-"""
+BN_HEAD = spec_head(FC1, "{name: bn, op: BatchNorm1d, args: [16]}", "{name: fc2, op: Linear, args: [16, 4]}")
 # fc1 144 + bn 32 (weight, bias) + fc2 68 = 244 params = 976 B; bn buffers: mean, var (16 * 4 each) + count 8
 
 
@@ -257,19 +237,9 @@ def test_sync_batchnorm_and_broadcast_sync(tmp_path):
     assert e0.buffer_bytes == e1.buffer_bytes == 16 * 4 * 2 + 8
 
 
-SPATIAL = """\
-placer: 1
-name: hand
-model:
-  layers:
-    - {name: conv, op: Conv2d, args: [3, 4, 3], kwargs: {padding: 1}}
-    - {name: act, op: ReLU}
-    - {name: flat, op: Flatten}
-    - {name: head, op: Linear, args: [1024, 4]}
-  input: {shape: [B, 3, 16, 16]}
-  target: {shape: [B], dtype: int64, high: 4}
-  loss: CrossEntropyLoss
-"""
+SPATIAL = spec_head("{name: conv, op: Conv2d, args: [3, 4, 3], kwargs: {padding: 1}}", ACT,
+                    "{name: flat, op: Flatten}", "{name: head, op: Linear, args: [1024, 4]}",
+                    input_shape="[B, 3, 16, 16]")
 
 
 def test_spatial_halo_and_split(tmp_path):
@@ -283,7 +253,7 @@ def test_spatial_halo_and_split(tmp_path):
     # 3x3 conv, padding 1: one row from each neighbour; a row of the input is 8*3*16*4 = 1536 B
     assert [(r.op.phase, r.op.attrs["prev_rows"], r.op.attrs["next_rows"], r.bytes) for r in halo] == \
         [("fwd", 1, 1, 3072), ("bwd", 1, 1, 3072)]
-    rows = {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
+    rows = bytes_by_kind(est)
     # the conv output 8*4*16*16*4 = 32768 B is merged along H on cuda:0: cuda:1 sends its half
     assert rows[("merge", "fwd")] == 16384
     assert rows[("split", "bwd")] == 16384
