@@ -175,7 +175,7 @@ def program_segments(spec: Spec, graph: ModelGraph) -> list[Seg]:
             // (len(ranks) if data else 1),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
             shard=opts.get("shard", "none") if data else "none",
-            axis=opts.get("axis") if mode == "spatial" else None,
+            axis=opts["axis"] % len(shape) if mode == "spatial" else None,  # -1 is W of NCHW: 3
         ))
         any_params |= n_params > 0
     return out

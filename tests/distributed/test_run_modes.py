@@ -67,7 +67,8 @@ def print_measured():
 
 
 def run_check(spec: str, run_dir: Path, *extra: str):
-    result = CliRunner().invoke(main, ["run", str(ROOT / "specs" / f"{spec}.yaml"), "--check", "--steps",
+    path = ROOT / spec if "/" in spec else ROOT / "specs" / f"{spec}.yaml"
+    result = CliRunner().invoke(main, ["run", str(path), "--check", "--steps",
                                        str(STEPS), "--run-dir", str(run_dir), *extra])
     return result
 
@@ -112,3 +113,33 @@ def test_checkpoints_keep_the_newest(tmp_path):
     assert state["step"] == 6 and set(state["params"]) == {"fc3.weight", "fc3.bias", "head.weight", "head.bias"}
     torch.testing.assert_close(state["params"]["head.weight"], final["head.weight"], rtol=0, atol=0)
     assert state["optimizers"][0]["state"]  # SGD momentum buffers
+
+
+def test_spatial_bands_of_w_then_h(tmp_path):
+    """dim -1 (W of NCHW, counted from the end), then dim 2 (H) on the same devices: the bands
+    change dim through one device, and a strided conv and an AvgPool follow."""
+    run_dir = tmp_path / "run"
+    result = run_check("tests/cases/valid/spatial_dim_w_int/spec.yaml", run_dir)
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    check = json.loads((run_dir / "check.json").read_text())
+    assert check["ok"] and check["max_param_abs_diff"] <= ATOL
+    assert "SpatialSplit(stage, g0, [0, 1], dim=3, size=16)" in (run_dir / "program.py").read_text()
+
+
+def test_checkpoints_of_sharded_segments_hold_whole_values(tmp_path):
+    """A tensor-parallel segment's checkpoint holds the whole (gathered) parameters on the group's
+    first rank, equal to the final ones; a ZeRO optimizer's state is consolidated there."""
+    for name, opt_state_rank in (("mlp_tensor", 0), ("mlp_data_shard_optimizer", 0)):
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text((ROOT / "specs" / f"{name}.yaml").read_text().replace(
+            "  seed: 0", "  seed: 0\n  checkpoint: {dir: ckpt, every: 2, keep: 1}"))
+        run_dir = tmp_path / name
+        result = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(run_dir), "--steps", "2"])
+        assert result.exit_code == 0, result.output
+        state = torch.load(run_dir / "ckpt" / "step_2" / "rank0.pt", weights_only=False)
+        final = torch.load(run_dir / "final_params.pt")
+        for key, value in final.items():
+            if key in state["params"]:
+                torch.testing.assert_close(state["params"][key], value, rtol=0, atol=0)
+        assert "up1.weight" in state["params"] or "fc1.weight" in state["params"]
+        assert state["optimizers"][opt_state_rank]["param_groups"]
