@@ -198,6 +198,21 @@ def test_sync_batchnorm_without_batchnorm_warns():
     assert codes(d) == ["W002"]
 
 
+def test_batchnorm_warns_where_its_statistics_differ_from_one_device():
+    layers = BASE["model"]["layers"]
+    model = {**BASE["model"], "layers": layers[:1] + [{"name": "bn", "op": "BatchNorm1d", "args": [layers[0]["args"][1]]}]
+             + layers[1:]}
+    data = {"layers": "inp..head", "devices": ["cuda:0", "cuda:1"], "parallel": "data"}
+    assert codes(spec_with(model=model, devices=["cuda:0", "cuda:1"], placement=segs(data))) == ["W004"]
+    synced = {**data, "parallel": {"mode": "data", "sync_batchnorm": True}}
+    assert codes(spec_with(model=model, devices=["cuda:0", "cuda:1"], placement=segs(synced))) == []
+    assert codes(spec_with(model=model)) == []  # one device: the whole batch
+    piped = spec_with(model=model, devices=["cuda:0", "cuda:1"], pipeline={"microbatches": 2, "schedule": "gpipe"},
+                      placement=segs({"layers": "inp..bn", "device": "cuda:0"},
+                                     {"layers": f"{layers[1]['name']}..head", "device": "cuda:1"}))
+    assert codes(piped) == ["W004"]
+
+
 def test_dropout_warns_only_with_several_devices():
     model = {**BASE["model"], "layers": BASE["model"]["layers"][:2] + [{"name": "drop", "op": "Dropout"}]
              + BASE["model"]["layers"][2:]}
