@@ -21,7 +21,8 @@ from pathlib import Path
 from placer import __version__
 from placer.codegen import runtime
 from placer.codegen.pipeline import pipeline_train_source
-from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, node_of, program_segments, rank_order
+from placer.codegen.segments import (FLOAT_DTYPES, Seg, identifier, node_of, program_segments, rank_order,
+                                     torch_schedules_take)
 from placer.codegen.train import Code, TrainWriter, train_source
 from placer.diagnostics import Diagnostic, SpecError
 from placer.spec.types import Spec
@@ -90,7 +91,8 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
         per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
-    pl = spec.pipeline
+    pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
+    loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else [])
     for name, used in (("ddp_sum", not pl and any(s.sync == "allreduce" and s.overlap for s in segs)),
                        ("buckets", any(s.sync == "allreduce" and (not s.overlap or pl) or s.mode == "spatial" for s in segs)),
@@ -121,7 +123,7 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
         parts.append(SYNC_BATCHNORM)
     parts += [model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
               pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches) if pl else
-              train_source(segs, devices, cut, ckpt, zero_args(spec)), (TEMPLATES / "main.py").read_text()]
+              train_source(segs, devices, cut, ckpt, zero_args(spec), loops), (TEMPLATES / "main.py").read_text()]
     text = "\n\n".join(p.strip("\n") + "\n" for p in parts)
     ast.parse(text)  # a generator bug should fail here, not in a worker
     return Program(text, devices, nproc, len(per_node))

@@ -42,8 +42,11 @@ def ranks_text(ranks) -> str:
 
 
 class TrainWriter:
-    def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = ""):
+    def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
+                 microbatches: int = 0):
         self.segs, self.world, self.devices = segs, world, devices
+        self.microbatches = microbatches
+        """> 0: a gpipe pipeline that torch's schedules cannot run, written as micro-batch loops."""
         self.cut, self.checkpoint = cut, checkpoint
         self.zero_args = zero_args
         """`torch.optim.X, lr=...`: the optimizer class and arguments ZeroRedundancyOptimizer wraps."""
@@ -225,10 +228,56 @@ class TrainWriter:
                 self.when(seg.ranks, 'with timer("comm"):  # every replica starts from the root\'s weights',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        c("", "# forward, segment by segment")
+        if self.microbatches:
+            self.gpipe_step()
+        else:
+            c("", "# forward, segment by segment")
+            for seg in segs:
+                self.forward(seg)
+            self.loss(backward=True)
+            c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
+            for seg in reversed(segs[1:]):
+                self.backward(seg)
+        c("", "# gradient sync and optimizer steps, segment by segment")
+        for seg in segs:
+            self.sync(seg)
+        c("", "# the loss of the whole batch: ranks without it add 0",
+          "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()",
+          "dist.all_reduce(total)", "losses.append(total.item())",
+          "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
+        if self.checkpoint:
+            c("if (step + 1) % CHECKPOINT_EVERY == 0:",
+              f"    save_checkpoint(args.out, step, rank, {self.own}, optimizers)")
+
+    def gpipe_step(self) -> None:
+        """GPipe on placer's own copies: every micro-batch forward, then every one backward. Each
+        rank runs its part in that order and blocks only on its neighbours' messages, so stages
+        overlap as in GPipe. Used where torch's schedules cannot go (stages of different data
+        degrees, channel / tensor / spatial stages)."""
+        c, segs, m = self.c, self.segs, self.microbatches
+        last = segs[-1]
+        saved = [f"a{s.k}" for s in segs[1:]] + [f"h{s.k}" for s in segs] + (
+            ["out"] if last.mode == "spatial" else []) + ["loss"]
+        c("", f"# GPipe: every micro-batch forward, then every one backward; {m} micro-batches of "
+              f"{self.segs[0].rows * (len(segs[0].ranks) if segs[0].mode == 'data' else 1)} rows",
+          f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []",
+          f"for mb in range({m}):").indent()
+        c("x, y = xs[mb], ys[mb]")
         for seg in segs:
             self.forward(seg)
-        last = segs[-1]
+        self.loss(backward=False)
+        c(f"saved.append(({', '.join(saved)}))").dedent()
+        c("mb_losses = []", f"for mb in range({m}):").indent()
+        c(f"{', '.join(saved)} = saved[mb]")
+        self.loss_backward()
+        for seg in reversed(segs[1:]):
+            self.backward(seg)
+        c("mb_losses.append(loss)").dedent()
+        c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
+
+    def loss(self, backward: bool) -> None:
+        """The loss on the last group (and, with backward, its backward)."""
+        c, last = self.c, self.segs[-1]
         out, whole = f"h{last.k}", (list(last.ranks[:1]), 0, False)
         if last.mode == "spatial":
             out = "out"
@@ -245,27 +294,24 @@ class TrainWriter:
         whole_y = len(last.ranks) == 1 or last.replicated or last.mode == "spatial"
         y = "y" if whole_y else f"local_slice(y, {list(last.ranks)}, rank)"
         self.when(last.ranks[:1] if out == "out" else last.ranks,
-                  f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)", "loss.backward()")
+                  f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)",
+                  *(["loss.backward()"] if backward else []))
+        if backward:
+            self.loss_backward(computed=True)
+
+    def loss_backward(self, computed: bool = False) -> None:
+        """Backward from the loss into the last segment (`computed`: loss.backward() already ran)."""
+        c, last = self.c, self.segs[-1]
+        whole = (list(last.ranks[:1]), 0, False)
+        if not computed:
+            c("if loss is not None:", "    loss.backward()")
         if last.replicated:
             c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
-        if out == "out":
+        if last.mode == "spatial":
             c(f"with timer(\"comm\"):  # the output's gradient back to the bands",
               f"    d{last.k} = relayout_grad(out.grad if rank == {last.ranks[0]} else None, {self.layout_arg(last)}, "
               f"{whole},", f"                       {list(last.out_shape)}, route={self.route(last)}, device=device)")
             self.when(last.ranks, f"torch.autograd.backward(h{last.k}, d{last.k})")
-        c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
-        for seg in reversed(segs[1:]):
-            self.backward(seg)
-        c("", "# gradient sync and optimizer steps, segment by segment")
-        for seg in segs:
-            self.sync(seg)
-        c("", "# the loss of the whole batch: ranks without it add 0",
-          "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()",
-          "dist.all_reduce(total)", "losses.append(total.item())",
-          "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
-        if self.checkpoint:
-            c("if (step + 1) % CHECKPOINT_EVERY == 0:",
-              f"    save_checkpoint(args.out, step, rank, {self.own}, optimizers)")
 
     def forward(self, seg: Seg) -> None:
         c, k = self.c, seg.k
@@ -383,6 +429,7 @@ class TrainWriter:
         return "" if seg.in_dtype == "float32" else f"dtype=torch.{seg.in_dtype}, "
 
 
-def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "") -> str:
+def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "",
+                 microbatches: int = 0) -> str:
     """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`)."""
-    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args).write()
+    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches).write()

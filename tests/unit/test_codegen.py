@@ -152,6 +152,9 @@ MODE_CALLS = {
                                  "x = pipeline_local_batch(x, 4, 2, j)", "all_reduce_grads(seg1.parameters(), g1"],
     "mlp_pipeline_interleaved_1f1b": ["PIPELINES = [[0, 1]]", "make_pipeline_schedule('interleaved_1f1b', stages, 4"],
     "mlp_pipeline_dualpipev": ["make_pipeline_schedule('dualpipev'"],
+    "mlp_pipeline_gpipe_mixed": ["xs, ys, saved = x.chunk(4), y.chunk(4), []", "a1, a2, h0, h1, h2, loss = saved[mb]",
+                                 "relayout(h0, ([0, 1], 0, False), ([2, 3], 0, True), [4, 64],",
+                                 "all_reduce_grads(seg0.parameters(), g0"],
 }
 
 
@@ -162,3 +165,19 @@ def test_each_mode_program_calls_its_pieces(name):
         assert call in text, call
     if "PIPELINES" in text:  # stages send through torch's schedules, not our point-to-point copies
         assert "redistribute(" not in text and "DistributedDataParallel" not in text
+    if "saved[mb]" in text:  # micro-batch loops: DDP would all-reduce once per backward
+        assert "ddp_sum(" not in text.split("def train")[1]
+
+
+def test_schedules_other_than_gpipe_refuse_stages_torch_does_not_take(tmp_path):
+    spec_file = tmp_path / "spec.yaml"
+    text = (ROOT / "specs" / "mlp_pipeline_gpipe_mixed.yaml").read_text()
+    for old, new in (("schedule: gpipe", "schedule: 1f1b"), ("cuda:0, cuda:1, cuda:2", "cuda:0, cuda:2"),
+                     ("devices: [cuda:0, cuda:1], parallel: data", "device: cuda:0")):
+        text = text.replace(old, new)
+    spec_file.write_text(text)  # one device, then a tensor stage over 2: equal data degrees, valid
+    spec = load_spec(str(spec_file))
+    with pytest.raises(PlanError) as err:
+        generate(spec)
+    d = err.value.diagnostics[0]
+    assert d.code == "G001" and "mode 'tensor' under schedule '1f1b'" in d.message and "gpipe" in d.hint
