@@ -72,7 +72,8 @@ def summary_lines(metrics: dict, wall_s: float) -> list[str]:
         lines.append(f"{device:<16} {_size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
                      f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f}")
     lines.append("(bytes: payload this rank handed to send / collectives; comm: time in copies and "
-                 "gradient syncs, waiting included; DDP's overlapped all-reduce counts as compute)")
+                 "gradient syncs, waiting included; DDP's overlapped all-reduce and a pipeline schedule's sends "
+                 "count as compute)")
     return lines
 
 
