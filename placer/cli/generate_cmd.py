@@ -34,8 +34,11 @@ def command(spec_path, output, fmt):
 
     The program imports torch and the spec's own model / data files only (never placer),
     has one function per segment, and shows every copy, split, merge and gradient sync as
-    a plain call. This imports torch and, for `model.module` specs, RUNS THE USER'S MODEL
-    CODE (to trace shapes).
+    a plain call. Parallel modes use torch's own machinery where it fits (DDP, ZeRO,
+    FSDP2, DTensor tensor parallel, torch.distributed.pipelining schedules) and pasted,
+    readable pieces elsewhere (channel and spatial splits, halo exchange, copies).
+    This imports torch and, for `model.module` specs, RUNS THE USER'S MODEL CODE (to
+    trace shapes).
 
     \b
     Examples:
