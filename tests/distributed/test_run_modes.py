@@ -144,3 +144,17 @@ def test_checkpoints_of_sharded_segments_hold_whole_values(tmp_path):
                 torch.testing.assert_close(state["params"][key], value, rtol=0, atol=0)
         assert "up1.weight" in state["params"] or "fc1.weight" in state["params"]
         assert state["optimizers"][opt_state_rank]["param_groups"]
+
+
+EXAMPLES = sorted(p.parent.name for p in (ROOT / "examples").glob("*/spec.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_example_runs_and_matches_one_device(example, tmp_path):
+    """Each examples/ walk-through does what its README promises: `placer run spec.yaml --check`."""
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", str(ROOT / "examples" / example / "spec.yaml"), "--check", "--steps", "2",
+                                       "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    check = json.loads((run_dir / "check.json").read_text())
+    assert check["ok"] and len(check["steps"]) == 2
