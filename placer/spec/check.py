@@ -208,6 +208,25 @@ def _check_tensor_pairs(seg: Segment, seg_layers, kinds) -> list[Diagnostic]:
               "to another segment")]
 
 
+def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
+    """Why torch's pipeline schedules cannot run the spec's stages, as (segment index or None,
+    what), or None when they can: every stage one device or data parallel with sync
+    allreduce (no shard, no sync_batchnorm), all with the same data degree. placer then
+    generates `gpipe` as micro-batch loops on its own copies, and no other schedule."""
+    for k, seg in enumerate(spec.placement):
+        p = seg.parallel
+        if p.mode not in ("none", "data") and len(seg.devices) > 1:
+            return k, f"a pipeline stage of mode {p.mode!r}"
+        if p.mode == "data" and (p.sync != "allreduce" or p.shard != "none" or p.sync_batchnorm):
+            what = f"sync {p.sync!r}" if p.sync != "allreduce" else (
+                f"shard {p.shard!r}" if p.shard != "none" else "sync_batchnorm")
+            return k, f"a data-parallel pipeline stage with {what}"
+    degrees = {len(s.devices) if s.parallel.mode == "data" else 1 for s in spec.placement}
+    if len(degrees) > 1:
+        return None, f"pipeline stages with different data degrees {sorted(degrees)}"
+    return None
+
+
 def _check_pipeline(spec: Spec) -> list[Diagnostic]:
     pl = spec.pipeline
     if not pl:
@@ -268,6 +287,11 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
                                    f"{pl.schedule!r} expects {list(g)} ({shape} order)", seg.loc,
                                    "reorder the device groups of the stages"))
                     break
+    blocker = torch_pipeline_blocker(spec) if pl.schedule != "gpipe" else None
+    if blocker and blocker[0] is not None:  # (different data degrees: P045 above)
+        diags.append(D("W005", f"{blocker[1]} cannot run under schedule {pl.schedule!r}: placer generates it "
+                       "only as gpipe", stages[blocker[0]].loc, "use schedule gpipe, or make every stage one "
+                       "device or data parallel with sync allreduce", severity="warning"))
     if rule == "at_least_stages" and m < n:
         diags.append(D("P049", f"schedule {pl.schedule!r} needs microbatches ({m}) >= stages ({n})", loc,
                        f"use at least {n} microbatches"))

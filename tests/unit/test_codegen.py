@@ -176,6 +176,8 @@ def test_schedules_other_than_gpipe_refuse_stages_torch_does_not_take(tmp_path):
                      ("devices: [cuda:0, cuda:1], parallel: data", "device: cuda:0")):
         text = text.replace(old, new)
     spec_file.write_text(text)  # one device, then a tensor stage over 2: equal data degrees, valid
+    r = CliRunner().invoke(main, ["validate", str(spec_file)])
+    assert r.exit_code == 0 and "warning[W005]" in r.output and "only as gpipe" in r.output, r.output
     spec = load_spec(str(spec_file))
     with pytest.raises(PlanError) as err:
         generate(spec)
