@@ -172,11 +172,21 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                            norms[0].loc, "set sync_batchnorm: true for statistics of the whole batch", severity="warning"))
         if p.mode == "spatial":
             bad = [l for l, k in zip(seg_layers, kinds) if k not in SPATIAL_KINDS]
+            option = next(((l, why) for l in seg_layers if (why := _spatial_option(l))), None)
             if bad:
                 diags.append(D("P026", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
                                "spatially", bad[0].loc, "spatial segments hold Conv, Pool and elementwise layers only"))
+            elif option:
+                diags.append(D("P026", f"segment {seg.name!r}: layer {option[0].name!r} ({option[0].op}) cannot be "
+                               f"split spatially with {option[1]}", option[0].loc,
+                               "change the layer's option, or put it in a segment of its own"))
         if p.mode == "channel":
             bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS and l.op not in CHANNEL_NORMS]
+            grouped = [l for l, k in zip(seg_layers, kinds) if k == "conv" and shapes.arg(l, 6, "groups", 1) != 1]
+            if grouped and not bad:
+                diags.append(D("P027", f"segment {seg.name!r}: layer {grouped[0].name!r} is a grouped convolution "
+                               f"(groups={shapes.arg(grouped[0], 6, 'groups', 1)}) and cannot be split by channel",
+                               grouped[0].loc, "use groups: 1, or put it in a segment of its own"))
             if bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
                                "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm, "
@@ -193,6 +203,23 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                        "cannot match one device", norms[0].loc, "use LayerNorm, or no pipeline, to check equivalence",
                        severity="warning"))
     return diags
+
+
+def _spatial_option(layer) -> str | None:
+    """An option of a Conv/Pool layer that the spatial split cannot reproduce band by band."""
+    if shapes.kind(layer) == "conv":
+        if isinstance(shapes.arg(layer, 4, "padding", 0), str):
+            return f"padding {shapes.arg(layer, 4, 'padding')!r} (give the padding as numbers)"
+        if shapes.arg(layer, 8, "padding_mode", "zeros") != "zeros":
+            return f"padding_mode {shapes.arg(layer, 8, 'padding_mode')!r} (only 'zeros')"
+    if layer.op.startswith("MaxPool") and shapes.arg(layer, 4, "return_indices", False):
+        return "return_indices: true"
+    if layer.op.startswith("AvgPool"):
+        if shapes.arg(layer, 3, "ceil_mode", False):
+            return "ceil_mode: true"
+        if shapes.arg(layer, 2, "padding", 0) and not shapes.arg(layer, 4, "count_include_pad", True):
+            return "padding and count_include_pad: false"
+    return None
 
 
 def _check_tensor_pairs(seg: Segment, seg_layers, kinds) -> list[Diagnostic]:
