@@ -248,6 +248,9 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
             what = f"sync {p.sync!r}" if p.sync != "allreduce" else (
                 f"shard {p.shard!r}" if p.shard != "none" else "sync_batchnorm")
             return k, f"a data-parallel pipeline stage with {what}"
+    for k, seg in enumerate(spec.placement[1:], 1):  # torch's stages send device to device
+        if (seg.route or spec.route) == "via_host":
+            return k, "a pipeline stage whose input is copied via host memory"
     degrees = {len(s.devices) if s.parallel.mode == "data" else 1 for s in spec.placement}
     if len(degrees) > 1:
         return None, f"pipeline stages with different data degrees {sorted(degrees)}"
@@ -318,7 +321,7 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
     if blocker and blocker[0] is not None:  # (different data degrees: P045 above)
         diags.append(D("W005", f"{blocker[1]} cannot run under schedule {pl.schedule!r}: placer generates it "
                        "only as gpipe", stages[blocker[0]].loc, "use schedule gpipe, or make every stage one "
-                       "device or data parallel with sync allreduce", severity="warning"))
+                       "device or data parallel with sync allreduce, copied directly", severity="warning"))
     if rule == "at_least_stages" and m < n:
         diags.append(D("P049", f"schedule {pl.schedule!r} needs microbatches ({m}) >= stages ({n})", loc,
                        f"use at least {n} microbatches"))

@@ -350,3 +350,12 @@ def test_report_counts_what_is_not_shown():
     diags.append(Diagnostic("W001", "w", Loc("f", 20, 1), severity="warning"))
     text = format_report(diags, "text", max_shown=10)
     assert text.splitlines()[-1] == "2 more errors, 1 more warning"
+
+
+def test_pipeline_stages_torch_schedules_do_not_take_warn_except_under_gpipe():
+    d = spec_with(devices=["cuda:0", "cuda:1"], pipeline={"microbatches": 2, "schedule": "1f1b"},
+                  copies={"route": "via_host"}, placement=segs({"layers": "inp", "device": "cuda:0"},
+                                                               {"layers": "act..head", "device": "cuda:1"}))
+    assert codes(d) == ["W005"]
+    d["pipeline"]["schedule"] = "gpipe"  # gpipe runs as micro-batch loops on placer's copies
+    assert codes(d) == []
