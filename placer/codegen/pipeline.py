@@ -33,14 +33,32 @@ class PipelineWriter(TrainWriter):
         self.schedule, self.microbatches = schedule, microbatches
         self.pipelines = pipelines(segs)
         self.degree = len(segs[0].ranks)
+        self.replicated = segs[0].replicated
+        """Every stage channel / tensor parallel: pipeline j is the j-th rank of every stage's group,
+        all pipelines carry the same (whole) micro-batches, and each stage's collectives run
+        within its group."""
 
     def setup_segment(self, seg: Seg) -> None:
         c, k = self.c, seg.k
         c("", f"# {self.describe(seg)}")
-        if self.degree > 1:
+        if self.replicated:
+            c(f"g{k} = dist.new_group({list(seg.ranks)})  # the stage's {seg.mode} split runs over this group")
+        elif self.degree > 1:
             c(f"g{k} = dist.new_group({list(seg.ranks)})  # its gradients are summed over this group")
         c(f"seg{k} = opt{k} = None")
         self.c(f"if {self.cond(seg.ranks)}:").indent()
+        if self.replicated:
+            c(f"stage = {seg.func}(model).to(device)")
+            if seg.mode == "channel":
+                c(f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
+                  f"seg{k} = ChannelSplit(stage, g{k}, {list(seg.ranks)})")
+            else:
+                c(f"tensor_parallelize(stage, g{k}, device.type)  # Linear pairs: column split, then row split",
+                  f"seg{k} = stage")
+            if seg.has_params:
+                c(f"opt{k} = make_optimizer(seg{k}.parameters())")
+            c.dedent()
+            return
         if self.cut:
             c(f"model, pipe = cut_model({seg.rows})", f"seg{k} = {seg.func}(model, pipe).to(device)")
         else:
@@ -57,7 +75,9 @@ class PipelineWriter(TrainWriter):
         super().setup()
         c, n = self.c, len(self.segs)
         c("", f"# the pipeline: {n} stages, {self.microbatches} micro-batches, schedule {self.schedule!r}")
-        if self.degree > 1:
+        if self.replicated:
+            c(f"# {self.degree} pipelines, one per rank of the stages' groups: each carries the whole micro-batches")
+        elif self.degree > 1:
             c(f"# {self.degree} pipelines, one per data replica: pipeline j is the j-th rank of every stage's group")
         c(f"PIPELINES = {self.pipelines}  # each pipeline's ranks; group rank i runs the stages at position i",
           "pp_groups = [pipeline_group(ranks) for ranks in PIPELINES]  # every rank creates every group",
@@ -70,7 +90,7 @@ class PipelineWriter(TrainWriter):
         c, last = self.c, len(self.segs) - 1
         c('with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
           "for m in modules:", "    m.zero_grad(set_to_none=True)")
-        if self.degree > 1:
+        if self.degree > 1 and not self.replicated:
             c(f"# pipeline j's rows: slice j (of {self.degree}) of every micro-batch",
               f"x = pipeline_local_batch(x, {self.microbatches}, {self.degree}, j)",
               f"y = pipeline_local_batch(y, {self.microbatches}, {self.degree}, j)")
@@ -78,25 +98,32 @@ class PipelineWriter(TrainWriter):
           "# activations and gradients to their neighbours. Returns this rank's summed micro-batch",
           "# losses (0 unless it holds the last stage).",
           f"loss = pipeline_step(schedule, x.to(device) if 0 in mine else None, y.to(device) if {last} in mine else None)")
-        if self.degree > 1:
+        if self.degree > 1 and not self.replicated:
             c("", "# every stage's gradients summed over its data group")
             for seg in self.segs:
                 if seg.has_params:
                     self.when(seg.ranks, 'with timer("comm"):',
                               f"    all_reduce_grads(seg{seg.k}.parameters(), g{seg.k}, bucket_mb={seg.bucket_mb!r})")
         c("for opt in optimizers:", "    opt.step()")
-        c("", "# the loss of the whole batch: ranks without the last stage add 0",
-          "total = loss.float().cpu()", "dist.all_reduce(total)", "losses.append(total.item())",
+        c("", "# the loss of the whole batch: ranks without the last stage add 0")
+        if self.replicated:
+            c("# (every pipeline computes the same losses: pipeline 0's count)",
+              "total = (loss if j == 0 else torch.zeros(())).float().cpu()")
+        else:
+            c("total = loss.float().cpu()")
+        c("dist.all_reduce(total)", "losses.append(total.item())",
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",
-              "    save_checkpoint(args.out, step, rank, own, optimizers)")
+              f"    save_checkpoint(args.out, step, rank, {self.own}, optimizers)")
 
     def describe(self, seg: Seg) -> str:
         layers = seg.layers[0] if len(seg.layers) == 1 else f"{seg.layers[0]}..{seg.layers[-1]}"
         where = ", ".join(self.devices[r] for r in seg.ranks)
         text = f"stage {seg.k} {seg.name!r} ({layers}) on {where}"
-        if len(seg.ranks) > 1:
+        if self.replicated:
+            text += f": {seg.mode} split over {len(seg.ranks)} ranks, whole micro-batches on each"
+        elif len(seg.ranks) > 1:
             text += f": data parallel, {seg.rows} rows of every micro-batch on each"
         return text
 

@@ -103,7 +103,8 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
                        ("tensor", any(s.mode == "tensor" or s.shard == "full" for s in segs)),
                        ("spatial", any(s.mode == "spatial" for s in segs)),
                        ("sharding", any(s.shard != "none" for s in segs)),
-                       ("replicate", segs[-1].mode == "spatial" or any(TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:])))):
+                       ("replicate", not pl and (segs[-1].mode == "spatial" or any(
+                           TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))))):
         if used:
             pieces.append(name)
     piece_imports, piece_text = runtime.assemble(pieces)

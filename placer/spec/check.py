@@ -238,12 +238,17 @@ def _check_tensor_pairs(seg: Segment, seg_layers, kinds) -> list[Diagnostic]:
 def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
     """Why torch's pipeline schedules cannot run the spec's stages, as (segment index or None,
     what), or None when they can: every stage one device or data parallel with sync
-    allreduce (no shard, no sync_batchnorm), all with the same data degree. placer then
+    allreduce (no shard, no sync_batchnorm), all with the same data degree; or every stage
+    channel / tensor parallel on as many devices (one pipeline per rank of a group), and
+    copies direct. Otherwise placer
     generates `gpipe` as micro-batch loops on its own copies, and no other schedule."""
+    sizes = {len(s.devices) for s in spec.placement}
+    replicated = len(sizes) == 1 and min(sizes) > 1 and all(s.parallel.mode in ("channel", "tensor")
+                                                            for s in spec.placement)
     for k, seg in enumerate(spec.placement):
         p = seg.parallel
-        if p.mode not in ("none", "data") and len(seg.devices) > 1:
-            return k, f"a pipeline stage of mode {p.mode!r}"
+        if p.mode not in ("none", "data") and len(seg.devices) > 1 and not replicated:
+            return k, f"a pipeline stage of mode {p.mode!r} beside stages of other modes or sizes"
         if p.mode == "data" and (p.sync != "allreduce" or p.shard != "none" or p.sync_batchnorm):
             what = f"sync {p.sync!r}" if p.sync != "allreduce" else (
                 f"shard {p.shard!r}" if p.shard != "none" else "sync_batchnorm")

@@ -48,6 +48,7 @@ MODES = [
     ("mlp_pipeline_1f1b", "pipeline, 1F1B, 2 stages", 2),
     ("mlp_pipeline_data_stages", "pipeline, 1F1B, 2 stages each data parallel over 2", 4),
     ("mlp_pipeline_gpipe_mixed", "pipeline, GPipe as micro-batch loops: data (2), tensor (2), one device", 5),
+    ("mlp_pipeline_tensor_stages", "pipeline x channel/tensor: interleaved 1F1B, every stage split over 2", 4),
     ("mlp_pipeline_interleaved_1f1b", "pipeline, interleaved 1F1B, 2 stages per device", 2),
     ("mlp_pipeline_looped_bfs", "pipeline, looped BFS, 2 stages per device", 2),
     ("mlp_pipeline_interleaved_zero_bubble", "pipeline, interleaved zero bubble", 2),

@@ -152,6 +152,9 @@ MODE_CALLS = {
                                  "x = pipeline_local_batch(x, 4, 2, j)", "all_reduce_grads(seg1.parameters(), g1"],
     "mlp_pipeline_interleaved_1f1b": ["PIPELINES = [[0, 1]]", "make_pipeline_schedule('interleaved_1f1b', stages, 4"],
     "mlp_pipeline_dualpipev": ["make_pipeline_schedule('dualpipev'"],
+    "mlp_pipeline_tensor_stages": ["PIPELINES = [[0, 2], [1, 3]]", "seg0 = ChannelSplit(stage, g0, [0, 1])",
+                                   "tensor_parallelize(stage, g1, device.type)",
+                                   "total = (loss if j == 0 else torch.zeros(())).float().cpu()"],
     "mlp_pipeline_gpipe_mixed": ["xs, ys, saved = x.chunk(4), y.chunk(4), []", "a1, a2, h0, h1, h2, loss = saved[mb]",
                                  "relayout(h0, ([0, 1], 0, False), ([2, 3], 0, True), [4, 64],",
                                  "all_reduce_grads(seg0.parameters(), g0"],
@@ -182,4 +185,5 @@ def test_schedules_other_than_gpipe_refuse_stages_torch_does_not_take(tmp_path):
     with pytest.raises(PlanError) as err:
         generate(spec)
     d = err.value.diagnostics[0]
-    assert d.code == "G001" and "mode 'tensor' under schedule '1f1b'" in d.message and "gpipe" in d.hint
+    assert d.code == "G001" and "mode 'tensor' beside stages" in d.message and "schedule '1f1b'" in d.message
+    assert "gpipe" in d.hint
