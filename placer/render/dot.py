@@ -249,12 +249,12 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
     for gi, (devs, members) in enumerate(groups.items()):
         fill = _FILLS[gi % len(_FILLS)]
         label = [", ".join(devs)] + [f"{d}: {size(mem[d])}" for d in devs if d in mem]
-        out += [f"  subgraph cluster_g{gi} {{", f"    label={_q(*label)};", "    style=rounded; color=\"#555555\";"]
+        out += [f"  subgraph cluster_g{gi} {{", f"    label={_q(*label)};", "    style=rounded; color=\"#555555\"; labeljust=l;"]
         for seg in members:
             i = seg.index
             head = f"stage {seg.stage} · {seg.name}" if seg.stage is not None else f"segment {i} · {seg.name}"
             out += [f"    subgraph cluster_s{i} {{", f"      label={_q(head, _mode_line(seg))};",
-                    "      style=dashed; color=\"#888888\";"]
+                    "      style=dashed; color=\"#888888\"; labeljust=l;"]
             nodes = [f"s{i}_l{j}" for j in range(len(seg.layers))] or [f"s{i}_empty"]
             for node, name in zip(nodes, seg.layers or ("(no layers)",)):
                 lines = [name]
