@@ -155,6 +155,7 @@ class TrainWriter:
         c("", "def owned():").indent()
         c('"""name -> whole parameter, for those this rank owns. Split parameters are gathered',
           'first: every rank of their group takes part."""', "params = dict(own)")
+        c("with uncounted():  # saving, not training: the gathers are left out of the bytes sent").indent()
         for seg in self.gathered:
             if seg.mode == "channel":
                 body = [f"channel_unshard(seg{seg.k})  # segment {seg.k}: the channel slices back into the full layers",
@@ -162,6 +163,7 @@ class TrainWriter:
             else:
                 body = [f"whole = whole_params(named_params(seg{seg.k}, model))  # segment {seg.k}: DTensors gathered"]
             self.when(seg.ranks, *body, f"if rank == {seg.owner}:", "    params.update(whole)")
+        c.dedent()
         c("return params").dedent()
 
     def setup_segment(self, seg: Seg) -> None:

@@ -226,7 +226,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
         for col, row in zip(lin[::2], lin[1::2]):
             a.cuts |= {col, row + 1}
             a.add("post_fwd", col, op(OpKind.ALL_REDUCE, "fwd", "act", info[row].out_bytes, info[row].name))
-            a.add("post_bwd", col, op(OpKind.ALL_REDUCE, "bwd", "grad", info[col].in_bytes, info[col].name))
+            if col or seg.index:  # the model input needs no gradient
+                a.add("post_bwd", col, op(OpKind.ALL_REDUCE, "bwd", "grad", info[col].in_bytes, info[col].name))
     elif seg.mode == "spatial":
         axis = seg.options.get("axis", 2)
         for i, l in enumerate(info):

@@ -91,6 +91,18 @@ def count_sent_bytes():
 
 
 @contextlib.contextmanager
+def uncounted():
+    """Sends in the block are not training traffic (gathering parameters to save them):
+    SENT keeps the count it had."""
+    before = SENT.copy()
+    try:
+        yield
+    finally:
+        SENT.clear()
+        SENT.update(before)
+
+
+@contextlib.contextmanager
 def timer(kind):
     """Add the time spent in the block to TIME[kind]."""
     start = time.perf_counter()
