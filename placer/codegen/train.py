@@ -7,6 +7,11 @@ in neither group of a transition returns at once), so the point-to-point message
 fresh leaf, and in backward the gradient of that leaf goes back to the previous group.
 Losses are scaled by rows / BATCH_SIZE on every rank, so every gradient combination is
 a SUM and the step equals the one-device step on the whole batch.
+
+Groups hold activations in one of three layouts (`Seg.layout`): slices of a dim (rows of
+a data group, bands of a spatial one), the whole tensor on every rank (channel, tensor),
+or one rank. `relayout` moves between any two. A gpipe pipeline that torch's schedules
+cannot run is this same step inside micro-batch loops (`gpipe_step`).
 """
 from __future__ import annotations
 
