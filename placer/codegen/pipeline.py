@@ -49,12 +49,7 @@ class PipelineWriter(TrainWriter):
         self.c(f"if {self.cond(seg.ranks)}:").indent()
         if self.replicated:
             c(f"stage = {seg.func}(model).to(device)")
-            if seg.mode == "channel":
-                c(f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
-                  f"seg{k} = ChannelSplit(stage, g{k}, {list(seg.ranks)})")
-            else:
-                c(f"tensor_parallelize(stage, g{k}, device.type)  # Linear pairs: column split, then row split",
-                  f"seg{k} = stage")
+            self.split_stage(seg)
             if seg.has_params:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
             c.dedent()

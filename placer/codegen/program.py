@@ -85,14 +85,14 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
 
     graph = build_graph(spec)
     devices = rank_order(spec.devices)
-    segs = program_segments(spec, graph)
+    pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
+    loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
+    segs = program_segments(spec, graph, loops=bool(loops))
     per_node: dict[int, int] = {}
     for d in devices:
         per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
-    pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
-    loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else [])
     for name, used in (("ddp_sum", not pl and any(s.sync == "allreduce" and s.overlap for s in segs)),
                        ("buckets", any(s.sync == "allreduce" and (not s.overlap or pl) or s.mode == "spatial" for s in segs)),
@@ -140,10 +140,15 @@ def sync_batchnorm(module, group, device):
 '''
 
 
+def optimizer_kwargs(spec: Spec) -> dict:
+    """The optimizer's keyword arguments: lr (when given) and the spec's kwargs."""
+    opt = spec.training.optimizer
+    return ({"lr": opt.lr} if opt.lr is not None else {}) | opt.kwargs
+
+
 def zero_args(spec: Spec) -> str:
     """`torch.optim.Adam, lr=0.001`: what ZeroRedundancyOptimizer is given to shard."""
-    opt = spec.training.optimizer
-    kwargs = ({"lr": opt.lr} if opt.lr is not None else {}) | opt.kwargs
+    opt, kwargs = spec.training.optimizer, optimizer_kwargs(spec)
     return ", ".join([f"torch.optim.{_dotted(opt.op, 'optimizer', opt.loc)}"] + ([call_args([], kwargs)] if kwargs else []))
 
 
@@ -237,7 +242,7 @@ def model_source(spec: Spec, graph) -> str:
           "    torch.manual_seed(SEED)", f"    return {cls}(**MODEL_KWARGS)")
     opt = spec.training.optimizer
     _dotted(opt.op, "optimizer", opt.loc)
-    kwargs = ({"lr": opt.lr} if opt.lr is not None else {}) | opt.kwargs
+    kwargs = optimizer_kwargs(spec)
     c("", "", "def make_optimizer(params):", f"    return torch.optim.{opt.op}({call_args(['PARAMS'], kwargs)})"
       .replace("'PARAMS'", "params"))
     _dotted(spec.model.loss, "loss", spec.doc.loc(("model", "loss")))

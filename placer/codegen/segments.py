@@ -61,8 +61,6 @@ class Seg:
     """data: none | optimizer (ZeRO-1) | full (FSDP2)."""
     axis: int | None = None
     """spatial: the activation dim split into bands."""
-    stage: int | None = None
-    """Pipeline stage index (the segment index) when the spec has a pipeline."""
 
     @property
     def replicated(self) -> bool:
@@ -83,7 +81,7 @@ class Seg:
     def sharded_params(self) -> bool:
         """Whether the parameters are DTensors (tensor parallel, FSDP) or channel shards, so the
         whole values are gathered (a collective over the group) before they are saved."""
-        return self.mode in ("channel", "tensor") or self.shard == "full"
+        return self.replicated or self.shard == "full"
 
     @property
     def holders(self) -> tuple[int, ...]:
@@ -136,9 +134,10 @@ def torch_schedules_take(spec: Spec) -> bool:
                                "version of placer", spec.pipeline.loc, hint))
 
 
-def program_segments(spec: Spec, graph: ModelGraph) -> list[Seg]:
+def program_segments(spec: Spec, graph: ModelGraph, loops: bool = False) -> list[Seg]:
+    """`loops`: a gpipe pipeline written as micro-batch loops (no DDP: it would all-reduce
+    after every micro-batch's backward)."""
     devices = rank_order(spec.devices)
-    loops = spec.pipeline is not None and not torch_schedules_take(spec)  # gpipe as micro-batch loops
     m = spec.pipeline.microbatches if spec.pipeline else 1
 
     def per_step(shape) -> tuple:
@@ -176,8 +175,7 @@ def program_segments(spec: Spec, graph: ModelGraph) -> list[Seg]:
             sync_batchnorm=bool(opts.get("sync_batchnorm", False)), route=placed.route,
             has_params=n_params > 0, in_shape=per_step(shape), in_dtype=dtype,
             out_shape=per_step(graph.layer(placed.layers[-1]).out_shape or ()),
-            rows=spec.training.batch_size // (spec.pipeline.microbatches if spec.pipeline else 1)
-            // (len(ranks) if data else 1),
+            rows=spec.training.batch_size // m // (len(ranks) if data else 1),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
             shard=opts.get("shard", "none") if data else "none",
             axis=opts["axis"] % len(shape) if mode == "spatial" else None,  # -1 is W of NCHW: 3

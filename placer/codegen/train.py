@@ -190,9 +190,7 @@ class TrainWriter:
             c(f"model, pipe = cut_model({seg.rows})", f"stage = {seg.func}(model, pipe).to(device)")
         else:
             c(f"stage = {seg.func}(model).to(device)")
-        if seg in self.gathered:
-            pass  # saved through owned()
-        elif seg.has_params:
+        if seg.has_params and seg not in self.gathered:  # (split parameters are saved through owned())
             if seg.owner in seg.holders and len(seg.holders) > 1:
                 c(f"if rank == {seg.owner}:").indent()("own.update(named_params(stage, model))").dedent()
             else:
@@ -201,12 +199,8 @@ class TrainWriter:
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
         ranks = list(seg.ranks)
-        if seg.mode == "channel":
-            c(f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
-              f"seg{k} = ChannelSplit(stage, {group}, {ranks})")
-        elif seg.mode == "tensor":
-            c(f"tensor_parallelize(stage, {group}, device.type)  # Linear pairs: column split, then row split",
-              f"seg{k} = stage")
+        if seg.replicated:
+            self.split_stage(seg)
         elif seg.mode == "spatial":
             c(f"seg{k} = SpatialSplit(stage, {group}, {ranks}, dim={seg.axis}, size={seg.in_shape[seg.axis]})")
         elif seg.shard == "full":
@@ -225,6 +219,16 @@ class TrainWriter:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
         if cond:
             c.dedent()
+
+    def split_stage(self, seg: Seg) -> None:
+        """seg{k}: `stage` split by channels or into tensor-parallel pairs over group g{k}."""
+        k = seg.k
+        if seg.mode == "channel":
+            self.c(f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
+                   f"seg{k} = ChannelSplit(stage, g{k}, {list(seg.ranks)})")
+        else:
+            self.c(f"tensor_parallelize(stage, g{k}, device.type)  # Linear pairs: column split, then row split",
+                   f"seg{k} = stage")
 
     def step(self) -> None:
         c, segs = self.c, self.segs
@@ -266,7 +270,7 @@ class TrainWriter:
         saved = [f"a{s.k}" for s in segs[1:]] + [f"h{s.k}" for s in segs] + (
             ["out"] if last.mode == "spatial" else []) + ["loss"]
         c("", f"# GPipe: every micro-batch forward, then every one backward; {m} micro-batches of "
-              f"{self.segs[0].rows * (len(segs[0].ranks) if segs[0].mode == 'data' else 1)} rows",
+              f"{segs[0].in_shape[0]} rows",
           f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []",
           f"for mb in range({m}):").indent()
         c("x, y = xs[mb], ys[mb]")

@@ -240,8 +240,8 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
     what), or None when they can: every stage one device or data parallel with sync
     allreduce (no shard, no sync_batchnorm), all with the same data degree; or every stage
     channel / tensor parallel on as many devices (one pipeline per rank of a group), and
-    copies direct. Otherwise placer
-    generates `gpipe` as micro-batch loops on its own copies, and no other schedule."""
+    copies direct. Otherwise placer generates `gpipe` as micro-batch loops on its own
+    copies, and no other schedule."""
     sizes = {len(s.devices) for s in spec.placement}
     replicated = len(sizes) == 1 and min(sizes) > 1 and all(s.parallel.mode in ("channel", "tensor")
                                                             for s in spec.placement)

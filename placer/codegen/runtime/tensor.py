@@ -49,15 +49,14 @@ def tensor_parallelize(module, group, device_type="cpu"):
     return pairs
 
 
-def unsharded_state_dict(module):
-    """module.state_dict() with every DTensor (tensor parallel or FSDP) gathered whole, under
-    the same names. A collective over each DTensor's mesh: every rank of it calls."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v
-            for k, v in module.state_dict().items()}
-
-
 def whole_params(named):
     """{name: whole tensor} of {name: parameter}: DTensors (tensor parallel, FSDP) gathered
     with full_tensor(), a collective over each one's mesh (every rank of it calls, in the
     same order); plain tensors as they are."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in named.items()}
+
+
+def unsharded_state_dict(module):
+    """module.state_dict() with every DTensor (tensor parallel or FSDP) gathered whole, under
+    the same names. A collective over each DTensor's mesh: every rank of it calls."""
+    return whole_params(module.state_dict())
