@@ -342,6 +342,7 @@ def _worker(rank, world, port, jobs, pieces, out_dir):
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # as the generated program does: gloo's threads may abort Python's shutdown
 
 
 def run_world(jobs: list, pieces, world: int = WORLD, timeout: float = 180.0) -> list[dict]:

@@ -90,7 +90,9 @@ kept = {name: p for name, p in model.named_parameters()
         if any(p is q for seg in (seg0, seg1, seg2) if seg is not None for q in seg.parameters())}
 torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in kept.items()}},
            os.path.join(sys.argv[1], f"rank{rank}.pt"))
+dist.barrier()
 dist.destroy_process_group()
+os._exit(0)  # as the generated program does: gloo's threads may abort Python's shutdown
 '''
 
 
