@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -200,8 +201,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     outcome["metrics"] = result.metrics
     if not result.ok:
         outcome["failures"] = {r: {"exit_code": c, "stderr_tail": t} for r, (c, t) in result.failures.items()}
-        # A rank that exited with an error first, then those the launcher stopped because of it.
-        order = sorted(result.failures.items(), key=lambda kv: (kv[1][0] is None or kv[1][0] <= 0, kv[0]))
+        order = failures_in_order(result.failures)
         first = order[0][0]
         raise RunError([_failure(spec, program, run_dir, r, code, tail, after=None if r == first else first)
                         for r, (code, tail) in order])
@@ -228,15 +228,36 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     return outcome
 
 
+def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:
+    """The likely cause first: a rank that exited with an error, then one killed by a signal of
+    its own (SIGABRT, SIGSEGV, SIGKILL when out of memory), then those the launcher stopped with
+    SIGTERM because a peer had failed; by rank within each."""
+    def kind(code: int | None) -> int:
+        if code is not None and code > 0:
+            return 0
+        return 2 if code == -signal.SIGTERM else 1
+    return sorted(failures.items(), key=lambda kv: (kind(kv[1][0]), kv[0]))
+
+
 def _failure(spec, program, run_dir: Path, rank: int, code: int, tail: str, after: int | None) -> Diagnostic:
     device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
-    if code is not None and code < 0:
-        how = f"was stopped by signal {-code}" + (f" after rank {after} failed" if after is not None else "")
-        return Diagnostic("R020", f"rank {rank} ({device}) {how}", Loc(spec.file))
     last = [line for line in tail.splitlines() if line.strip()][-8:]
     shown = "\n".join("    " + line for line in last)
+    if code is not None and code < 0:
+        how = f"was stopped by {_signal_name(-code)}" + (f" after rank {after} failed" if after is not None else "")
+        if code == -signal.SIGTERM or not shown:
+            return Diagnostic("R020", f"rank {rank} ({device}) {how}", Loc(spec.file))
+        return Diagnostic("R020", f"rank {rank} ({device}) {how}:\n{shown}", Loc(spec.file),
+                          f"its whole output is under {run_dir / 'logs'}")
     return Diagnostic("R020", f"rank {rank} ({device}) exited with code {code}" + (f":\n{shown}" if shown else ""),
                       Loc(spec.file), f"its whole output is under {run_dir / 'logs'}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _check(spec, run_dir: Path, binding, args: list[str]):

@@ -33,7 +33,7 @@ from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
 from placer.spec import check
 from placer.spec.types import Layer, Spec
 
-MODE_KIND_CODES = {"W002", "W004", "P026", "P027", "P028"}
+MODE_KIND_CODES = {"W002", "W006", "P026", "P027", "P028"}
 """Diagnostics of check._check_modes that depend on what the layers are."""
 
 

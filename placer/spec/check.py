@@ -167,7 +167,7 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
             diags.append(D("W002", f"segment {seg.name!r}: sync_batchnorm is set but it has no BatchNorm layer",
                            ploc, "remove sync_batchnorm", severity="warning"))
         if p.mode == "data" and norms and not p.sync_batchnorm and not spec.pipeline:
-            diags.append(D("W004", f"layer {norms[0].name!r} is a BatchNorm in data segment {seg.name!r}: each device "
+            diags.append(D("W006", f"layer {norms[0].name!r} is a BatchNorm in data segment {seg.name!r}: each device "
                            f"normalises over its 1/{n} of the batch, so run --check cannot match one device",
                            norms[0].loc, "set sync_batchnorm: true for statistics of the whole batch", severity="warning"))
         if p.mode == "spatial":
@@ -198,7 +198,7 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
             diags += _check_tensor_pairs(seg, seg_layers, kinds)
     norms = [layers[i] for g in (groups or []) for i in g if layers[i].op.startswith("BatchNorm")]
     if spec.pipeline and norms:
-        diags.append(D("W004", f"layer {norms[0].name!r} is a BatchNorm in a pipeline: it normalises over each "
+        diags.append(D("W006", f"layer {norms[0].name!r} is a BatchNorm in a pipeline: it normalises over each "
                        f"micro-batch of {spec.training.batch_size // spec.pipeline.microbatches} rows, so run --check "
                        "cannot match one device", norms[0].loc, "use LayerNorm, or no pipeline, to check equivalence",
                        severity="warning"))

@@ -203,14 +203,14 @@ def test_batchnorm_warns_where_its_statistics_differ_from_one_device():
     model = {**BASE["model"], "layers": layers[:1] + [{"name": "bn", "op": "BatchNorm1d", "args": [layers[0]["args"][1]]}]
              + layers[1:]}
     data = {"layers": "inp..head", "devices": ["cuda:0", "cuda:1"], "parallel": "data"}
-    assert codes(spec_with(model=model, devices=["cuda:0", "cuda:1"], placement=segs(data))) == ["W004"]
+    assert codes(spec_with(model=model, devices=["cuda:0", "cuda:1"], placement=segs(data))) == ["W006"]
     synced = {**data, "parallel": {"mode": "data", "sync_batchnorm": True}}
     assert codes(spec_with(model=model, devices=["cuda:0", "cuda:1"], placement=segs(synced))) == []
     assert codes(spec_with(model=model)) == []  # one device: the whole batch
     piped = spec_with(model=model, devices=["cuda:0", "cuda:1"], pipeline={"microbatches": 2, "schedule": "gpipe"},
                       placement=segs({"layers": "inp..bn", "device": "cuda:0"},
                                      {"layers": f"{layers[1]['name']}..head", "device": "cuda:1"}))
-    assert codes(piped) == ["W004"]
+    assert codes(piped) == ["W006"]
 
 
 def test_dropout_warns_only_with_several_devices():

@@ -79,7 +79,10 @@ def test_every_error_code_in_the_source_is_documented():
     for path in sorted((ROOT / "placer").rglob("*.py")):
         for code in re.findall(r"""["']([A-Z]\d{3})["']""", path.read_text("utf-8")):
             used.setdefault(code, path.relative_to(ROOT))
-    documented = set(re.findall(r"^\| ([A-Z]\d{3}) \|", (ROOT / "docs" / "errors.md").read_text("utf-8"), re.M))
+    rows = re.findall(r"^\| ([A-Z]\d{3}) \|", (ROOT / "docs" / "errors.md").read_text("utf-8"), re.M)
+    assert len(rows) == len(set(rows)), f"codes documented twice (one code, two meanings?): " \
+        f"{sorted(c for c in set(rows) if rows.count(c) > 1)}"
+    documented = set(rows)
     missing = {c: str(p) for c, p in used.items() if c not in documented}
     assert not missing, f"codes missing from docs/errors.md: {missing}"
     assert not documented - set(used), f"docs/errors.md lists codes no source uses: {documented - set(used)}"

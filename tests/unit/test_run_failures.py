@@ -1,0 +1,37 @@
+"""How `placer run` names the ranks of a failed run: the cause first, then the ranks the
+launcher stopped because of it."""
+
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+from placer.cli.run_cmd import _failure, failures_in_order
+
+SPEC = SimpleNamespace(file="spec.yaml")
+PROGRAM = SimpleNamespace(devices=["cuda:0", "cuda:1", "cuda:2"])
+TERM, ABRT = -signal.SIGTERM, -signal.SIGABRT
+
+
+def messages(failures):
+    order = failures_in_order(failures)
+    first = order[0][0]
+    return [_failure(SPEC, PROGRAM, Path("run"), r, code, tail, after=None if r == first else first).message
+            for r, (code, tail) in order]
+
+
+def test_a_rank_that_aborted_comes_before_those_the_launcher_stopped():
+    # the launcher sends SIGTERM to the survivors; rank 1 aborted on its own
+    failures = {0: (TERM, ""), 1: (ABRT, "terminate called without an active exception"), 2: (TERM, "")}
+    first, *rest = messages(failures)
+    assert first.startswith("rank 1 (cuda:1) was stopped by SIGABRT:")
+    assert "terminate called without an active exception" in first
+    assert rest == ["rank 0 (cuda:0) was stopped by SIGTERM after rank 1 failed",
+                    "rank 2 (cuda:2) was stopped by SIGTERM after rank 1 failed"]
+
+
+def test_an_error_exit_comes_before_any_signal():
+    failures = {0: (ABRT, ""), 1: (TERM, ""), 2: (1, "RuntimeError: boom")}
+    first, second, third = messages(failures)
+    assert first.startswith("rank 2 (cuda:2) exited with code 1:") and "RuntimeError: boom" in first
+    assert second == "rank 0 (cuda:0) was stopped by SIGABRT after rank 2 failed"
+    assert third == "rank 1 (cuda:1) was stopped by SIGTERM after rank 2 failed"
