@@ -7,7 +7,7 @@ The numbers are the textbook minimum of each algorithm, per step:
 - broadcast / reduce (parameter server, broadcast sync): B to / from each
   device other than the root;
 - copy, split, merge, re-split: exactly the slices that change device
-  (`moves`); a partial tensor (reduce) is sent by every holder;
+  (`moves`);
 - send: its payload; halo: the halo rows between neighbours;
 - route via_host: every device-to-device hop goes through the sender's host
   CPU, so the bytes cross two links.
@@ -51,27 +51,21 @@ def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
 
     Every destination device gets the part of the tensor it holds in `dst`:
     from each source device that holds a piece of it, from one holder (its
-    own copy if it has one) when the source is whole on several devices, and
-    from every holder when the source is a partial sum. Nothing moves to
-    itself. Pieces are whole bytes that add up exactly."""
+    own copy if it has one) when the source is whole on several devices.
+    Nothing moves to itself. Pieces are whole bytes that add up exactly."""
     out = []
     for j, t in enumerate(dst.devices):
         want = _piece(dst, j)
         size = _share(nbytes, j, len(dst.devices)) if dst.dim is not None else nbytes
-        if src.partial:
-            sources = [(s, None) for s in src.devices]  # each holder sends a whole (partial) piece
-        elif src.dim is None and len(src.devices) > 1:
+        if src.dim is None and len(src.devices) > 1:
             sources = [(t if t in src.devices else src.devices[j % len(src.devices)], Fraction(1))]
         else:
             whole = _overlap({}, want)
             sources = [(s, _overlap(_piece(src, i), want) / whole) for i, s in enumerate(src.devices)]
         acc = Fraction(0)
         for s, f in sources:
-            if f is None:
-                b = size
-            else:
-                b = round(size * (acc + f)) - round(size * acc)
-                acc += f
+            b = round(size * (acc + f)) - round(size * acc)
+            acc += f
             if s != t and b:
                 out.append((s, t, b))
     return out
@@ -105,7 +99,7 @@ def op_moves(op: Op) -> list[Move]:
     """What one op moves, per (from, to) device pair, routes included. RECV moves nothing: its SEND does."""
     k, n, devs = op.kind, len(op.devices), op.devices
     if k in TRANSFERS:
-        raw = moves(Layout(op.src, op.src_dim, bool(op.attrs.get("reduce"))), Layout(op.dst, op.dst_dim), op.bytes)
+        raw = moves(Layout(op.src, op.src_dim), Layout(op.dst, op.dst_dim), op.bytes)
     elif k == OpKind.SEND:
         raw = [(op.src[0] if op.src else devs[0], op.dst[0] if op.dst else devs[-1], op.bytes)]
     elif k == OpKind.ALL_REDUCE:

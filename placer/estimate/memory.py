@@ -141,7 +141,7 @@ def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> in
     first = graph.layer(seg.layers[0])
     if layers and layers[0] == seg.layers[0] and first.saves_input and seg.index > 0:
         prev = plan.segments[seg.index - 1]
-        if plan.out_layout(prev) != in_layout(seg):
+        if in_layout(prev) != in_layout(seg):
             total += first.in_bytes
     return total
 

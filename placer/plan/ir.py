@@ -75,38 +75,21 @@ class PlacedSegment:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a tensor lives: on `devices`, cut along `dim` (None: whole on each device).
-
-    `partial`: each device holds a partial sum of the whole tensor (the gradient of an
-    input that a channel-parallel group read whole); moving it to another layout sums it."""
+    """Where a tensor lives: on `devices`, cut along `dim` (None: whole on each device)."""
 
     devices: tuple[str, ...]
     dim: int | None = None
-    partial: bool = False
 
 
 def in_layout(seg: PlacedSegment) -> Layout:
-    """Layout a segment reads its input in."""
+    """Layout a segment reads its input in, leaves its output in, and takes and gives back
+    their gradients in. Channel and tensor groups end whole on every device: the program
+    gathers the slices and all-reduces the input gradient inside the group."""
     if seg.mode == "data":
         return Layout(seg.devices, 0)
     if seg.mode == "spatial":
         return Layout(seg.devices, seg.options.get("axis", 2))
     return Layout(seg.devices)  # one device, or the whole input on each (channel, tensor)
-
-
-def out_layout(seg: PlacedSegment, last: bool = False) -> Layout:
-    """Layout a segment leaves its output in (`last`: the model's last segment)."""
-    if seg.mode == "channel" and not last:
-        return Layout(seg.devices, seg.options.get("axis", 1))  # merged by whoever consumes it
-    return in_layout(seg)
-
-
-def in_grad_layout(seg: PlacedSegment) -> Layout:
-    """Layout of the gradient of a segment's input, as its backward leaves it."""
-    lay = in_layout(seg)
-    # channel: each device's slice of output channels contributes to every input element;
-    # tensor: the first pair's backward all-reduce already summed it.
-    return Layout(lay.devices, lay.dim, partial=seg.mode == "channel" and len(seg.devices) > 1)
 
 
 def transfer_kind(src: tuple, dst: tuple) -> OpKind:
@@ -156,7 +139,7 @@ class Op:
     dst_dim: int | None = None
     attrs: dict = field(default_factory=dict)
     """Extra facts: bucket, layers (a bucket's layer range), root (BROADCAST/REDUCE),
-    reduce (a transfer that sums partial tensors), prev_rows / next_rows (HALO)."""
+    shard (ZeRO's broadcast of one device's parameters), prev_rows / next_rows (HALO)."""
 
     def with_(self, **kw) -> "Op":
         return replace(self, **kw)
@@ -195,12 +178,6 @@ class Plan:
         a, _, b = op.tensor.partition("..")
         i = layers.index(a)
         return layers[i:layers.index(b) + 1] if b else layers[i:i + 1]
-
-    def is_last(self, seg: PlacedSegment) -> bool:
-        return seg.index == len(self.segments) - 1
-
-    def out_layout(self, seg: PlacedSegment) -> Layout:
-        return out_layout(seg, self.is_last(seg))
 
     def format(self, marks=()) -> str:
         """The compact text form; `marks` ((device, index) pairs) get a `>>` prefix."""

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.comm import moves
 from placer.model.graph import ModelGraph
-from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_grad_layout, in_layout, layer_range,
+from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_layout, layer_range,
                             transfer_kind, union)
 from placer.plan.place import layer_geometry
 from placer.plan.verify import verify
+from placer.spec.torch_names import NN_MODULE_KINDS
 from placer.spec.types import Spec
 
 BWD = ("bwd", "bwd_input", "bwd_weight")
@@ -59,13 +60,12 @@ def _transitions(plan: Plan, graph: ModelGraph, copies: bool) -> Plan:
     ops = {d: list(v) for d, v in plan.ops.items()}
     segs = plan.segments
     for prev, cur in zip(segs, segs[1:]):
-        src, dst = plan.out_layout(prev), in_layout(cur)
+        src, dst = in_layout(prev), in_layout(cur)
         if src == dst or (transfer_kind(src.devices, dst.devices) == OpKind.COPY) != copies:
             continue
         n, s = boundary_bytes(graph, prev), cur.index
-        grad = in_grad_layout(cur)
         fwd = _transfer(src, dst, s, "fwd", "act", n, cur.route)
-        bwd = _transfer(grad, src, s, "bwd", "grad", n, cur.route)
+        bwd = _transfer(dst, src, s, "bwd", "grad", n, cur.route)
         for d in fwd.devices:
             lst = ops[d]
             if d in cur.devices:
@@ -84,7 +84,7 @@ def _transitions(plan: Plan, graph: ModelGraph, copies: bool) -> Plan:
 def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
     return Op(kind=transfer_kind(src.devices, dst.devices), devices=union(src.devices, dst.devices), segment=seg,
               phase=phase, tensor=tensor, bytes=nbytes, route=route, src=src.devices, dst=dst.devices,
-              src_dim=src.dim, dst_dim=dst.dim, attrs={"reduce": True} if src.partial else {})
+              src_dim=src.dim, dst_dim=dst.dim)
 
 
 def insert_copies(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
@@ -196,9 +196,13 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
                 a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name), scale=False)
                 a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name), scale=False,
                       weight=True)
-        elif shard == "optimizer":  # ZeRO-1: each device steps 1/d of the optimizer state
-            a.seg_post_bwd = _bucket_ops(OpKind.REDUCE_SCATTER, seg, g, "bwd", "grads", bks)
-            a.step_post = _bucket_ops(OpKind.ALL_GATHER, seg, g, "step", "params", bks, reverse=True)
+        elif shard == "optimizer":  # ZeRO-1 as torch's ZeroRedundancyOptimizer runs it: gradients
+            # all-reduced (DDP), then each device steps its ~1/d of the parameters and broadcasts them
+            a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
+            total = sum(b for b, _ in bks)
+            a.step_post = [Op(kind=OpKind.BROADCAST, devices=g, segment=i0, phase="step", tensor="params",
+                              bytes=total // len(g) + (k < total % len(g)), attrs={"root": root, "shard": k})
+                           for k, root in enumerate(g)]
         else:
             a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
         if o.get("sync_batchnorm"):
@@ -209,18 +213,26 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
                     # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
                     a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
                     a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
-    elif seg.mode == "channel":
-        lin = [i for i, l in enumerate(info) if _is_linear_or_conv(l)]
-        for i in lin[1:]:  # the next Linear/Conv needs every input channel
-            l = info[i]
-            d = _channel_dim(l)
-            a.cuts.add(i)
-            a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=d))
-            a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grad", l.in_bytes, l.name, dim=d))
-        if plan.is_last(seg):  # the loss needs whole outputs
+    elif seg.mode == "channel":  # as the program's ChannelSplit runs it
+        sliced = None  # the channel dim the activation is split along, None while it is whole
+        needs_grad = seg.index > 0  # whether the activation has a gradient to send back
+        for i, l in enumerate(info):
+            role = _channel_role(l)
+            if sliced is not None and role != "follows":  # this layer needs every channel: gather
+                a.cuts.add(i)
+                a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced))
+                sliced = None
+            if role == "split":  # each device makes its slice of the output channels from the whole input
+                if needs_grad:  # whose gradient is the sum of every slice's part
+                    a.cuts |= {i, i + 1}
+                    a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", l.in_bytes, l.name))
+                sliced = _channel_dim(l)
+            needs_grad |= l.params > 0
+        if sliced is not None:  # the segment leaves whole outputs on every device
             last = len(info) - 1
+            a.cuts.add(last + 1)
             a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
-                                       dim=seg.options.get("axis", 1)))
+                                       dim=sliced))
     elif seg.mode == "tensor":
         lin = [i for i, l in enumerate(info) if l.op == "Linear"]
         for col, row in zip(lin[::2], lin[1::2]):
@@ -256,6 +268,17 @@ def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
 
 def _is_linear_or_conv(l) -> bool:
     return l.op == "Linear" or l.op.startswith("Conv")
+
+
+def _channel_role(l) -> str:
+    """How ChannelSplit treats a layer: `split` (Linear/Conv: a slice of the output channels),
+    `follows` (per channel or per element: runs on the slice), `whole` (needs every channel)."""
+    if _is_linear_or_conv(l):
+        return "split"
+    if NN_MODULE_KINDS.get(l.op) in ("batchnorm", "pool", "elementwise") or "AdaptiveAvgPool" in l.op \
+            or "AdaptiveMaxPool" in l.op:
+        return "follows"
+    return "whole"
 
 
 def _channel_dim(l) -> int:
@@ -366,12 +389,12 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV)] after that work
     need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
     for prev, cur in zip(segs, segs[1:]):
-        src, dst = plan.out_layout(prev), in_layout(cur)
+        src, dst = in_layout(prev), in_layout(cur)
         if src == dst:  # consecutive stages on the same group (the turn of a V schedule)
             continue
         n = boundary_bytes(graph, prev) // m
         for flow, (a_seg, b_seg), mv, tensor in (("fwd", (prev, cur), moves(src, dst, n), "act"),
-                                                 ("bwd", (cur, prev), moves(in_grad_layout(cur), src, n), "grad")):
+                                                 ("bwd", (cur, prev), moves(dst, src, n), "grad")):
             for mb in range(m):
                 for a, b, nbytes in mv:
                     common = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=tensor, bytes=nbytes,

@@ -23,7 +23,7 @@ from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.comm import moves
-from placer.plan.ir import P2P, TRANSFERS, Op, OpKind, Plan, in_grad_layout, in_layout
+from placer.plan.ir import P2P, TRANSFERS, Op, OpKind, Plan, in_layout
 
 Problem = tuple[str, str, list]  # (code, message, marks)
 
@@ -205,16 +205,16 @@ def _boundaries(plan: Plan, complete: bool) -> Problem | None:
                 counts.setdefault((op.segment, op.phase, op.microbatch, op.kind in P2P), []).append((d, i, op))
     segs = plan.segments
     for prev, cur in zip(segs, segs[1:]):
-        changes = plan.out_layout(prev) != in_layout(cur)
+        changes = in_layout(prev) != in_layout(cur)
         for phase in ("fwd", "bwd"):
             xfers = counts.get((cur.index, phase, None, False), [])
             if plan.schedule and xfers:
                 return "V006", f"pipeline stage boundary {prev.name!r} -> {cur.name!r} uses a " \
                                f"{xfers[0][2].kind.value}, not sends", [xfers[0][:2]]
             if plan.schedule:
-                src, dst = plan.out_layout(prev), in_layout(cur)
+                src, dst = in_layout(prev), in_layout(cur)
                 if phase == "bwd":
-                    src, dst = in_grad_layout(cur), src
+                    src, dst = dst, src
                 pairs = {(a, b) for a, b, _ in moves(src, dst, 10 ** 9)} if changes else set()
                 for mb in range(plan.microbatches):
                     sends = [x for x in counts.get((cur.index, phase, mb, True), []) if x[2].kind == OpKind.SEND]

@@ -174,8 +174,6 @@ def _transition_label(m: _Merged, plan: Plan) -> list[str]:
         shown = dims if op.kind == OpKind.RESPLIT else [d for d in dims if d is not None]
         cut = " -> ".join("whole" if d is None else f"dim {d}" for d in shown)
         head += f" ({cut})" if cut else ""
-        if op.attrs.get("reduce"):
-            head += " sum"
         path = [", ".join(src), ", ".join(dst)]
     else:
         hop = op.route == "via_host" and not any(_is_host(d) for d in (src[0], dst[0]))
@@ -198,7 +196,9 @@ def _collective_label(m: _Merged) -> list[str]:
         head += f" ({', '.join(m.phases)})"
     root = op.attrs.get("root")
     devs = ", ".join(op.devices)
-    if root is not None:
+    if "shard" in op.attrs:  # ZeRO: every device broadcasts the parameters it stepped
+        devs = f"each of {devs} to the others"
+    elif root is not None:
         others = ", ".join(d for d in op.devices if d != root)
         devs = f"{others} -> {root}" if op.kind == OpKind.REDUCE else f"{root} -> {others}"
     lines = [head, devs, size(m.bytes + m.bwd_bytes)]

@@ -56,6 +56,12 @@ MODES = [
     ("mlp_pipeline_dualpipev", "pipeline, DualPipeV (V layout)", 2),
 ]
 MEASURED: dict[str, tuple] = {}
+# Specs whose plan must predict the bytes each device sends per step (within 1%: ZeRO partitions
+# whole parameters). The plan counts textbook wire bytes, the run the payload handed to torch;
+# the two agree on groups of two, except a reduce-scatter (its payload is the whole tensor, FSDP)
+# and pipelines (torch's schedules also exchange shapes).
+PLAN_MATCHES = {"mlp_layerwise_direct", "cnn_channel", "mlp_tensor", "mlp_data_sync_batchnorm",
+                "mlp_data_shard_optimizer"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,6 +105,11 @@ def test_mode_matches_the_one_device_reference(spec, what, workers, tmp_path):
     if spec == "mlp_data_allreduce":  # DDP's buckets carry every gradient once per step, plus the loss
         grad_bytes = sum(v.numel() * 4 for v in ref_p.values())
         assert all(metrics["bytes_by_call"][d]["all_reduce"] == STEPS * (grad_bytes + 4) for d in metrics["devices"])
+    if spec in PLAN_MATCHES:
+        planned = CliRunner().invoke(main, ["plan", str(ROOT / "specs" / f"{spec}.yaml"), "--format", "json"])
+        for d in json.loads(planned.stdout)["devices"]:
+            sent = metrics["bytes_sent"][d["device"]] / STEPS - 4  # the loss's all-reduce: 4 B
+            assert sent == pytest.approx(d["sent_bytes"], rel=0.01), (d["device"], sent, d["sent_bytes"])
     MEASURED[spec] = (workers, check["max_loss_abs_diff"], check["max_param_abs_diff"])
 
 

@@ -43,7 +43,10 @@ def pairs(est) -> dict:
 
 def bytes_by_kind(est) -> dict:
     """{(op kind, phase): bytes sent} of the communication rows."""
-    return {(r.op.kind.value, r.op.phase): r.bytes for r in est.comm.rows}
+    out = {}
+    for r in est.comm.rows:
+        out[r.op.kind.value, r.op.phase] = out.get((r.op.kind.value, r.op.phase), 0) + r.bytes
+    return out
 
 
 def test_data_parallel_allreduce(tmp_path):
@@ -151,13 +154,16 @@ def test_channel_parallel(tmp_path):
           - {layers: head, device: cuda:0}
         """, head=CHANNEL_HEAD)
     rows = bytes_by_kind(est)
-    # fc2 needs all 16 channels of its input (16*16*4 = 1024 B): all-gather, each device sends half
-    assert rows[("all_gather", "fwd")] == 1024
-    assert rows[("reduce_scatter", "bwd")] == 1024
-    # fc2's output (16*8*4 = 512 B) is split by channel: cuda:1 sends its half to cuda:0 ...
-    assert rows[("merge", "fwd")] == 256
-    # ... and gets the gradient of its half back
-    assert rows[("split", "bwd")] == 256
+    # fc2 needs all 16 channels of its input (16*16*4 = 1024 B), and the segment leaves its whole
+    # output (16*8*4 = 512 B) on both devices: two all-gathers, each device sends half of each
+    assert rows[("all_gather", "fwd")] == 1024 + 512
+    # fc2's input gradient is the sum of both halves' parts: an all-reduce, 1024 B from each device
+    # (fc1 reads the model input, which has no gradient)
+    assert rows[("all_reduce", "bwd")] == 2 * 1024
+    assert ("reduce_scatter", "bwd") not in rows
+    # cuda:0 already holds the whole output; the head's input gradient goes whole to cuda:1
+    assert rows.get(("merge", "fwd"), 0) == 0
+    assert rows[("split", "bwd")] == 512
     e0, e1 = est.per_device["cuda:0"], est.per_device["cuda:1"]
     assert e1.params == 144 // 2 + 136 // 2  # half the output channels of fc1 and fc2
     assert e0.params == e1.params + 36
@@ -209,11 +215,13 @@ def test_sharded_data_parallel(tmp_path, shard, per_device):
         e = est.per_device[d]
         assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (params, grads, optim)
     kinds = sorted({r.op.kind.value for r in est.comm.rows})
-    assert kinds == ["all_gather", "reduce_scatter"]
-    # reduce-scatter and all-gather over 2 devices: each sends half of each tensor
-    if shard == "optimizer":  # one bucket of grads (976 B), one of params after the step
-        assert est.comm.total == 976 + 976
-    else:  # per layer: params gathered in forward and backward, grads scattered
+    if shard == "optimizer":
+        # as torch's ZeroRedundancyOptimizer runs: the gradients' bucket (976 B) all-reduced, each
+        # device sending 2 * (2 - 1) / 2 of it; after the step each broadcasts its half of the params
+        assert kinds == ["all_reduce", "broadcast"]
+        assert est.comm.total == 2 * 976 + 2 * 488
+    else:  # per layer: params gathered in forward and backward, grads scattered; each device sends half
+        assert kinds == ["all_gather", "reduce_scatter"]
         assert est.comm.total == 3 * 976
 
 

@@ -182,7 +182,7 @@ def test_random_placements_lower_to_valid_plans(tmp_path, body):
     unique = plan.unique_ops()
     for prev, cur in zip(plan.segments, plan.segments[1:]):
         xfers = [o for o in unique if o.kind in TRANSFERS and o.segment == cur.index]
-        if plan.out_layout(prev) == in_layout(cur):
+        if in_layout(prev) == in_layout(cur):
             assert not xfers
             continue
         # exactly one transfer each way, of the boundary activation

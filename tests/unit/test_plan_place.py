@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from placer.model.graph import LayerInfo, ModelGraph
-from placer.plan.ir import OpKind, in_grad_layout, in_layout, out_layout
+from placer.plan.ir import OpKind, in_layout
 from placer.plan.place import place
 from placer.spec.check import load_spec
 
@@ -75,9 +75,8 @@ def test_layouts_follow_the_modes(tmp_path):
         """)
     ch, tp = place(spec, graph()).segments
     assert ch.options == {"axis": 1}  # the channel dim of a Linear output (16, 8)
-    assert in_layout(ch).dim is None and out_layout(ch).dim == 1 and out_layout(ch, last=True).dim is None
-    assert in_grad_layout(ch).partial  # every channel slice contributes to the input gradient
-    assert in_layout(tp).dim is None and not in_grad_layout(tp).partial
+    # both groups take and give whole tensors on every device: slices stay inside the group
+    assert in_layout(ch).dim is None and in_layout(tp).dim is None
 
 
 def test_broadcast_sync_steps_on_the_first_device_only(tmp_path):
