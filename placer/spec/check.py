@@ -137,6 +137,10 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
         if p.mode == "none" and n > 1:
             diags.append(D("P020", f"segment {seg.name!r} lists {n} devices but no parallel mode", seg.loc,
                            "add 'parallel: data' (or channel, tensor, spatial), or use 'device:' for one device"))
+        if p.mode in ("channel", "tensor", "spatial") and n > 1 and not spec.model.inline:
+            diags.append(D("W007", f"segment {seg.name!r}: mode {p.mode!r} of a module model (`model.module`) is "
+                           "planned, but placer generate does not write it yet (G001)", ploc,
+                           "give the model as inline layers, or use mode data / none here", severity="warning"))
         if p.mode != "none" and n < 2:
             diags.append(D("P021", f"segment {seg.name!r}: parallel mode {p.mode!r} needs at least 2 devices",
                            ploc, "use 'devices: [a, b, ...]', or drop 'parallel'"))

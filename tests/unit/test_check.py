@@ -359,3 +359,14 @@ def test_pipeline_stages_torch_schedules_do_not_take_warn_except_under_gpipe():
     assert codes(d) == ["W005"]
     d["pipeline"]["schedule"] = "gpipe"  # gpipe runs as micro-batch loops on placer's copies
     assert codes(d) == []
+
+
+def test_split_modes_of_a_module_model_warn_that_generate_cannot_write_them():
+    model = {"module": "models/tinygpt.py:TinyGPT", "input": {"shape": ["B", 8], "dtype": "int64", "high": 16},
+             "target": {"shape": ["B", 8], "dtype": "int64", "high": 16}, "loss": "CrossEntropyLoss"}
+    two = ["cuda:0", "cuda:1"]
+    for mode in ("channel", "tensor", "spatial"):
+        spec = spec_with(model=model, devices=two, placement=segs({"layers": "*", "devices": two, "parallel": mode}))
+        assert "W007" in codes(spec), mode
+    data = spec_with(model=model, devices=two, placement=segs({"layers": "*", "devices": two, "parallel": "data"}))
+    assert "W007" not in codes(data)
