@@ -266,17 +266,13 @@ def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
     return out
 
 
-def _is_linear_or_conv(l) -> bool:
-    return l.op == "Linear" or l.op.startswith("Conv")
-
-
 def _channel_role(l) -> str:
     """How ChannelSplit treats a layer: `split` (Linear/Conv: a slice of the output channels),
     `follows` (per channel or per element: runs on the slice), `whole` (needs every channel)."""
-    if _is_linear_or_conv(l):
+    if NN_MODULE_KINDS.get(l.op) in ("linear", "conv"):  # not ConvTranspose
         return "split"
-    if NN_MODULE_KINDS.get(l.op) in ("batchnorm", "pool", "elementwise") or "AdaptiveAvgPool" in l.op \
-            or "AdaptiveMaxPool" in l.op:
+    if NN_MODULE_KINDS.get(l.op) in ("pool", "elementwise") or any(
+            k in l.op for k in ("BatchNorm", "AdaptiveAvgPool", "AdaptiveMaxPool")):  # Lazy, Sync ones too
         return "follows"
     return "whole"
 

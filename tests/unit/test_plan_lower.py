@@ -209,3 +209,22 @@ def test_random_placements_lower_to_valid_plans(tmp_path, body):
 
 def _direct(op: Op):
     return op_moves(op.with_(route="direct"))
+
+
+def test_the_plan_gathers_a_channel_split_where_the_program_does():
+    """The plan's rule for which layers run on a channel slice is the program's ChannelSplit's."""
+    import torch.nn as nn
+
+    from placer.codegen.runtime import channel
+    from placer.plan.lower import _channel_role
+    from placer.spec.torch_names import NN_MODULES
+
+    def role(cls) -> str:
+        return _channel_role(LayerInfo(name="l", op=cls.__name__, params=0, param_bytes=0, buffer_bytes=0,
+                                       in_shape=(2, 4), out_shape=(2, 4)))
+
+    layers = [getattr(nn, n) for n in sorted(NN_MODULES)]  # every layer a spec may name
+    runs_on_slice = {c for c in layers if issubclass(c, channel.CHANNEL_WISE_LAYERS + channel.ELEMENTWISE_LAYERS)
+                     or issubclass(c, nn.modules.batchnorm._BatchNorm)}
+    assert {c for c in layers if role(c) == "follows"} == runs_on_slice
+    assert {c for c in layers if role(c) == "split"} == set(channel.CHANNEL_SPLIT_LAYERS)

@@ -22,7 +22,8 @@ CHANNEL_WISE_LAYERS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MaxPoo
 # Layers that act on each element separately: they can follow any slice.
 ELEMENTWISE_LAYERS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
                       nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish,
-                      nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Identity)
+                      nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Identity,
+                      nn.Hardshrink, nn.Softshrink, nn.LogSigmoid, nn.Threshold)
 
 
 def channel_sizes(n, d):
