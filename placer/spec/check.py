@@ -145,12 +145,7 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
             diags.append(D("P021", f"segment {seg.name!r}: parallel mode {p.mode!r} needs at least 2 devices",
                            ploc, "use 'devices: [a, b, ...]', or drop 'parallel'"))
         if p.mode == "data":
-            if p.sync == "parameter_server" and not p.server:
-                diags.append(D("P023", f"segment {seg.name!r}: sync 'parameter_server' needs 'server: DEVICE'",
-                               ploc, "name the device that holds the weights, e.g. server: cpu"))
-            if p.server and p.sync != "parameter_server":
-                diags.append(D("P024", f"segment {seg.name!r}: 'server' is only used with sync 'parameter_server'",
-                               spec.doc.loc(("placement", seg.index, "parallel", "server")), "remove it or set sync"))
+            # (sync parameter_server without a server, or a server without it: the schema's S002 / S004)
             if p.server and p.server not in spec.devices:
                 diags.append(D("P012", f"segment {seg.name!r}: server {p.server!r} is not a listed device",
                                spec.doc.loc(("placement", seg.index, "parallel", "server")),
