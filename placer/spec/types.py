@@ -67,8 +67,6 @@ class Parallel:
     dim: str | int | None = None
     """`spatial` split dim: "H", "W" or a tensor dim index."""
     loc: Loc = field(default_factory=Loc, compare=False)
-    given: frozenset = frozenset()
-    """Option names the user wrote (to reject options of another mode)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,8 +189,8 @@ def _parallel(doc: Document, path: tuple, raw) -> Parallel:
     if raw is None:
         return Parallel(loc=doc.loc(path))
     if isinstance(raw, str):
-        return Parallel(mode=raw, loc=doc.loc(path), given=frozenset({"mode"}))
-    return Parallel(loc=doc.loc(path), given=frozenset(raw), **raw)
+        return Parallel(mode=raw, loc=doc.loc(path))
+    return Parallel(loc=doc.loc(path), **raw)
 
 
 def from_document(doc: Document) -> Spec:
