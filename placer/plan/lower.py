@@ -166,6 +166,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
     a = _Attached(step_devices=seg.devices)
     info = [graph.layer(n) for n in seg.layers]
     g, i0 = seg.devices, seg.index
+    grads = _input_grads(plan, seg, graph)
 
     def op(kind, phase, tensor, nbytes, layer=None, **kw):
         attrs = {"layer": layer} if layer else {}
@@ -215,7 +216,6 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
                     a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
     elif seg.mode == "channel":  # as the program's ChannelSplit runs it
         sliced = None  # the channel dim the activation is split along, None while it is whole
-        needs_grad = seg.index > 0  # whether the activation has a gradient to send back
         for i, l in enumerate(info):
             role = _channel_role(l)
             if sliced is not None and role != "follows":  # this layer needs every channel: gather
@@ -223,11 +223,10 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
                 a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced))
                 sliced = None
             if role == "split":  # each device makes its slice of the output channels from the whole input
-                if needs_grad:  # whose gradient is the sum of every slice's part
+                if grads[i]:  # whose gradient is the sum of every slice's part
                     a.cuts |= {i, i + 1}
                     a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", l.in_bytes, l.name))
                 sliced = _channel_dim(l)
-            needs_grad |= l.params > 0
         if sliced is not None:  # the segment leaves whole outputs on every device
             last = len(info) - 1
             a.cuts.add(last + 1)
@@ -238,7 +237,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
         for col, row in zip(lin[::2], lin[1::2]):
             a.cuts |= {col, row + 1}
             a.add("post_fwd", col, op(OpKind.ALL_REDUCE, "fwd", "act", info[row].out_bytes, info[row].name))
-            if col or seg.index:  # the model input needs no gradient
+            if grads[col]:
                 a.add("post_bwd", col, op(OpKind.ALL_REDUCE, "bwd", "grad", info[col].in_bytes, info[col].name))
     elif seg.mode == "spatial":
         axis = seg.options.get("axis", 2)
@@ -251,10 +250,22 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
             attrs = {"prev_rows": top, "next_rows": bottom, "row_bytes": row}
             total = (top + bottom) * row * (len(g) - 1)
             a.add("pre_fwd", i, op(OpKind.HALO, "fwd", "act", total, l.name, dim=axis, attrs=attrs))
-            a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
+            if grads[i]:
+                a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
         # every device computes weight gradients from its own rows: sum them like data parallel
         a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", buckets(seg, graph, 25.0))
     return a
+
+
+def _input_grads(plan: Plan, seg: PlacedSegment, graph: ModelGraph) -> list[bool]:
+    """Whether each layer's input gets a gradient in backward: only if something before it
+    trains (the model input needs none, so nothing is sent for it)."""
+    earlier = any(graph.layer(n).params for s in plan.segments[:seg.index] for n in s.layers)
+    out = []
+    for n in seg.layers:
+        out.append(earlier)
+        earlier = earlier or graph.layer(n).params > 0
+    return out
 
 
 def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:

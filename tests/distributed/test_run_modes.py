@@ -60,7 +60,7 @@ MEASURED: dict[str, tuple] = {}
 # whole parameters). The plan counts textbook wire bytes, the run the payload handed to torch;
 # the two agree on groups of two, except a reduce-scatter (its payload is the whole tensor, FSDP)
 # and pipelines (torch's schedules also exchange shapes).
-PLAN_MATCHES = {"mlp_layerwise_direct", "cnn_channel", "mlp_tensor", "mlp_data_sync_batchnorm",
+PLAN_MATCHES = {"mlp_layerwise_direct", "cnn_channel", "mlp_tensor", "cnn_spatial", "mlp_data_sync_batchnorm",
                 "mlp_data_shard_optimizer"}
 
 
