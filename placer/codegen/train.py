@@ -335,7 +335,7 @@ class TrainWriter:
         if self.relaid(prev, seg):
             c(f"with timer(\"comm\"):  # {self.layout_text(prev)} -> {self.layout_text(seg)}, {list(seg.in_shape)} in all")
             c(f"    a{k} = relayout(h{k - 1}, {self.layout_arg(prev)}, {self.layout_arg(seg)}, {list(seg.in_shape)},",
-              f"              {self.src_group(prev)}{self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
+              f"              {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
                 self.when(seg.ranks, f"a{k}.requires_grad_()")
         elif prev.layout == seg.layout:
@@ -360,7 +360,7 @@ class TrainWriter:
         if self.relaid(prev, seg):
             c(f"with timer(\"comm\"):  # {self.layout_text(seg)} -> {self.layout_text(prev)} (gradient)")
             c(f"    d{k - 1} = relayout_grad({grad}, {self.layout_arg(prev)}, {self.layout_arg(seg)},",
-              f"                       {list(seg.in_shape)}, {self.src_group(prev)}{self.dtype_arg(seg)}"
+              f"                       {list(seg.in_shape)}, {self.dtype_arg(seg)}"
               f"route={self.route(seg)}, device=device)")
         elif prev.layout == seg.layout:
             c(f"d{k - 1} = {grad}")
@@ -425,10 +425,6 @@ class TrainWriter:
         if seg.replicated:
             return f"{ranks_text(seg.ranks)} (whole on each)"
         return f"{ranks_text(seg.ranks)} ({'rows' if seg.split_dim == 0 else f'bands of dim {seg.split_dim}'})"
-
-    @staticmethod
-    def src_group(prev: Seg) -> str:
-        return f"src_group=g{prev.k}, " if prev.replicated and len(prev.ranks) > 1 else ""
 
     # -- descriptions -------------------------------------------------------------------------------
     def transfer_text(self, src, dst, shape) -> str:

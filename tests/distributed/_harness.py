@@ -264,7 +264,7 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
                 if rep[k - 1] or rep[k]:
                     grad = rt["redistribute_replicated_grad"](
                         g_in, prev["seg"].ranks, seg.ranks, shapes[k], src_replicated=rep[k - 1],
-                        dst_replicated=rep[k], src_group=prev["group"], route=seg.route)
+                        dst_replicated=rep[k], route=seg.route)
                 else:
                     grad = rt["redistribute_grad"](g_in, prev["seg"].ranks, seg.ranks, shapes[k],
                                                    route=seg.route)

@@ -59,9 +59,9 @@ MEASURED: dict[str, tuple] = {}
 # Specs whose plan must predict the bytes each device sends per step (within 1%: ZeRO partitions
 # whole parameters). The plan counts textbook wire bytes, the run the payload handed to torch;
 # the two agree on groups of two, except a reduce-scatter (its payload is the whole tensor, FSDP)
-# and pipelines (torch's schedules also exchange shapes).
+# and torch's pipeline schedules (they also exchange shapes).
 PLAN_MATCHES = {"mlp_layerwise_direct", "cnn_channel", "mlp_tensor", "cnn_spatial", "mlp_data_sync_batchnorm",
-                "mlp_data_shard_optimizer"}
+                "mlp_data_shard_optimizer", "mlp_pipeline_gpipe_mixed"}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,51 +1,75 @@
 # replicate: copies into and out of replicated groups (channel and tensor segments): groups
 # whose ranks all hold the whole activation and, after backward, the same whole gradient of
-# it. A replicated source sends from its first rank only; a replicated destination gets the
-# whole tensor on every rank. Backward mirrors that: a replicated destination sends the
-# gradient back from its first rank only (the others hold the same values); a replicated
-# source gets it on its first rank, which broadcasts it over src_group, since every rank of
-# the group needs the whole gradient. A group that is not replicated holds slices along dim
+# it. A replicated source lets each destination rank that holds a copy take its part from
+# it, and sends the rest from its ranks in turn; a replicated destination gets the whole
+# tensor on every rank. The gradient goes back the same way with the roles swapped: a replicated
+# destination's gradient is whole (and equal) on each of its ranks, and a replicated source
+# needs it whole on each of its ranks. A group that is not replicated holds slices along dim
 # exactly as in transfer.redistribute (a single rank is both: it holds the whole).
 import torch
 import torch.distributed as dist
 
-from .transfer import redistribute, redistribute_grad
+from .transfer import even_slices, redistribute
+
+
+def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device):
+    """x is the whole tensor on every rank of holders: each rank of dst_ranks gets its slice
+    along dim (the whole tensor if `whole`) from its own copy if it holds one, else from a
+    holder, the i-th destination from holders[i % len(holders)] (placer plan's choice).
+    Returns this rank's part, None outside dst_ranks."""
+    rank, n = dist.get_rank(), full_shape[dim]
+    parts = {r: (0, n) for r in dst_ranks} if whole else even_slices(dst_ranks, n)
+    sender = {r: r if r in holders else holders[i % len(holders)] for i, r in enumerate(dst_ranks)}
+    works, keep, mine = [], [], None
+    with torch.no_grad():
+        for peer, (a, b) in parts.items():
+            if sender[peer] == rank and peer != rank:
+                piece = x.narrow(dim, a, b - a)
+                piece = (piece.cpu() if route == "via_host" else piece).contiguous()
+                keep.append(piece)
+                works.append(dist.isend(piece, peer))
+        if rank in parts:
+            a, b = parts[rank]
+            if rank in holders:
+                mine = x.narrow(dim, a, b - a).clone()
+            else:
+                shape = list(full_shape)
+                shape[dim] = b - a
+                mine = torch.empty(shape, dtype=dtype, device="cpu" if route == "via_host" else device)
+                works.append(dist.irecv(mine, sender[rank]))
+        for w in works:
+            w.wait()
+    return None if mine is None else mine.to(device)
 
 
 def redistribute_replicated(x, src_ranks, dst_ranks, full_shape, dim=0, src_replicated=False,
-                            dst_replicated=False, src_group=None, dtype=torch.float32,
-                            route="direct", device="cpu"):
+                            dst_replicated=False, dtype=torch.float32, route="direct",
+                            device="cpu"):
     """redistribute, where either side may be replicated. Returns this rank's tensor for
     dst_ranks (the whole tensor when dst_replicated), None outside dst_ranks. Every rank of
-    the program calls it. src_group is used by the gradient only."""
-    src = src_ranks[:1] if src_replicated else src_ranks
+    the program calls it."""
+    if src_replicated:
+        return _from_copies(x, src_ranks, dst_ranks, full_shape, dim, dst_replicated, dtype,
+                            route, device)
     if not dst_replicated:
-        return redistribute(x, src, dst_ranks, full_shape, dim, dtype, route, device)
+        return redistribute(x, src_ranks, dst_ranks, full_shape, dim, dtype, route, device)
     mine = None
-    for r in dst_ranks:  # one whole copy per destination rank
-        got = redistribute(x, src, [r], full_shape, dim, dtype, route, device)
+    for r in dst_ranks:  # one whole copy per destination rank, gathered from the slices
+        got = redistribute(x, src_ranks, [r], full_shape, dim, dtype, route, device)
         if got is not None:
             mine = got
     return mine
 
 
 def redistribute_replicated_grad(grad, src_ranks, dst_ranks, full_shape, dim=0,
-                                 src_replicated=False, dst_replicated=False, src_group=None,
+                                 src_replicated=False, dst_replicated=False,
                                  dtype=torch.float32, route="direct", device="cpu"):
     """Backward of redistribute_replicated with the same arguments: grad is this rank's
-    gradient of what it received. Returns the gradient of what this rank sent (the whole
-    gradient on every rank of a replicated source), None outside src_ranks."""
-    src = src_ranks[:1] if src_replicated else src_ranks
-    if dst_replicated:  # every dst rank holds the same gradient: the first one sends it
-        grad = grad if dist.get_rank() == dst_ranks[0] else None
-        dst_ranks = dst_ranks[:1]
-    g = redistribute_grad(grad, src, dst_ranks, full_shape, dim, dtype, route, device)
-    if not src_replicated or dist.get_rank() not in src_ranks:
-        return g
-    if g is None:
-        g = torch.empty(full_shape, dtype=dtype, device=device)
-    dist.broadcast(g, src[0], group=src_group)
-    return g
+    gradient of what it received (the same whole gradient on every rank of a replicated
+    destination). Returns the gradient of what this rank sent (the whole gradient on every
+    rank of a replicated source), None outside src_ranks."""
+    return redistribute_replicated(grad, dst_ranks, src_ranks, full_shape, dim, dst_replicated,
+                                   src_replicated, dtype, route, device)
 
 
 def _via(src, dst):
@@ -58,28 +82,26 @@ def _via(src, dst):
     return None
 
 
-def relayout(x, src, dst, full_shape, src_group=None, dtype=torch.float32, route="direct",
-             device="cpu"):
+def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
     """Move an activation between two groups' layouts, each (ranks, dim, replicated): slices
     along dim over ranks (rows of a data group, bands of a spatial one), or the whole tensor
     on every rank (replicated: channel and tensor groups). Every rank of the program calls."""
     dim = _via(src, dst)
     if dim is None:  # rows -> bands (or back): merge on one rank, then cut the other dim
         mid = ([dst[0][0]], dst[1], False)
-        x = relayout(x, src, mid, full_shape, src_group, dtype, route, device)
-        return relayout(x, mid, dst, full_shape, src_group, dtype, route, device)
-    return redistribute_replicated(x, src[0], dst[0], full_shape, dim, src[2], dst[2], src_group,
-                                   dtype, route, device)
+        x = relayout(x, src, mid, full_shape, dtype, route, device)
+        return relayout(x, mid, dst, full_shape, dtype, route, device)
+    return redistribute_replicated(x, src[0], dst[0], full_shape, dim, src[2], dst[2], dtype,
+                                   route, device)
 
 
-def relayout_grad(grad, src, dst, full_shape, src_group=None, dtype=torch.float32,
-                  route="direct", device="cpu"):
+def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
     """Backward of relayout with the same arguments: grad is this rank's gradient of what it
     received; returns the gradient of what it sent (None outside src's ranks)."""
     dim = _via(src, dst)
     if dim is None:
         mid = ([dst[0][0]], dst[1], False)
-        grad = relayout_grad(grad, mid, dst, full_shape, src_group, dtype, route, device)
-        return relayout_grad(grad, src, mid, full_shape, src_group, dtype, route, device)
+        grad = relayout_grad(grad, mid, dst, full_shape, dtype, route, device)
+        return relayout_grad(grad, src, mid, full_shape, dtype, route, device)
     return redistribute_replicated_grad(grad, src[0], dst[0], full_shape, dim, src[2], dst[2],
-                                        src_group, dtype, route, device)
+                                        dtype, route, device)

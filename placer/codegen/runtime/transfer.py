@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 
-def _slices(ranks, n):
+def even_slices(ranks, n):
+    """{rank: (start, stop)}: n rows cut into equal contiguous slices, in rank-list order."""
     if n % len(ranks):
         raise ValueError(f"cannot split {n} rows evenly over ranks {ranks}")
     size = n // len(ranks)
@@ -20,7 +21,7 @@ def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32
     tensor on `device`. full_shape is the whole batch's shape, dtype the activation's."""
     rank = dist.get_rank()
     n = full_shape[dim]
-    src, dst = _slices(src_ranks, n), _slices(dst_ranks, n)
+    src, dst = even_slices(src_ranks, n), even_slices(dst_ranks, n)
     pieces, works, keep = {}, [], []  # pieces: start index -> tensor; keep: send buffers alive
     with torch.no_grad():
         if rank in src:  # post a send for every overlap of my slice with a dst slice
