@@ -74,7 +74,7 @@ def redistribute_replicated_grad(grad, src_ranks, dst_ranks, full_shape, dim=0,
 
 def _via(src, dst):
     """How relayout moves between layouts (ranks, dim, replicated): the dim both sides cut,
-    or None when they cut different dims (then the tensor goes whole through dst's first rank)."""
+    or None when they cut different dims (rows on one side, bands on the other)."""
     (sr, sd, srep), (dr, dd, drep) = src, dst
     src_whole, dst_whole = srep or len(sr) == 1, drep or len(dr) == 1
     if src_whole or dst_whole or sd == dd:
@@ -82,15 +82,48 @@ def _via(src, dst):
     return None
 
 
+def _across(x, src, dst, full_shape, dtype, route, device):
+    """src and dst cut different dims (rows and bands): each src rank sends every dst rank the
+    block where their slices meet, and each dst rank joins its blocks along src's dim."""
+    (sr, sd, _), (dr, dd, _) = src, dst
+    rank = dist.get_rank()
+    rows, bands = even_slices(sr, full_shape[sd]), even_slices(dr, full_shape[dd])
+    works, keep, blocks = [], [], {}  # blocks: start along sd -> tensor
+    with torch.no_grad():
+        if rank in rows:
+            for peer, (a, b) in bands.items():
+                block = x.narrow(dd, a, b - a)
+                if peer == rank:
+                    blocks[rows[rank][0]] = block
+                    continue
+                block = (block.cpu() if route == "via_host" else block).contiguous()
+                keep.append(block)
+                works.append(dist.isend(block, peer))
+        if rank in bands:
+            a, b = bands[rank]
+            for peer, (lo, hi) in rows.items():
+                if peer != rank:
+                    shape = list(full_shape)
+                    shape[sd], shape[dd] = hi - lo, b - a
+                    blocks[lo] = torch.empty(shape, dtype=dtype,
+                                             device="cpu" if route == "via_host" else device)
+                    works.append(dist.irecv(blocks[lo], peer))
+        for w in works:
+            w.wait()
+        if rank not in bands:
+            return None
+        # inside no_grad: a view of x made under no_grad still requires grad, and the result
+        # must be a fresh leaf, like a received tensor
+        return torch.cat([blocks[k].to(device) for k in sorted(blocks)], dim=sd)
+
+
 def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
     """Move an activation between two groups' layouts, each (ranks, dim, replicated): slices
     along dim over ranks (rows of a data group, bands of a spatial one), or the whole tensor
     on every rank (replicated: channel and tensor groups). Every rank of the program calls."""
     dim = _via(src, dst)
-    if dim is None:  # rows -> bands (or back): merge on one rank, then cut the other dim
-        mid = ([dst[0][0]], dst[1], False)
-        x = relayout(x, src, mid, full_shape, dtype, route, device)
-        return relayout(x, mid, dst, full_shape, dtype, route, device)
+    if dim is None:
+        return _across(x, src, dst, full_shape, dtype, route, device)
     return redistribute_replicated(x, src[0], dst[0], full_shape, dim, src[2], dst[2], dtype,
                                    route, device)
 
@@ -100,8 +133,6 @@ def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct
     received; returns the gradient of what it sent (None outside src's ranks)."""
     dim = _via(src, dst)
     if dim is None:
-        mid = ([dst[0][0]], dst[1], False)
-        grad = relayout_grad(grad, mid, dst, full_shape, dtype, route, device)
-        return relayout_grad(grad, src, mid, full_shape, dtype, route, device)
+        return _across(grad, dst, src, full_shape, dtype, route, device)
     return redistribute_replicated_grad(grad, src[0], dst[0], full_shape, dim, src[2], dst[2],
                                         dtype, route, device)
