@@ -104,6 +104,8 @@ def op_moves(op: Op) -> list[Move]:
         raw = [(op.src[0] if op.src else devs[0], op.dst[0] if op.dst else devs[-1], op.bytes)]
     elif k == OpKind.ALL_REDUCE:
         return _ring(devs, Fraction(2 * (n - 1), n), op.bytes)
+    elif k == OpKind.ALL_GATHER and "channels" in op.attrs:
+        return _ring_gather_uneven(devs, op.attrs["channels"], op.bytes)
     elif k in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER):
         return _ring(devs, Fraction(n - 1, n), op.bytes)
     elif k in (OpKind.BROADCAST, OpKind.REDUCE):
@@ -115,6 +117,13 @@ def op_moves(op: Op) -> list[Move]:
     else:
         return []
     return [hop for a, b, m in raw if m for hop in route_hops(a, b, m, op.route)]
+
+
+def _ring_gather_uneven(devices, channels: int, nbytes: int) -> list[Move]:
+    """A ring all-gather of uneven channel slices as ChannelSplit sends them: every slice
+    padded to the largest, ceil(channels / n) channels (gloo's all_gather takes equal sizes)."""
+    n = len(devices)
+    return _ring(devices, Fraction((n - 1) * -(-channels // n), channels), nbytes)
 
 
 def _halo(op: Op) -> list[Move]:

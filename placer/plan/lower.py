@@ -220,7 +220,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
             role = _channel_role(l)
             if sliced is not None and role != "follows":  # this layer needs every channel: gather
                 a.cuts.add(i)
-                a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced))
+                a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced,
+                                       attrs={"channels": l.in_shape[sliced]}))
                 sliced = None
             if role == "split":  # each device makes its slice of the output channels from the whole input
                 if grads[i]:  # whose gradient is the sum of every slice's part
@@ -231,7 +232,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
             last = len(info) - 1
             a.cuts.add(last + 1)
             a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
-                                       dim=sliced))
+                                       dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}))
     elif seg.mode == "tensor":
         lin = [i for i, l in enumerate(info) if l.op == "Linear"]
         for col, row in zip(lin[::2], lin[1::2]):

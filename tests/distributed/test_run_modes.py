@@ -61,7 +61,7 @@ MEASURED: dict[str, tuple] = {}
 # the two agree on groups of two, except a reduce-scatter (its payload is the whole tensor, FSDP)
 # and torch's pipeline schedules (they also exchange shapes).
 PLAN_MATCHES = {"mlp_layerwise_direct", "cnn_channel", "mlp_tensor", "cnn_spatial", "mlp_data_sync_batchnorm",
-                "mlp_data_shard_optimizer", "mlp_pipeline_gpipe_mixed"}
+                "mlp_data_shard_optimizer", "mlp_pipeline_gpipe_mixed", "cnn_mixed_modes"}
 
 
 @pytest.fixture(scope="module", autouse=True)

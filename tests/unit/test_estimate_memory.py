@@ -146,6 +146,9 @@ def test_collective_formulas():
                                                          ("d", "a", 1500)]  # 2(n-1)/n = 1.5
     assert sum(m[2] for m in op_moves(_op(OpKind.ALL_GATHER, g, 1000))) == 4 * 750  # (n-1)/n each
     assert sum(m[2] for m in op_moves(_op(OpKind.REDUCE_SCATTER, g, 1000))) == 4 * 750
+    # 11 channels over 4: slices of 3, 3, 3, 2 travel padded to 3 channels (300 B), 3 of them each
+    assert op_moves(_op(OpKind.ALL_GATHER, g, 1100, attrs={"channels": 11})) == \
+        [(a, b, 900) for a, b in zip(g, g[1:] + g[:1])]
     assert op_moves(_op(OpKind.BROADCAST, g, 10, attrs={"root": "c"})) == [("c", "a", 10), ("c", "b", 10),
                                                                            ("c", "d", 10)]
     assert op_moves(_op(OpKind.REDUCE, g, 10, attrs={"root": "c"})) == [("a", "c", 10), ("b", "c", 10),
