@@ -9,7 +9,7 @@
 import torch
 import torch.distributed as dist
 
-from .transfer import even_slices, redistribute
+from .transfer import Posted, even_slices, redistribute
 
 
 def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device):
@@ -20,14 +20,11 @@ def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, de
     rank, n = dist.get_rank(), full_shape[dim]
     parts = {r: (0, n) for r in dst_ranks} if whole else even_slices(dst_ranks, n)
     sender = {r: r if r in holders else holders[i % len(holders)] for i, r in enumerate(dst_ranks)}
-    works, keep, mine = [], [], None
+    posted, mine = Posted(route), None
     with torch.no_grad():
         for peer, (a, b) in parts.items():
             if sender[peer] == rank and peer != rank:
-                piece = x.narrow(dim, a, b - a)
-                piece = (piece.cpu() if route == "via_host" else piece).contiguous()
-                keep.append(piece)
-                works.append(dist.isend(piece, peer))
+                posted.send(x.narrow(dim, a, b - a), peer)
         if rank in parts:
             a, b = parts[rank]
             if rank in holders:
@@ -35,10 +32,8 @@ def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, de
             else:
                 shape = list(full_shape)
                 shape[dim] = b - a
-                mine = torch.empty(shape, dtype=dtype, device="cpu" if route == "via_host" else device)
-                works.append(dist.irecv(mine, sender[rank]))
-        for w in works:
-            w.wait()
+                mine = posted.recv(shape, dtype, sender[rank], device)
+        posted.wait()
     return None if mine is None else mine.to(device)
 
 
@@ -88,28 +83,23 @@ def _across(x, src, dst, full_shape, dtype, route, device):
     (sr, sd, _), (dr, dd, _) = src, dst
     rank = dist.get_rank()
     rows, bands = even_slices(sr, full_shape[sd]), even_slices(dr, full_shape[dd])
-    works, keep, blocks = [], [], {}  # blocks: start along sd -> tensor
+    posted, blocks = Posted(route), {}  # blocks: start along sd -> tensor
     with torch.no_grad():
         if rank in rows:
             for peer, (a, b) in bands.items():
                 block = x.narrow(dd, a, b - a)
                 if peer == rank:
                     blocks[rows[rank][0]] = block
-                    continue
-                block = (block.cpu() if route == "via_host" else block).contiguous()
-                keep.append(block)
-                works.append(dist.isend(block, peer))
+                else:
+                    posted.send(block, peer)
         if rank in bands:
             a, b = bands[rank]
             for peer, (lo, hi) in rows.items():
                 if peer != rank:
                     shape = list(full_shape)
                     shape[sd], shape[dd] = hi - lo, b - a
-                    blocks[lo] = torch.empty(shape, dtype=dtype,
-                                             device="cpu" if route == "via_host" else device)
-                    works.append(dist.irecv(blocks[lo], peer))
-        for w in works:
-            w.wait()
+                    blocks[lo] = posted.recv(shape, dtype, peer, device)
+        posted.wait()
         if rank not in bands:
             return None
         # inside no_grad: a view of x made under no_grad still requires grad, and the result

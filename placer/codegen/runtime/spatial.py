@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .syncbn import convert_sync_batchnorm_cpu
+from .transfer import Posted
 
 SPATIAL_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 SPATIAL_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d,
@@ -39,24 +40,20 @@ def _overlap(a, b):
 
 def _post_halo(x, ranks, me, send_rows, recv_rows, origin, dim, shape):
     """Post, for every peer, the send of my rows send_rows(peer) (x starts at row origin)
-    and the receive of rows recv_rows(peer); returns (works, keep, {start: buffer})."""
-    works, keep, got = [], [], {}
+    and the receive of rows recv_rows(peer); returns (posted, {start: buffer})."""
+    posted, got = Posted("direct"), {}
     for i, peer in enumerate(ranks):
         if i == me:
             continue
         rows = send_rows(i)
         if rows:
-            piece = x.narrow(dim, rows[0] - origin, rows[1] - rows[0]).contiguous()
-            keep.append(piece)
-            works.append(dist.isend(piece, peer))
+            posted.send(x.narrow(dim, rows[0] - origin, rows[1] - rows[0]), peer)
         rows = recv_rows(i)
         if rows:
             buf_shape = list(shape)
             buf_shape[dim] = rows[1] - rows[0]
-            buf = x.new_empty(buf_shape)
-            works.append(dist.irecv(buf, peer))
-            got[rows[0]] = buf
-    return works, keep, got
+            got[rows[0]] = posted.recv(buf_shape, x.dtype, peer, x.device)
+    return posted, got
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -65,14 +62,13 @@ class _HaloExchange(torch.autograd.Function):
         me = ranks.index(dist.get_rank())
         ctx.args, ctx.shape = (ranks, me, owned, needed, dim), x.shape
         with torch.no_grad():
-            works, keep, pieces = _post_halo(
+            posted, pieces = _post_halo(
                 x, ranks, me, lambda i: _overlap(owned[me], needed[i]),
                 lambda i: _overlap(owned[i], needed[me]), owned[me][0], dim, x.shape)
             mine = _overlap(owned[me], needed[me])
             if mine:
                 pieces[mine[0]] = x.narrow(dim, mine[0] - owned[me][0], mine[1] - mine[0])
-            for w in works:
-                w.wait()
+            posted.wait()
             if not pieces:  # every row this rank reads is padding
                 return x.narrow(dim, 0, 0).clone()
             return torch.cat([pieces[s] for s in sorted(pieces)], dim)
@@ -84,7 +80,7 @@ class _HaloExchange(torch.autograd.Function):
         with torch.no_grad():
             grad = grad.contiguous()
             # the rows I received go back to their owners; the rows I sent come back to me
-            works, keep, back = _post_halo(
+            posted, back = _post_halo(
                 grad, ranks, me, lambda i: _overlap(owned[i], needed[me]),
                 lambda i: _overlap(owned[me], needed[i]), needed[me][0], dim, ctx.shape)
             dx = grad.new_zeros(ctx.shape)
@@ -92,8 +88,7 @@ class _HaloExchange(torch.autograd.Function):
             if mine:
                 dx.narrow(dim, mine[0] - origin, mine[1] - mine[0]).add_(
                     grad.narrow(dim, mine[0] - needed[me][0], mine[1] - mine[0]))
-            for w in works:
-                w.wait()
+            posted.wait()
             for start, g in back.items():
                 dx.narrow(dim, start - origin, g.shape[dim]).add_(g)
         return dx, None, None, None, None

@@ -14,6 +14,29 @@ def even_slices(ranks, n):
     return {r: (i * size, (i + 1) * size) for i, r in enumerate(ranks)}
 
 
+class Posted:
+    """Point-to-point messages posted now and waited on together: posting everything before
+    waiting on anything means no order of ranks deadlocks. A `via_host` message leaves the
+    device through host memory and arrives in host memory (device -> host -> wire)."""
+
+    def __init__(self, route):
+        self.route, self.works, self.keep = route, [], []  # keep: send buffers stay alive
+
+    def send(self, piece, peer):
+        piece = (piece.cpu() if self.route == "via_host" else piece).contiguous()
+        self.keep.append(piece)
+        self.works.append(dist.isend(piece, peer))
+
+    def recv(self, shape, dtype, peer, device):
+        buf = torch.empty(shape, dtype=dtype, device="cpu" if self.route == "via_host" else device)
+        self.works.append(dist.irecv(buf, peer))
+        return buf
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+
 def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32,
                  route="direct", device="cpu"):
     """Send this rank's slice `x` (None if not in src_ranks) to the ranks of dst_ranks that
@@ -22,7 +45,7 @@ def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32
     rank = dist.get_rank()
     n = full_shape[dim]
     src, dst = even_slices(src_ranks, n), even_slices(dst_ranks, n)
-    pieces, works, keep = {}, [], []  # pieces: start index -> tensor; keep: send buffers alive
+    pieces, posted = {}, Posted(route)  # pieces: start index -> tensor
     with torch.no_grad():
         if rank in src:  # post a send for every overlap of my slice with a dst slice
             lo, hi = src[rank]
@@ -33,12 +56,8 @@ def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32
                 piece = x.narrow(dim, start - lo, stop - start)
                 if peer == rank:  # in both groups: no message (torch.cat below copies)
                     pieces[start] = piece
-                    continue
-                if route == "via_host":  # device -> host memory -> (wire) -> device
-                    piece = piece.cpu()
-                piece = piece.contiguous()
-                keep.append(piece)
-                works.append(dist.isend(piece, peer))
+                else:
+                    posted.send(piece, peer)
         if rank in dst:  # post a receive for every overlap held by another rank
             a, b = dst[rank]
             for peer, (lo, hi) in src.items():
@@ -47,13 +66,8 @@ def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32
                     continue
                 shape = list(full_shape)
                 shape[dim] = stop - start
-                buf = torch.empty(shape, dtype=dtype,
-                                  device="cpu" if route == "via_host" else device)
-                works.append(dist.irecv(buf, peer))
-                pieces[start] = buf
-        # Everything is posted before anything is waited on, so no order of ranks deadlocks.
-        for w in works:
-            w.wait()
+                pieces[start] = posted.recv(shape, dtype, peer, device)
+        posted.wait()
         if rank not in dst:
             return None
         return torch.cat([pieces[s].to(device) for s in sorted(pieces)], dim=dim)
