@@ -54,7 +54,7 @@ def command(spec_path, output, fmt):
         spec, warnings = load_checked(spec_path)
         emit_diagnostics(warnings, "text", file=sys.stderr)
         output = output or f"{spec.name}_program.py"
-        program = generate(spec, filename=os.path.basename(output))
+        program = generate(spec, filename=os.path.basename(output), out_dir=os.path.dirname(os.path.abspath(output)))
     except PlacerError as e:
         fail(e, fmt)
     try:

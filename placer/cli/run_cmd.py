@@ -167,7 +167,7 @@ def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank
     binding = launcher.bind(spec, nnodes)
     run_dir = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
     run_dir.mkdir(parents=True, exist_ok=True)
-    program = generate(spec, filename="program.py")
+    program = generate(spec, filename="program.py", out_dir=str(run_dir))
     (run_dir / "program.py").write_text(program.text)
     shutil.copyfile(spec_path, run_dir / "spec.yaml")
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,

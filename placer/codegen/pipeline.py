@@ -27,6 +27,8 @@ def pipelines(segs: list[Seg]) -> list[list[int]]:
 
 
 class PipelineWriter(TrainWriter):
+    steps_all = True
+
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, schedule: str,
                  microbatches: int):
         super().__init__(segs, world, devices, cut, checkpoint)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import math
 import os
+import subprocess
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,15 +82,20 @@ def spec_sha256(spec: Spec) -> str:
         return "unknown"
 
 
-def generate(spec: Spec, filename: str = "program.py") -> Program:
-    """The program for a valid spec. SpecError / PlanError for what cannot be generated."""
+def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = None) -> Program:
+    """The program for a valid spec, to be written as `filename` in `out_dir` (default: here):
+    it finds the spec's files relative to itself. SpecError / PlanError for what cannot be
+    generated."""
     from placer.model.build import build_graph
+    from placer.plan.lower import lower
+    from placer.plan.place import place
 
     graph = build_graph(spec)
+    plan = lower(place(spec, graph), spec, graph)
     devices = rank_order(spec.devices)
     pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
-    segs = program_segments(spec, graph, loops=bool(loops))
+    segs = program_segments(plan, spec, graph, loops=bool(loops))
     per_node: dict[int, int] = {}
     for d in devices:
         per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
@@ -111,22 +119,25 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
     module_model = not spec.model.inline
     cut = module_model and len(segs) > 1
     ckpt = spec.training.checkpoint is not None
+    # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [
         header(spec, program, segs, filename),
         imports(piece_imports, ckpt, cut),
-        constants(spec, devices),
-        "# " + "-" * 76 + " communication pieces (placer/codegen/runtime)\n\n" + piece_text,
+        constants(spec, devices, out_dir),
+        model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
+        pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches) if pl else
+        train_source(segs, devices, cut, ckpt, zero_args(spec), loops),
+        "# " + "=" * 76 + "\n# Below: placer's runtime, the same in every program that uses it\n"
+        "# (placer/codegen/templates and placer/codegen/runtime)",
         (TEMPLATES / "helpers.py").read_text(),
     ]
     if ckpt:
         parts.append((TEMPLATES / "checkpoint.py").read_text())
     if any(s.sync_batchnorm for s in segs):
         parts.append(SYNC_BATCHNORM)
-    parts += [model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
-              pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches) if pl else
-              train_source(segs, devices, cut, ckpt, zero_args(spec), loops), (TEMPLATES / "main.py").read_text()]
-    text = "\n\n".join(p.strip("\n") + "\n" for p in parts)
-    ast.parse(text)  # a generator bug should fail here, not in a worker
+    parts += ["# " + "-" * 76 + " communication pieces\n\n" + piece_text, (TEMPLATES / "main.py").read_text(),
+              'if __name__ == "__main__":\n    main()']
+    text = formatted("\n\n\n".join(p.strip("\n") + "\n" for p in parts))
     return Program(text, devices, nproc, len(per_node))
 
 
@@ -199,12 +210,40 @@ def imports(piece_imports: list[str], checkpoint: bool, cut: bool) -> str:
     return "\n".join(std) + "\n\n" + "\n".join(third) + "\n"
 
 
-def constants(spec: Spec, devices) -> str:
+def _comments_above(text: str) -> str:
+    """Trailing comments of lines over 100 columns moved onto a line of their own above, so the
+    formatter need not break the code around them."""
+    lines = text.splitlines(keepends=True)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        row, col = tok.start[0] - 1, tok.start[1]
+        if tok.type == tokenize.COMMENT and len(lines[row].rstrip("\n")) > 100 and lines[row][:col].strip():
+            code = lines[row][:col].rstrip()
+            indent = code[:len(code) - len(code.lstrip())]
+            lines[row] = f"{indent}{tok.string}\n{code}\n"
+    return "".join(lines)
+
+
+def formatted(text: str) -> str:
+    """The program as ruff formats it. A generator bug fails here (a syntax error), not in a worker."""
+    ast.parse(text)
+    text = _comments_above(text)
+    from ruff.__main__ import find_ruff_bin
+
+    proc = subprocess.run([find_ruff_bin(), "format", "--isolated", "--line-length", "100", "-"], input=text,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"ruff could not format the generated program: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def constants(spec: Spec, devices, out_dir: str | None) -> str:
     t, rt = spec.training, spec.runtime
     c = Code()
     c("# " + "-" * 76 + " the spec",
       f"SPEC_NAME = {spec.name!r}",
-      f"SPEC_DIR = {spec_dir(spec)!r}  # the spec's model and data files are found from here",
+      "# the spec's model and data files, found from this program's own folder",
+      f"SPEC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "
+      f"{os.path.relpath(spec_dir(spec), out_dir or os.getcwd())!r})",
       f"DEVICES = {list(devices)!r}  # rank r runs DEVICES[r]",
       f"BACKEND = {rt.backend!r}  # auto: NCCL between GPUs, gloo otherwise",
       f"SIMULATE = {rt.simulate!r}  # auto: if this machine lacks a device, every device is a CPU worker",
@@ -234,12 +273,12 @@ def model_source(spec: Spec, graph) -> str:
     if spec.model.inline:
         _inline_model(spec, c)
     else:
-        loc = spec.doc.loc(("model", "module"))
-        cls = _dotted(spec.model.module.rpartition(":")[2], "model class", loc)
-        c(f"{cls} = load_user({spec.model.module!r})", f"MODEL_KWARGS = {literal(spec.model.kwargs)}", "", "",
+        # the user's names stay in the strings: none can collide with the program's globals
+        c(f"MODEL = {spec.model.module!r}  # the spec's model.module, called with MODEL_KWARGS",
+          f"MODEL_KWARGS = {literal(spec.model.kwargs)}", "", "",
           "def build_model():",
           '    """The whole model, initialised from the seed (identically on every rank)."""',
-          "    torch.manual_seed(SEED)", f"    return {cls}(**MODEL_KWARGS)")
+          "    torch.manual_seed(SEED)", "    return load_user(MODEL)(**MODEL_KWARGS)")
     opt = spec.training.optimizer
     _dotted(opt.op, "optimizer", opt.loc)
     kwargs = optimizer_kwargs(spec)
@@ -324,16 +363,16 @@ def data_source(spec: Spec) -> str:
           '    """The global (input, target) batch of each step; every rank keeps its own slice."""',
           "    return prefetched(make_batch, steps)")
         return c.text()
-    fn = _dotted(data.module.rpartition(":")[2], "data function", data.loc)
-    c(f"{fn} = load_user({data.module!r})", f"DATA_KWARGS = {literal(data.kwargs)}", "", "",
+    c(f"DATA = {data.module!r}  # the spec's training.data.module, called with DATA_KWARGS",
+      f"DATA_KWARGS = {literal(data.kwargs)}", "", "",
       "def batches(steps):",
-      f'    """The global (input, target) batch of each step, from {fn}(**DATA_KWARGS); every rank',
-      '    draws the same batches and keeps its own slice."""',
-      f"    source = iter({fn}(**DATA_KWARGS))", "",
+      '    """The global (input, target) batch of each step, from DATA; every rank draws the same',
+      '    batches and keeps its own slice."""',
+      "    source = iter(load_user(DATA)(**DATA_KWARGS))", "",
       "    def make(step):",
       "        x, y = next(source)",
       "        if x.shape[0] != BATCH_SIZE:",
-      f'            raise ValueError(f"{fn} gave a batch of {{x.shape[0]}} rows at step {{step}}; '
+      '            raise ValueError(f"{DATA} gave a batch of {x.shape[0]} rows at step {step}; '
       'training.batch_size is {BATCH_SIZE}")',
       "        return x, y", "",
       "    return prefetched(make, steps)")

@@ -1,6 +1,6 @@
 """What the code generator needs to know about each segment, in rank terms.
 
-`program_segments(spec, graph)` turns the placed segments into `Seg`s: global ranks
+`program_segments(plan, spec, graph)` turns the lowered plan's segments into `Seg`s: global ranks
 instead of device names (rank r runs `rank_order(spec.devices)[r]`), the rows each rank
 computes, the shape of the activation that enters the segment, whether its parameters
 need an optimizer and who keeps the authoritative copy. Modes the generator does not
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
-from placer.plan.place import placed_segments, segment_params
+from placer.modes import tensor
+from placer.plan.ir import Plan
+from placer.plan.place import segment_params
 from placer.spec.check import torch_pipeline_blocker
 from placer.spec.types import Spec
 
@@ -61,6 +63,8 @@ class Seg:
     """data: none | optimizer (ZeRO-1) | full (FSDP2)."""
     axis: int | None = None
     """spatial: the activation dim split into bands."""
+    pairs: tuple = ()
+    """tensor: the Linear pairs the plan all-reduces, as (column, row) child names of the stage."""
 
     @property
     def replicated(self) -> bool:
@@ -134,9 +138,9 @@ def torch_schedules_take(spec: Spec) -> bool:
                                "version of placer", spec.pipeline.loc, hint))
 
 
-def program_segments(spec: Spec, graph: ModelGraph, loops: bool = False) -> list[Seg]:
-    """`loops`: a gpipe pipeline written as micro-batch loops (no DDP: it would all-reduce
-    after every micro-batch's backward)."""
+def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = False) -> list[Seg]:
+    """The lowered plan's segments in rank terms. `loops`: a gpipe pipeline written as
+    micro-batch loops (no DDP: it would all-reduce after every micro-batch's backward)."""
     devices = rank_order(spec.devices)
     m = spec.pipeline.microbatches if spec.pipeline else 1
 
@@ -145,7 +149,7 @@ def program_segments(spec: Spec, graph: ModelGraph, loops: bool = False) -> list
         return (shape[0] // m, *shape[1:]) if shape else ()
     out: list[Seg] = []
     any_params = False
-    for placed in placed_segments(spec, graph):
+    for placed in plan.segments:
         k = placed.index
         opts = placed.options
         # channel / tensor / spatial over one device is that device computing the layers whole
@@ -179,6 +183,7 @@ def program_segments(spec: Spec, graph: ModelGraph, loops: bool = False) -> list
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
             shard=opts.get("shard", "none") if data else "none",
             axis=opts["axis"] % len(shape) if mode == "spatial" else None,  # -1 is W of NCHW: 3
+            pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))) if mode == "tensor" else (),
         ))
         any_params |= n_params > 0
     return out

@@ -47,6 +47,9 @@ def ranks_text(ranks) -> str:
 
 
 class TrainWriter:
+    steps_all = False
+    """Whether the step calls every optimizer of the rank in one loop (torch's pipeline schedules)."""
+
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
                  microbatches: int = 0):
         self.segs, self.world, self.devices = segs, world, devices
@@ -56,6 +59,7 @@ class TrainWriter:
         self.zero_args = zero_args
         """`torch.optim.X, lr=...`: the optimizer class and arguments ZeroRedundancyOptimizer wraps."""
         self.c = Code(1)
+        self.binding_at, self.uses_host, self.uses_device_ids = 0, False, False
         # whose parameters are split (channel, tensor, FSDP): gathered whole by `owned()` to be saved
         self.gathered = [s for s in segs if s.sharded_params and s.has_params and len(s.ranks) > 1]
         self.own = "owned()" if self.gathered else "own"
@@ -84,6 +88,7 @@ class TrainWriter:
         return f"({names[0]},)" if len(names) == 1 else f"({', '.join(names)})"
 
     def route(self, seg: Seg) -> str:
+        self.uses_host |= seg.route != "via_host"
         return '"via_host"' if seg.route == "via_host" else '"via_host" if host else "direct"'
 
     def describe(self, seg: Seg) -> str:
@@ -123,6 +128,11 @@ class TrainWriter:
         self.step()
         c.dedent()
         self.finish()
+        binding = ["    " + line for line in (
+            ["# gloo moves host tensors only: a GPU rank on gloo stages its copies through host memory",
+             'host = backend == "gloo" and device.type == "cuda"'] * self.uses_host
+            + ['device_ids = [device.index] if device.type == "cuda" else None'] * self.uses_device_ids)]
+        c.lines[self.binding_at:self.binding_at] = binding
         return head.text() + c.text()
 
     def setup(self) -> None:
@@ -136,22 +146,23 @@ class TrainWriter:
           'if device.type == "cpu":  # share the cores among this machine\'s workers',
           '    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))',
           "dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))",
-          "count_sent_bytes()",
+          "if args.measure:  # placer run asks for the bytes each rank sends",
+          "    count_sent_bytes()",
           "if rank == 0 and why:",
           '    print(f"simulating {world} devices as CPU workers on gloo: {why}", flush=True)',
           "if rank == 0 and args.out:  # a restarted run reports its steps afresh",
           '    open(os.path.join(args.out, "progress.jsonl"), "w").close()',
-          "# gloo moves host tensors only: a GPU rank on gloo stages its copies through host memory",
-          'host = backend == "gloo" and device.type == "cuda"',
-          'device_ids = [device.index] if device.type == "cuda" else None')
+          )
+        self.binding_at = len(c.lines)  # `host` and `device_ids` go here if the step uses them
         if not self.cut:
             c("", "model = build_model()  # every rank builds the whole model from the seed, then keeps its part")
         c("own = {}  # name -> parameter, for those this rank owns (saved at the end)")
         for seg in self.segs:
             self.setup_segment(seg)
         c("", "# every segment this rank computes or keeps, and its optimizers",
-          f"modules = [m for m in {self.tuple_of('seg')} if m is not None]",
-          f"optimizers = [o for o in {self.tuple_of('opt')} if o is not None]")
+          f"modules = [m for m in {self.tuple_of('seg')} if m is not None]")
+        if self.checkpoint or self.steps_all:
+            c(f"optimizers = [o for o in {self.tuple_of('opt')} if o is not None]")
         if self.gathered:
             self.owned()
 
@@ -182,7 +193,7 @@ class TrainWriter:
             c(f"{group} = dist.new_group({ranks}){note}")
             if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
                 c(f"{group}_bn = dist.new_group({list(seg.ranks)})  # batch statistics: the data ranks only")
-        c(f"seg{k} = opt{k} = None")
+        c(f"seg{k} = opt{k} = None" if seg.has_params or self.checkpoint or self.steps_all else f"seg{k} = None")
         cond = self.cond(seg.holders)
         if cond:
             c(f"if {cond}:").indent()
@@ -207,6 +218,7 @@ class TrainWriter:
             c(f"seg{k} = fully_shard_segment(stage, {group}, device.type)  # gradients reduce-scattered in backward")
         elif seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
             c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids)")
+            self.uses_device_ids = True
         else:
             c(f"seg{k} = stage")
         if seg.has_params and seg.shard == "optimizer":
@@ -227,7 +239,7 @@ class TrainWriter:
             self.c(f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
                    f"seg{k} = ChannelSplit(stage, g{k}, {list(seg.ranks)})")
         else:
-            self.c(f"tensor_parallelize(stage, g{k}, device.type)  # Linear pairs: column split, then row split",
+            self.c(f"tensor_parallelize(stage, g{k}, {list(seg.pairs)!r}, device.type)  # (column, row) Linear pairs",
                    f"seg{k} = stage")
 
     def step(self) -> None:
@@ -236,7 +248,7 @@ class TrainWriter:
           "for m in modules:", "    m.zero_grad(set_to_none=True)")
         for seg in segs:
             if seg.sync == "broadcast" and seg.has_params:
-                self.when(seg.ranks, 'with timer("comm"):  # every replica starts from the root\'s weights',
+                self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
         if self.microbatches:
@@ -289,11 +301,11 @@ class TrainWriter:
     def loss(self, backward: bool) -> None:
         """The loss on the last group (and, with backward, its backward)."""
         c, last = self.c, self.segs[-1]
-        out, whole = f"h{last.k}", (list(last.ranks[:1]), 0, False)
+        out, whole = f"h{last.k}", f"Replicate({list(last.ranks[:1])})"
         if last.mode == "spatial":
             out = "out"
             c("", f"# the loss needs the whole output: the bands go to rank {last.ranks[0]}",
-              f"with timer(\"comm\"):  # {self.layout_text(last)} -> rank {last.ranks[0]}, {list(last.out_shape)}",
+              f"# {self.layout_text(last)} -> rank {last.ranks[0]}, {list(last.out_shape)}", 'with timer("comm"):',
               f"    out = relayout(h{last.k}, {self.layout_arg(last)}, {whole}, {list(last.out_shape)},",
               f"                   route={self.route(last)}, device=device)")
             self.when(last.ranks[:1], "out.requires_grad_()")
@@ -313,13 +325,13 @@ class TrainWriter:
     def loss_backward(self, computed: bool = False) -> None:
         """Backward from the loss into the last segment (`computed`: loss.backward() already ran)."""
         c, last = self.c, self.segs[-1]
-        whole = (list(last.ranks[:1]), 0, False)
+        whole = f"Replicate({list(last.ranks[:1])})"
         if not computed:
             c("if loss is not None:", "    loss.backward()")
         if last.replicated:
             c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
         if last.mode == "spatial":
-            c(f"with timer(\"comm\"):  # the output's gradient back to the bands",
+            c(f"# the output's gradient back to the bands", 'with timer("comm"):',
               f"    d{last.k} = relayout_grad(out.grad if rank == {last.ranks[0]} else None, {self.layout_arg(last)}, "
               f"{whole},", f"                       {list(last.out_shape)}, route={self.route(last)}, device=device)")
             self.when(last.ranks, f"torch.autograd.backward(h{last.k}, d{last.k})")
@@ -333,7 +345,7 @@ class TrainWriter:
             return
         prev = self.segs[k - 1]
         if self.relaid(prev, seg):
-            c(f"with timer(\"comm\"):  # {self.layout_text(prev)} -> {self.layout_text(seg)}, {list(seg.in_shape)} in all")
+            c(f"# {self.layout_text(prev)} -> {self.layout_text(seg)}, {list(seg.in_shape)} in all", 'with timer("comm"):')
             c(f"    a{k} = relayout(h{k - 1}, {self.layout_arg(prev)}, {self.layout_arg(seg)}, {list(seg.in_shape)},",
               f"              {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
@@ -343,7 +355,7 @@ class TrainWriter:
             leaf = f"h{k - 1}.detach()" + (".requires_grad_()" if seg.grad_in else "")
             c(f"a{k} = {self.guarded(leaf, seg.ranks)}")
         else:
-            c(f"with timer(\"comm\"):  # {self.transfer_text(prev.ranks, seg.ranks, seg.in_shape)}")
+            c(f"# {self.transfer_text(prev.ranks, seg.ranks, seg.in_shape)}", 'with timer("comm"):')
             c(f"    a{k} = redistribute(h{k - 1}, {list(prev.ranks)}, {list(seg.ranks)}, {list(seg.in_shape)},",
               f"                      {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
@@ -358,14 +370,14 @@ class TrainWriter:
             return
         grad = self.guarded(f"a{k}.grad", seg.ranks)
         if self.relaid(prev, seg):
-            c(f"with timer(\"comm\"):  # {self.layout_text(seg)} -> {self.layout_text(prev)} (gradient)")
+            c(f"# {self.layout_text(seg)} -> {self.layout_text(prev)} (gradient)", 'with timer("comm"):')
             c(f"    d{k - 1} = relayout_grad({grad}, {self.layout_arg(prev)}, {self.layout_arg(seg)},",
               f"                       {list(seg.in_shape)}, {self.dtype_arg(seg)}"
               f"route={self.route(seg)}, device=device)")
         elif prev.layout == seg.layout:
             c(f"d{k - 1} = {grad}")
         else:
-            c(f"with timer(\"comm\"):  # {self.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)")
+            c(f"# {self.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)", 'with timer("comm"):')
             c(f"    d{k - 1} = redistribute_grad({grad}, {list(prev.ranks)}, {list(seg.ranks)},",
               f"                           {list(seg.in_shape)}, {self.dtype_arg(seg)}route={self.route(seg)}, "
               "device=device)")
@@ -380,15 +392,15 @@ class TrainWriter:
         if seg.sync == "parameter_server":
             outside = seg.server not in seg.ranks
             extra = (f", buffers=list(seg{k}.buffers()), buffers_from={seg.ranks[0]}" if outside else "")
-            self.when(seg.holders, 'with timer("comm"):  # gradients up to the server, new weights back',
+            self.when(seg.holders, '# gradients up to the server, new weights back', 'with timer("comm"):',
                       f"    param_server_step(seg{k}.parameters(), opt{k}, g{k}, server={seg.server}, "
                       f"bucket_mb={seg.bucket_mb!r}{extra})")
         elif seg.sync == "broadcast":
-            self.when(seg.ranks, 'with timer("comm"):  # gradients summed on the root, which steps',
+            self.when(seg.ranks, '# gradients summed on the root, which steps', 'with timer("comm"):',
                       f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, g{k}, "
                       f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
         elif seg.mode == "spatial":
-            self.when(seg.ranks, 'with timer("comm"):  # each rank\'s weight gradients cover its bands only',
+            self.when(seg.ranks, '# each rank\'s weight gradients cover its bands only', 'with timer("comm"):',
                       f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={seg.bucket_mb!r})",
                       f"opt{k}.step()")
         elif seg.sync == "allreduce" and not seg.overlap and seg.shard != "full":
@@ -415,8 +427,9 @@ class TrainWriter:
 
     @staticmethod
     def layout_arg(seg: Seg) -> str:
+        """`Shard(dim, ranks)` (slices of dim over the ranks) or `Replicate(ranks)` (whole on each)."""
         ranks, dim, replicated = seg.layout
-        return f"({ranks}, {dim}, {replicated})"
+        return f"Replicate({ranks})" if replicated or len(ranks) == 1 else f"Shard({dim}, {ranks})"
 
     @staticmethod
     def layout_text(seg: Seg) -> str:

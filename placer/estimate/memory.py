@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from placer.model.graph import ModelGraph
+from placer.modes import tensor
 from placer.plan.ir import OpKind, PlacedSegment, Plan, in_layout
 from placer.plan.place import steppers
 from placer.spec.types import Optimizer
@@ -78,15 +79,13 @@ def _roots(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int, int]:
     return n, b, buf
 
 
-def _held(seg: PlacedSegment, l, linears: list, d: int, r: int) -> tuple[int, int]:
-    """(parameter elements, buffer bytes) of one layer that rank r of the group holds."""
+def _held(seg: PlacedSegment, l, rows: dict, d: int, r: int) -> tuple[int, int]:
+    """(parameter elements, buffer bytes) of one layer that rank r of the group holds.
+    `rows`: in a tensor segment, {paired Linear: whether it is the row half}."""
     if seg.mode == "channel" and (l.op == "Linear" or l.op.startswith(("Conv", "BatchNorm"))):
         return _share(l.params, d, r), _share(l.buffer_bytes, d, r)  # its slice of output channels
-    if seg.mode == "tensor" and l.op == "Linear":
-        weight = l.in_shape[-1] * l.out_shape[-1] if l.in_shape and l.out_shape else l.params
-        row = linears.index(l.name) % 2 == 1
-        bias = l.params - weight if row else 0  # a row-split Linear keeps its whole bias
-        return _share(l.params - bias, d, r) + bias, l.buffer_bytes
+    if rows and l.name in rows:
+        return tensor.held(l, rows[l.name], d, r, _share), l.buffer_bytes
     return l.params, l.buffer_bytes
 
 
@@ -94,11 +93,12 @@ def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int
     """(parameter elements, parameter bytes, buffer bytes) of a segment that `device` holds."""
     d = len(seg.devices)
     r = seg.devices.index(device) if device in seg.devices else 0
-    linears = [x for x in seg.layers if graph.layer(x).op == "Linear"]
+    info = [graph.layer(x) for x in seg.layers]
+    split, row_halves = tensor.split_layers(info) if seg.mode == "tensor" else (set(), set())
+    rows = {name: name in row_halves for name in split}
     n = b = buf = 0
-    for name in seg.layers:
-        l = graph.layer(name)
-        k, kb = _held(seg, l, linears, d, r)
+    for l in info:
+        k, kb = _held(seg, l, rows, d, r)
         n, b, buf = n + k, b + (k * l.param_bytes // l.params if l.params else 0), buf + kb
     rn, rb, rbuf = _roots(seg, graph)
     n, b, buf = n + rn, b + rb, buf + rbuf

@@ -152,7 +152,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
     )
-    args = [str(program), "--out", str(run_dir), *program_args] + (["--simulate"] if binding.simulate else [])
+    args = [str(program), "--out", str(run_dir), "--measure", *program_args] + (["--simulate"] if binding.simulate else [])
     stop = threading.Event()
     follower = None
     if on_progress:

@@ -19,14 +19,15 @@ segment s, ...), so all devices see shared ops in the same order.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.comm import moves
+from placer.modes import tensor
 from placer.model.graph import ModelGraph
 from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_layout, layer_range,
                             transfer_kind, union)
 from placer.plan.place import layer_geometry
+from placer.plan.attach import Attached
 from placer.plan.verify import verify
 from placer.spec.torch_names import NN_MODULE_KINDS
 from placer.spec.types import Spec
@@ -99,38 +100,6 @@ def insert_splits(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
 
 # ---- collectives ---------------------------------------------------------------------------------
 
-@dataclass
-class _Attached:
-    """Collectives of one segment, by where they run relative to its layers.
-
-    Layer-level ops hang on chunks (runs of layers computed without a break; `cuts` are the
-    layer indices where chunks start): `pre_fwd[i]` / `pre_bwd[i]` run before the forward /
-    backward of the chunk starting at layer i, `post_fwd[i]` / `post_bwd[i]` after those of
-    the chunk holding layer i.
-    Each entry is (op, scale, weight): entries repeat for every micro-batch, `scale` ones
-    (activations) with bytes / m; `weight` ones go with a zero-bubble schedule's weight half."""
-
-    cuts: set = field(default_factory=set)
-    pre_fwd: dict = field(default_factory=dict)
-    post_fwd: dict = field(default_factory=dict)
-    pre_bwd: dict = field(default_factory=dict)
-    post_bwd: dict = field(default_factory=dict)
-    seg_pre_fwd: list = field(default_factory=list)
-    """Once per step, before the segment's first forward on the device."""
-    seg_post_bwd: list = field(default_factory=list)
-    """Once per step, after the segment's last backward on the device (gradient sync)."""
-    step_pre: list = field(default_factory=list)
-    step_post: list = field(default_factory=list)
-    step_devices: tuple = ()
-
-    def add(self, table: str, layer: int, op: Op, scale: bool = True, weight: bool = False) -> None:
-        getattr(self, table).setdefault(layer, []).append((op, scale, weight))
-
-    def empty(self) -> bool:
-        return not (self.pre_fwd or self.post_fwd or self.pre_bwd or self.post_bwd or self.seg_pre_fwd
-                    or self.seg_post_bwd or self.step_pre or self.step_post)
-
-
 def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tuple[int, tuple[str, ...]]]:
     """Gradient buckets like DDP's: layers with parameters in reverse order, about bucket_mb each.
 
@@ -161,9 +130,9 @@ def _bucket_ops(kind, seg, group, phase, tensor, bks, root=None, reverse=False) 
                attrs={"bucket": k, "layers": layer_range(names), **extra}) for k, (b, names) in order]
 
 
-def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _Attached:
+def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> Attached:
     """The collectives a segment's mode needs, by where they run."""
-    a = _Attached(step_devices=seg.devices)
+    a = Attached(step_devices=seg.devices)
     info = [graph.layer(n) for n in seg.layers]
     g, i0 = seg.devices, seg.index
     grads = _input_grads(plan, seg, graph)
@@ -234,12 +203,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
             a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
                                        dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}))
     elif seg.mode == "tensor":
-        lin = [i for i, l in enumerate(info) if l.op == "Linear"]
-        for col, row in zip(lin[::2], lin[1::2]):
-            a.cuts |= {col, row + 1}
-            a.add("post_fwd", col, op(OpKind.ALL_REDUCE, "fwd", "act", info[row].out_bytes, info[row].name))
-            if grads[col]:
-                a.add("post_bwd", col, op(OpKind.ALL_REDUCE, "bwd", "grad", info[col].in_bytes, info[col].name))
+        tensor.collectives(a, info, grads, op)
     elif seg.mode == "spatial":
         axis = seg.options.get("axis", 2)
         for i, l in enumerate(info):
@@ -326,7 +290,7 @@ def _instantiate(entries, src: Op, m: int, part: str) -> list[Op]:
     return out
 
 
-def _expand(op: Op, seg: PlacedSegment, a: _Attached, m: int) -> list[Op]:
+def _expand(op: Op, seg: PlacedSegment, a: Attached, m: int) -> list[Op]:
     """A segment's COMPUTE op split into chunks, with the collectives between them."""
     starts = sorted({0} | {c for c in a.cuts if 0 < c < len(seg.layers)})
     chunks = [(s, e) for s, e in zip(starts, starts[1:] + [len(seg.layers)])]

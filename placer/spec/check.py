@@ -6,9 +6,9 @@ here imports torch or user code (names come from `torch_names`).
 from __future__ import annotations
 
 import os
-import re
 
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
+from placer.modes import tensor
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Segment, Spec, from_document
 
@@ -194,7 +194,7 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                 diags.append(D("P027", f"segment {seg.name!r} has no Linear or Conv to split by channel", seg.loc,
                                "put the Linear/Conv layers in this segment"))
         if p.mode == "tensor":
-            diags += _check_tensor_pairs(seg, seg_layers, kinds)
+            diags += tensor.check(seg, seg_layers, kinds)
     norms = [layers[i] for g in (groups or []) for i in g if layers[i].op.startswith("BatchNorm")]
     if spec.pipeline and norms:
         diags.append(D("W006", f"layer {norms[0].name!r} is a BatchNorm in a pipeline: it normalises over each "
@@ -219,19 +219,6 @@ def _spatial_option(layer) -> str | None:
         if shapes.arg(layer, 2, "padding", 0) and not shapes.arg(layer, 4, "count_include_pad", True):
             return "padding and count_include_pad: false"
     return None
-
-
-def _check_tensor_pairs(seg: Segment, seg_layers, kinds) -> list[Diagnostic]:
-    """`tensor` needs (Linear, elementwise*, Linear) pairs."""
-    pattern = "".join({"linear": "L", "elementwise": "e", "dropout": "e"}.get(k, "x") for k in kinds)
-    if re.fullmatch(r"(Le*L)(e*Le*L)*e*", pattern):
-        return []
-    at = next((i for i, c in enumerate(pattern) if c == "x"), 0)
-    lay = seg_layers[at] if seg_layers else None
-    return [D("P028", f"segment {seg.name!r}: tensor parallel needs pairs of Linear layers "
-              f"(column split, then row split) with only elementwise layers between; found {pattern!r}",
-              lay.loc if lay else seg.loc, "L = Linear, e = elementwise, x = other; move other layers "
-              "to another segment")]
 
 
 def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:

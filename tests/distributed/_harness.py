@@ -36,6 +36,15 @@ WORLD = 4
 BASE_PIECES = ["batch", "transfer"]  # what run_program and global_batch always call
 
 
+def module_pairs(module) -> list[tuple[str, str]]:
+    """The (column, row) Linear pairs among module's children, by placer's one rule."""
+    from placer.modes import tensor
+
+    names = [n for n, _ in module.named_children()]
+    kinds = [tensor.kind(type(m).__name__) for _, m in module.named_children()]
+    return [(names[c], names[r]) for c, r in tensor.pairs(kinds)]
+
+
 def load_runtime_package():
     """placer/codegen/runtime/__init__.py, loaded by path (no placer package import)."""
     spec = importlib.util.spec_from_file_location("placer_runtime", RUNTIME_DIR / "__init__.py")
@@ -193,7 +202,7 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
             if seg.mode == "channel":
                 module = rt["ChannelSplit"](module, group, seg.ranks)
             elif seg.mode == "tensor":
-                rt["tensor_parallelize"](module, group)
+                rt["tensor_parallelize"](module, group, module_pairs(module))
             elif seg.shard == "full":
                 module = rt["fully_shard_segment"](module, group)
             params = list(module.parameters())

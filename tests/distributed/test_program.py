@@ -26,7 +26,7 @@ SPECS = ROOT / "specs"
 
 
 def write_program(spec_name: str, path: Path) -> Path:
-    path.write_text(generate(load_spec(str(SPECS / f"{spec_name}.yaml"))).text)
+    path.write_text(generate(load_spec(str(SPECS / f"{spec_name}.yaml")), out_dir=str(path.parent)).text)
     return path
 
 
@@ -69,9 +69,22 @@ def test_the_program_runs_under_torchrun_from_anywhere(tmp_path):
     assert metrics["simulated"] and metrics["backend"] == "gloo" and metrics["world_size"] == 2
 
 
+def test_the_program_moves_with_its_model_file(tmp_path):
+    """The program finds the spec's files relative to its own file: moved together with its
+    model file it still runs, from any working directory."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "tests/cases/valid/module_model", project)
+    program = project / "out" / "program.py"
+    program.parent.mkdir()
+    program.write_text(generate(load_spec(str(project / "spec.yaml")), out_dir=str(program.parent)).text)
+    project.rename(tmp_path / "moved")
+    run = python(tmp_path / "moved/out/program.py", "--reference", "--simulate", "--steps", "1", cwd=tmp_path)
+    assert run.returncode == 0 and "step 1/1" in run.stdout, run.stderr[-3000:]
+
+
 def test_python_program_starts_its_own_workers_and_simulates_missing_gpus(tmp_path):
     program = write_program("mlp_layerwise_direct", tmp_path / "program.py")
-    run = python(program, "--out", tmp_path / "out", "--steps", "2", cwd=tmp_path)
+    run = python(program, "--out", tmp_path / "out", "--steps", "2", "--measure", cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "simulating 2 devices as CPU workers on gloo: this machine lacks cuda:0, cuda:1" in run.stdout
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())

@@ -113,6 +113,21 @@ def test_mode_matches_the_one_device_reference(spec, what, workers, tmp_path):
     MEASURED[spec] = (workers, check["max_loss_abs_diff"], check["max_param_abs_diff"])
 
 
+def test_tensor_pairs_are_the_plans(tmp_path):
+    """Pairs across layers DTensor has no rule for (Tanhshrink, Hardshrink, LogSigmoid) and
+    Dropout: the program splits the pairs the plan all-reduces, so it sends what the plan says."""
+    spec = ROOT / "tests/cases/valid/tensor_between_layers/spec.yaml"
+    run_dir = tmp_path / "run"
+    result = run_check(str(spec.relative_to(ROOT)), run_dir)
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    program = "".join((run_dir / "program.py").read_text().split())
+    assert 'tensor_parallelize(stage,g0,[("0","2"),("3","7")]' in program
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    planned = json.loads(CliRunner().invoke(main, ["plan", str(spec), "--format", "json"]).stdout)
+    for d in planned["devices"]:
+        assert metrics["bytes_sent"][d["device"]] / STEPS - 4 == d["sent_bytes"], d
+
+
 def test_checkpoints_keep_the_newest(tmp_path):
     """training.checkpoint {every: 2, keep: 2}: after 5 steps, step_2 is gone, step_4 holds every rank."""
     run_dir = tmp_path / "run"

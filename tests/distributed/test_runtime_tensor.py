@@ -39,10 +39,8 @@ def test_split_segments_hold_a_slice_of_their_weights(results):
 
 
 def test_pairs_are_linears_joined_by_elementwise_layers():
-    rt = h.pasted_runtime(["tensor"])
     seq = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Dropout(), nn.Linear(4, 4),
-                        nn.Linear(4, 4), nn.GELU(), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 2))
-    # Dropout breaks the first pair (it is not elementwise-deterministic); 3 starts a new one
-    assert rt["tensor_pairs"](seq) == [("3", "4"), ("7", "8")]
-    assert rt["tensor_pairs"](nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2),
-                                            nn.Linear(2, 2))) == []
+                        nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    # Dropout acts on each feature alone like ReLU; LayerNorm needs every feature: 4 is alone
+    assert h.module_pairs(seq) == [("0", "3"), ("6", "8")]
+    assert h.module_pairs(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), nn.Linear(2, 2))) == []

@@ -179,6 +179,10 @@ def test_spatial_split_dims(dim, h, w, want):
     ([("Linear", [16, 32]), ("Linear", [32, 16]), ("Linear", [16, 32]), ("GELU", None), ("Linear", [32, 16])], True),
     ([("Linear", [16, 16])], False),
     ([("Linear", [16, 16]), ("LayerNorm", [16]), ("Linear", [16, 16])], False),
+    # the issue-10 segment: the plan and the program pair (0, 2) and (3, 5) by one rule
+    ([("Linear", [16, 32]), ("Tanhshrink", None), ("Linear", [32, 16]), ("Linear", [16, 32]), ("Dropout", [0.0]),
+      ("Linear", [32, 16])], True),
+    ([("Linear", [16, 32]), ("Linear", [32, 16]), ("Linear", [16, 16])], False),  # a Linear left alone
 ])
 def test_tensor_needs_linear_pairs(layers, ok):
     model = {**BASE["model"], "layers": [{"name": "inp", "op": "Linear", "args": [8, 16]}]

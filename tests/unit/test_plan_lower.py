@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +13,8 @@ from placer.estimate.comm import op_moves
 from placer.estimate.memory import held_params
 from placer.model.graph import LayerInfo, ModelGraph
 from placer.plan.ir import TRANSFERS, Op, OpKind, Plan, in_layout
+
+ROOT = Path(__file__).resolve().parents[2]
 from placer.plan.lower import PASSES, buckets, insert_copies, insert_splits, lower
 from placer.plan.place import place, segment_params
 from placer.spec.check import load_spec
@@ -228,3 +231,26 @@ def test_the_plan_gathers_a_channel_split_where_the_program_does():
                      or issubclass(c, nn.modules.batchnorm._BatchNorm)}
     assert {c for c in layers if role(c) == "follows"} == runs_on_slice
     assert {c for c in layers if role(c) == "split"} == set(channel.CHANNEL_SPLIT_LAYERS)
+
+
+def test_tensor_pairs_are_one_rule_for_plan_memory_and_program():
+    """modes.tensor.pairs decides the plan's all-reduces, the memory each device holds and the
+    pairs the program splits: the segment of issue 10 pairs (up1, down1) and (up2, down2)."""
+    from placer.codegen.program import generate
+    from placer.estimate.memory import held_params
+    from placer.model.build import build_graph
+    from placer.modes import tensor
+    from placer.plan.lower import lower
+    from placer.plan.place import place
+    from placer.spec import check, load
+
+    spec, _ = check.validate_document(load.load_file(str(ROOT / "tests/cases/valid/tensor_between_layers/spec.yaml")))
+    graph = build_graph(spec)
+    plan = lower(place(spec, graph), spec, graph)
+    assert tensor.planned_pairs(plan, 0) == [("up1", "down1"), ("up2", "down2")]
+    text = "".join(generate(spec).text.split())  # the formatter may break the call over lines
+    assert 'tensor_parallelize(stage,g0,[("0","2"),("3","7")],device.type' in text
+    # each device holds half of every paired weight, and the row halves' whole biases
+    whole = sum(graph.layer(n).params for n in plan.segments[0].layers)
+    halves = [held_params(plan.segments[0], graph, d)[0] for d in ("cpu:0", "cpu:1")]
+    assert sum(halves) == whole + 12 + 12  # the two row biases (12 each) are on both

@@ -6,10 +6,29 @@
 # destination's gradient is whole (and equal) on each of its ranks, and a replicated source
 # needs it whole on each of its ranks. A group that is not replicated holds slices along dim
 # exactly as in transfer.redistribute (a single rank is both: it holds the whole).
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from .transfer import Posted, even_slices, redistribute
+
+
+class Layout(NamedTuple):
+    """How a group of ranks holds a tensor, in torch's words: Shard(dim, ranks) cuts dim into
+    even contiguous slices, one per rank in order; Replicate(ranks) is the whole tensor on each."""
+
+    ranks: list
+    dim: int
+    replicated: bool
+
+
+def Shard(dim, ranks):
+    return Layout(list(ranks), dim, False)
+
+
+def Replicate(ranks):
+    return Layout(list(ranks), 0, True)
 
 
 def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device):
@@ -68,7 +87,7 @@ def redistribute_replicated_grad(grad, src_ranks, dst_ranks, full_shape, dim=0,
 
 
 def _via(src, dst):
-    """How relayout moves between layouts (ranks, dim, replicated): the dim both sides cut,
+    """How relayout moves between two Layouts: the dim both sides cut,
     or None when they cut different dims (rows on one side, bands on the other)."""
     (sr, sd, srep), (dr, dd, drep) = src, dst
     src_whole, dst_whole = srep or len(sr) == 1, drep or len(dr) == 1
@@ -108,9 +127,9 @@ def _across(x, src, dst, full_shape, dtype, route, device):
 
 
 def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
-    """Move an activation between two groups' layouts, each (ranks, dim, replicated): slices
-    along dim over ranks (rows of a data group, bands of a spatial one), or the whole tensor
-    on every rank (replicated: channel and tensor groups). Every rank of the program calls."""
+    """Move an activation between two groups' Layouts: Shard (slices along dim over ranks: rows
+    of a data group, bands of a spatial one) or Replicate (the whole tensor on every rank:
+    channel and tensor groups, or one rank). Every rank of the program calls."""
     dim = _via(src, dst)
     if dim is None:
         return _across(x, src, dst, full_shape, dtype, route, device)

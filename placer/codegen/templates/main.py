@@ -39,6 +39,8 @@ def main():
     parser.add_argument("--reference", action="store_true",
                         help="train the whole model in this one process instead")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps to train (default {STEPS})")
+    parser.add_argument("--measure", action="store_true",
+                        help="count the bytes each rank sends (placer run asks for it)")
     args = parser.parse_args()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -58,5 +60,3 @@ def main():
         sys.exit(subprocess.call(command))
 
 
-if __name__ == "__main__":
-    main()
