@@ -181,10 +181,10 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                                "change the layer's option, or put it in a segment of its own"))
         if p.mode == "channel":
             bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS and l.op not in CHANNEL_NORMS]
-            grouped = [l for l, k in zip(seg_layers, kinds) if k == "conv" and shapes.arg(l, 6, "groups", 1) != 1]
+            grouped = [l for l, k in zip(seg_layers, kinds) if k == "conv" and shapes.param(l, "groups", 1) != 1]
             if grouped and not bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {grouped[0].name!r} is a grouped convolution "
-                               f"(groups={shapes.arg(grouped[0], 6, 'groups', 1)}) and cannot be split by channel",
+                               f"(groups={shapes.param(grouped[0], 'groups', 1)}) and cannot be split by channel",
                                grouped[0].loc, "use groups: 1, or put it in a segment of its own"))
             if bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
@@ -206,17 +206,19 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
 
 def _spatial_option(layer) -> str | None:
     """An option of a Conv/Pool layer that the spatial split cannot reproduce band by band."""
-    if shapes.kind(layer) == "conv":
-        if isinstance(shapes.arg(layer, 4, "padding", 0), str):
-            return f"padding {shapes.arg(layer, 4, 'padding')!r} (give the padding as numbers)"
-        if shapes.arg(layer, 8, "padding_mode", "zeros") != "zeros":
-            return f"padding_mode {shapes.arg(layer, 8, 'padding_mode')!r} (only 'zeros')"
-    if layer.op.startswith("MaxPool") and shapes.arg(layer, 4, "return_indices", False):
+    if shapes.kind(layer) not in ("conv", "pool"):
+        return None
+    padding = shapes.param(layer, "padding", 0)
+    if isinstance(padding, str):
+        return f"padding {padding!r} (give the padding as numbers)"
+    if shapes.param(layer, "padding_mode", "zeros") != "zeros":
+        return f"padding_mode {shapes.param(layer, 'padding_mode')!r} (only 'zeros')"
+    if shapes.param(layer, "return_indices", False):
         return "return_indices: true"
     if layer.op.startswith("AvgPool"):
-        if shapes.arg(layer, 3, "ceil_mode", False):
+        if shapes.param(layer, "ceil_mode", False):
             return "ceil_mode: true"
-        if shapes.arg(layer, 2, "padding", 0) and not shapes.arg(layer, 4, "count_include_pad", True):
+        if padding and not shapes.param(layer, "count_include_pad", True):
             return "padding and count_include_pad: false"
     return None
 
@@ -427,11 +429,8 @@ def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
                 diags.append(D("P029", f"segment {seg.name!r}: split dim {dim!r} is not a spatial dim of "
                                f"{layer.op} input {list(s)}", seg.parallel.loc, "use H or W"))
                 break
-            pool = shapes.kind(layer) == "pool"
-            k = shapes.arg(layer, 0 if pool else 2, "kernel_size")
-            stride = shapes.arg(layer, 1 if pool else 3, "stride", None) or (k if pool else 1)
-            stride = stride[axis - 1] if isinstance(stride, (list, tuple)) else stride
-            size = s[axis]
+            strides = shapes.window(layer).stride
+            stride, size = strides[axis - 1] if axis <= len(strides) else None, s[axis]
             if isinstance(stride, int) and stride > 0 and (size % d or (size // d) % stride):
                 diags.append(D("P029", f"segment {seg.name!r}: {layer.name!r} has {size} rows along {dim} and stride "
                                f"{stride}; {d} devices cannot each take a whole multiple of the stride", layer.loc,
