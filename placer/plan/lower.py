@@ -30,9 +30,9 @@ from placer.plan.place import layer_geometry
 from placer.plan.verify import verify
 from placer.spec.torch_names import NN_MODULE_KINDS
 from placer.spec.types import Spec
+from placer.units import MiB
 
 BWD = ("bwd", "bwd_input", "bwd_weight")
-MiB = 2 ** 20
 
 
 def _is_compute(op: Op, seg: int, phases) -> bool:
