@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from placer import units
+from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 
 
@@ -183,7 +184,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
         console.say(binding.reason)
     where = f"node {node_rank} of {nnodes}: " if nnodes > 1 else ""
     console.say(f"{where}{binding.nproc_per_node} workers ({binding.backend}), run dir {run_dir}")
-    if nnodes == 1 and len({launcher.node_of(d) for d in program.devices}) > 1:
+    if nnodes == 1 and len({Device.parse(d).node for d in program.devices}) > 1:
         console.say("the spec spans several machines; all its workers run here "
                     "(use --nnodes N --node-rank K --rdzv-endpoint HOST:PORT on each machine)")
     args = ["--steps", str(steps)] if steps else []

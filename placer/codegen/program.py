@@ -15,15 +15,17 @@ import ast
 import hashlib
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from placer import __version__
 from placer.codegen import runtime
 from placer.codegen.pipeline import pipeline_train_source
-from placer.codegen.segments import (FLOAT_DTYPES, Seg, identifier, node_of, program_segments, rank_order,
+from placer.codegen.segments import (FLOAT_DTYPES, Seg, identifier, program_segments, rank_order,
                                      torch_schedules_take)
 from placer.codegen.train import Code, TrainWriter, train_source
+from placer.device import Device
 from placer.diagnostics import Diagnostic, SpecError
 from placer.spec.types import Spec
 
@@ -88,9 +90,7 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
     pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     segs = program_segments(spec, graph, loops=bool(loops))
-    per_node: dict[int, int] = {}
-    for d in devices:
-        per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
+    per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else [])

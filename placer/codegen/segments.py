@@ -12,6 +12,7 @@ import keyword
 import re
 from dataclasses import dataclass
 
+from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
 from placer.plan.place import placed_segments, segment_params
@@ -21,13 +22,9 @@ from placer.spec.types import Spec
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
-def node_of(device: str) -> int:
-    return int(device.split("/", 1)[0][4:]) if "/" in device else 0
-
-
 def rank_order(devices) -> tuple[str, ...]:
     """Devices in rank order: node by node (torchrun numbers ranks that way), spec order within a node."""
-    return tuple(sorted(devices, key=node_of))
+    return tuple(sorted(devices, key=lambda d: Device.parse(d).node))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 from placer import units
+from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.plan.ir import COLLECTIVES, P2P, TRANSFERS, Op, OpKind, Plan
 
@@ -91,16 +92,6 @@ def _ends(op: Op, plan: Plan) -> tuple[tuple, tuple]:
     return d[:1], d[-1:]
 
 
-def _host(device: str) -> str:
-    """The CPU of a device's machine: `cpu`, or `node1/cpu` for `node1/cuda:0`."""
-    node, slash, _ = device.rpartition("/")
-    return f"{node}{slash}cpu"
-
-
-def _is_host(device: str) -> bool:
-    return device.rpartition("/")[2].split(":")[0] == "cpu"
-
-
 class _Merged:
     """One drawn node for ops that differ only by micro-batch, replica list or phase."""
 
@@ -168,8 +159,8 @@ def _transition_label(m: _Merged, plan: Plan) -> list[str]:
         head += f" ({cut})" if cut else ""
         path = [", ".join(src), ", ".join(dst)]
     else:
-        hop = op.route == "via_host" and not any(_is_host(d) for d in (src[0], dst[0]))
-        path = [src[0], _host(src[0]), dst[0]] if hop else [src[0], dst[0]]
+        hop = op.route == "via_host" and not any(Device.parse(d).is_host for d in (src[0], dst[0]))
+        path = [src[0], Device.parse(src[0]).host, dst[0]] if hop else [src[0], dst[0]]
     lines = [head, " -> ".join(path) + (f" ({op.route})" if op.route else "")]
     n = max(1, len(m.microbatches))
     amounts = [f"{what} {units.size(total / n)}" for what, total, present in

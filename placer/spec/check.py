@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 
+from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Segment, Spec, from_document
@@ -97,9 +98,9 @@ def _selector_hint(text: str, names: list[str]) -> str:
 
 def _check_devices(spec: Spec) -> list[Diagnostic]:
     diags = []
-    seen = {}
+    seen: dict[Device, int] = {}
     for i, dev in enumerate(spec.devices):
-        canon = dev.removeprefix("node0/")  # no prefix means node0
+        canon = Device.parse(dev)  # no prefix means node0: `node0/cuda:0` is `cuda:0`
         if canon in seen and spec.devices[seen[canon]] != dev:  # exact repeats are schema errors
             diags.append(D("P010", f"device {dev!r} is listed twice (also as {spec.devices[seen[canon]]!r})",
                            spec.doc.loc(("devices", i)), "a device without a node prefix is on node0; "
