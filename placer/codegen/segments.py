@@ -17,7 +17,7 @@ from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
 from placer.plan.place import placed_segments, segment_params
 from placer.spec.check import torch_pipeline_blocker
-from placer.spec.types import Spec
+from placer.spec.types import DEFAULT_PARALLEL, Spec
 
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
@@ -39,9 +39,9 @@ class Seg:
     sync: str | None = None
     """data: allreduce | parameter_server | broadcast."""
     server: int | None = None
-    bucket_mb: float = 25.0
-    overlap: bool = True
-    sync_batchnorm: bool = False
+    bucket_mb: float = DEFAULT_PARALLEL.bucket_mb
+    overlap: bool = DEFAULT_PARALLEL.overlap
+    sync_batchnorm: bool = DEFAULT_PARALLEL.sync_batchnorm
     route: str = "direct"
     """How the segment's input arrives: direct | via_host."""
     has_params: bool = True
@@ -168,13 +168,14 @@ def program_segments(spec: Spec, graph: ModelGraph, loops: bool = False) -> list
             k=k, name=placed.name, layers=tuple(placed.layers), ranks=ranks, mode=mode,
             sync=opts.get("sync") if data else None,
             server=devices.index(opts["server"]) if data and opts.get("sync") == "parameter_server" else None,
-            bucket_mb=float(opts.get("bucket_mb", 25.0)), overlap=bool(opts.get("overlap", True)) and not loops,
-            sync_batchnorm=bool(opts.get("sync_batchnorm", False)), route=placed.route,
+            bucket_mb=float(opts.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb)),
+            overlap=bool(opts.get("overlap", DEFAULT_PARALLEL.overlap)) and not loops,
+            sync_batchnorm=bool(opts.get("sync_batchnorm", DEFAULT_PARALLEL.sync_batchnorm)), route=placed.route,
             has_params=n_params > 0, in_shape=per_step(shape), in_dtype=dtype,
             out_shape=per_step(graph.layer(placed.layers[-1]).out_shape or ()),
             rows=spec.training.batch_size // m // (len(ranks) if data else 1),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
-            shard=opts.get("shard", "none") if data else "none",
+            shard=opts.get("shard", DEFAULT_PARALLEL.shard) if data else "none",
             axis=opts["axis"] % len(shape) if mode == "spatial" else None,  # -1 is W of NCHW: 3
         ))
         any_params |= n_params > 0

@@ -29,7 +29,7 @@ from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_layout, 
 from placer.plan.place import layer_geometry
 from placer.plan.verify import verify
 from placer.spec.torch_names import NN_MODULE_KINDS
-from placer.spec.types import Spec
+from placer.spec.types import DEFAULT_PARALLEL, Spec
 from placer.units import MiB
 
 BWD = ("bwd", "bwd_input", "bwd_weight")
@@ -175,8 +175,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
 
     if seg.mode == "data":
         o = seg.options
-        bks = buckets(seg, graph, o.get("bucket_mb", 25.0))
-        sync, shard = o.get("sync", "allreduce"), o.get("shard", "none")
+        bks = buckets(seg, graph, o.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb))
+        sync, shard = o.get("sync", DEFAULT_PARALLEL.sync), o.get("shard", DEFAULT_PARALLEL.shard)
         if sync == "parameter_server":
             server = o["server"]
             group = g if server in g else g + (server,)
@@ -254,7 +254,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> _
             if grads[i]:
                 a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
         # every device computes weight gradients from its own rows: sum them like data parallel
-        a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", buckets(seg, graph, 25.0))
+        bks = buckets(seg, graph, DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
+        a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
     return a
 
 

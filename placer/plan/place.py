@@ -65,8 +65,7 @@ def _options(seg: Segment, layers, graph: ModelGraph) -> dict:
             opts["server"] = p.server
         return opts
     if p.mode == "spatial":
-        dim = "H" if p.dim is None else p.dim
-        return {"dim": dim, "axis": _spatial_axis(dim, graph.layer(layers[0]).in_shape if layers else None)}
+        return {"dim": p.dim, "axis": _spatial_axis(p.dim, graph.layer(layers[0]).in_shape if layers else None)}
     if p.mode == "channel":
         return {"axis": _channel_axis(layers, graph)}
     return {}

@@ -417,7 +417,7 @@ def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
         if seg.mode != "spatial":
             continue
         d = len(seg.devices)
-        dim = seg.parallel.dim if seg.parallel.dim is not None else "H"
+        dim = seg.parallel.dim
         for i in groups[seg.index]:
             layer = spec.model.layers[i]
             s = shapes_in.get(layer.name)
