@@ -243,6 +243,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
 
     from placer.cli.main import fail
     from placer.diagnostics import Diagnostic, PlacerError, SpecError
+    from placer.plan.text import format_plan
     from placer.spec.check import load_spec
 
     def say(msg: str) -> None:
@@ -261,7 +262,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
     except PlacerError as e:
         fail(e, fmt)
     if plan_text:
-        click.echo(plan.format(), nl=False)
+        click.echo(format_plan(plan), nl=False)
     elif fmt == "json":
         click.echo(json.dumps(to_json(plan, graph, est, timeline), indent=2))
     else:
