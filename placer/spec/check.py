@@ -130,8 +130,9 @@ def _check_devices(spec: Spec) -> list[Diagnostic]:
 
 
 def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]:
+    """Each segment's mode against its devices and options; then, when the segments
+    resolved, the rules on their layers."""
     diags = []
-    layers = spec.model.layers
     for seg in spec.placement:
         p, n = seg.parallel, len(seg.devices)
         ploc = p.loc
@@ -158,7 +159,19 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                 diags.append(D("P030", f"batch_size {spec.training.batch_size} is not divisible by the "
                                f"{n} devices of data segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
                                f"use a multiple of {n}"))
-        if groups is None or p.mode == "none":
+    return diags + (check_layer_kinds(spec, groups) if groups is not None else [])
+
+
+def check_layer_kinds(spec: Spec, groups: list[list[int]]) -> list[Diagnostic]:
+    """The mode rules that depend on what the layers are (channel, tensor and spatial layers,
+    BatchNorm in data segments and pipelines), over `spec.model.layers` grouped by segment;
+    `placer.model.build` runs them on a module model's layers as well."""
+    diags = []
+    layers = spec.model.layers
+    for seg in spec.placement:
+        p, n = seg.parallel, len(seg.devices)
+        ploc = p.loc
+        if p.mode == "none":
             continue
         kinds = [shapes.kind(layers[i]) for i in groups[seg.index]]
         seg_layers = [layers[i] for i in groups[seg.index]]
@@ -196,7 +209,7 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                                "put the Linear/Conv layers in this segment"))
         if p.mode == "tensor":
             diags += _check_tensor_pairs(seg, seg_layers, kinds)
-    norms = [layers[i] for g in (groups or []) for i in g if layers[i].op.startswith("BatchNorm")]
+    norms = [layers[i] for g in groups for i in g if layers[i].op.startswith("BatchNorm")]
     if spec.pipeline and norms:
         diags.append(D("W006", f"layer {norms[0].name!r} is a BatchNorm in a pipeline: it normalises over each "
                        f"micro-batch of {spec.training.batch_size // spec.pipeline.microbatches} rows, so run --check "

@@ -30,7 +30,8 @@ def test_output_length_matches_torch(op):
         if (op == "AvgPool1d" and d > 1) or (op == "Conv1d" and ceil) or (op != "Conv1d" and p > k // 2):
             continue  # no such argument, or torch refuses the module itself
         if op == "MaxPool1d":
-            module, layer = nn.MaxPool1d(k, s, p, d, False, ceil), Layer(name="x", op=op, args=(k, s, p, d, False, ceil))
+            args = (k, s, p, d, False, ceil)
+            module, layer = nn.MaxPool1d(*args), Layer(name="x", op=op, args=args)
         elif op == "AvgPool1d":
             module, layer = nn.AvgPool1d(k, s, p, ceil), Layer(name="x", op=op, args=(k, s, p, ceil))
         else:
