@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from placer import __version__
+from placer import __version__, units
 from placer.diagnostics import Diagnostic, PlacerError, format_report
 
 FORMATS = click.Choice(["text", "json", "github"])
@@ -87,15 +87,12 @@ def validate(specs, deep, fmt, strict, quiet):
         for path, spec, diags, ok in results:
             emit_diagnostics(diags, fmt, file=sys.stderr if fmt == "text" else None)
             if ok and not quiet and fmt == "text":
-                what = _count(len(spec.model.layers), "layer") if spec.model.inline else f"module {spec.model.module}"
-                warned = f", {_count(len(diags), 'warning')}" if diags else ""
-                click.echo(f"{path}: ok ({what}, {_count(len(spec.placement), 'segment')}, "
-                           f"{_count(len(spec.devices), 'device')}{warned})")
+                what = (units.count(len(spec.model.layers), "layer") if spec.model.inline
+                        else f"module {spec.model.module}")
+                warned = f", {units.count(len(diags), 'warning')}" if diags else ""
+                click.echo(f"{path}: ok ({what}, {units.count(len(spec.placement), 'segment')}, "
+                           f"{units.count(len(spec.devices), 'device')}{warned})")
     sys.exit(1 if failed else 0)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _register_optional_commands():

@@ -11,29 +11,9 @@ import time
 
 import click
 
+from placer import units
+
 JSON_FORMAT = "placer-plan/1"
-
-
-def _size(n: float) -> str:
-    """Bytes for people: 512 B, 1.5 KiB, 3.0 MiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
-def _si(n: float) -> str:
-    """FLOPs and counts for people: 950, 12.3 K, 4.56 G."""
-    for unit in ("", " K", " M", " G", " T", " P"):
-        if abs(n) < 1000 or unit == " P":
-            return f"{n:.0f}" if not unit else f"{n:.3g}{unit}"
-        n /= 1000
-    return ""
-
-
-def _n(n: int, what: str) -> str:
-    return f"{n:,} {what}" + ("" if n == 1 else "s")
 
 
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
@@ -76,15 +56,16 @@ def comm_lines(plan, est) -> list[str]:
     for (kind, seg, phase, tensor, ends, route), (count, payload, moved) in sorted(groups.items(), key=step_order):
         name = plan.segments[seg].name
         what = f"{kind} {tensor}".strip() + (" via host" if route == "via_host" else "")
-        rows.append([what, name, phase, ends, str(count), _size(payload), _size(moved)])
-    rows.append(["total", "", "", "", str(len(est.comm.rows)), "", _size(est.comm.total)])
+        rows.append([what, name, phase, ends, str(count), units.size(payload), units.size(moved)])
+    rows.append(["total", "", "", "", str(len(est.comm.rows)), "", units.size(est.comm.total)])
     return _table(rows, {4, 5, 6}) if len(rows) > 2 else ["  (none)"]
 
 
 def table(plan, graph, est, timeline=None) -> str:
     """The readable report: segments, memory and FLOPs per device, communication, balance."""
-    lines = [f"plan {plan.name}: {_n(graph.total_params, 'parameter')}, {_n(len(plan.segments), 'segment')} on "
-             f"{_n(len(plan.devices), 'device')}, batch {plan.batch_size}"
+    lines = [f"plan {plan.name}: {units.count(graph.total_params, 'parameter')}, "
+             f"{units.count(len(plan.segments), 'segment')} on {units.count(len(plan.devices), 'device')}, "
+             f"batch {plan.batch_size}"
              + (f", pipeline {plan.schedule} x{plan.microbatches} micro-batches" if plan.schedule else "")]
     lines.append("")
     seg_rows = [["segment", "devices", "mode", "layers"]]
@@ -93,7 +74,7 @@ def table(plan, graph, est, timeline=None) -> str:
         opts = {k: v for k, v in s.options.items() if k in ("sync", "server", "shard", "dim")
                 and v not in (None, "none", "allreduce")}
         mode += "".join(f" {k}={v}" for k, v in opts.items())
-        where = ",".join(s.devices) + (f" (via host)" if s.route == "via_host" and s.index else "")
+        where = ",".join(s.devices) + (" (via host)" if s.route == "via_host" and s.index else "")
         layers = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]}..{s.layers[-1]} ({len(s.layers)})"
         seg_rows.append([f"{s.index} {s.name}" + (f" [stage {s.stage}]" if s.stage is not None else ""),
                          where, mode or "-", layers])
@@ -104,12 +85,12 @@ def table(plan, graph, est, timeline=None) -> str:
     rows = [["device", "params", "weights", "grads", "optimizer", "activations", "total", "FLOPs/step"]]
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
     for d, e in est.per_device.items():
-        rows.append([d, f"{e.params:,}", _size(e.param_bytes + e.buffer_bytes)]
-                    + [_size(getattr(e, k)) for k in keys[1:]] + [_si(e.flops)])
+        rows.append([d, f"{e.params:,}", units.size(e.param_bytes + e.buffer_bytes)]
+                    + [units.size(getattr(e, k)) for k in keys[1:]] + [units.si(e.flops)])
     tot = {k: sum(getattr(e, k) for e in est.per_device.values()) for k in keys + ("buffer_bytes", "flops")}
     rows.append(["total", f"{sum(e.params for e in est.per_device.values()):,}",
-                 _size(tot["param_bytes"] + tot["buffer_bytes"])] + [_size(tot[k]) for k in keys[1:]]
-                + [_si(tot["flops"])])
+                 units.size(tot["param_bytes"] + tot["buffer_bytes"])] + [units.size(tot[k]) for k in keys[1:]]
+                + [units.si(tot["flops"])])
     lines += _table(rows, set(range(1, 8)))
     lines += ["", "communication per step"] + comm_lines(plan, est)
     lines.append("")
@@ -117,7 +98,7 @@ def table(plan, graph, est, timeline=None) -> str:
         lines.append("balance: no device computes")
     else:
         lines.append(f"balance: busiest {est.busiest} at {est.balance:.2f}x the mean "
-                     f"({_si(est.per_device[est.busiest].flops)} vs {_si(est.mean_flops)} FLOPs/step)")
+                     f"({units.si(est.per_device[est.busiest].flops)} vs {units.si(est.mean_flops)} FLOPs/step)")
     if timeline is not None:
         lines.append(f"pipeline bubble: {timeline.bubble:.1%} of device time (textbook {timeline.textbook:.1%})")
     lines += [f"note: {n}" for n in est.notes]
@@ -262,6 +243,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
 
     from placer.cli.main import fail
     from placer.diagnostics import Diagnostic, PlacerError, SpecError
+    from placer.plan.text import format_plan
     from placer.spec.check import load_spec
 
     def say(msg: str) -> None:
@@ -280,7 +262,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
     except PlacerError as e:
         fail(e, fmt)
     if plan_text:
-        click.echo(plan.format(), nl=False)
+        click.echo(format_plan(plan), nl=False)
     elif fmt == "json":
         click.echo(json.dumps(to_json(plan, graph, est, timeline), indent=2))
     else:

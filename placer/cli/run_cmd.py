@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from placer import units
+from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 
 
@@ -54,14 +56,6 @@ def default_run_dir(name: str, node_rank: int) -> Path:
     return path
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def summary_lines(metrics: dict, wall_s: float) -> list[str]:
     steps, sps = metrics.get("steps", 0), metrics.get("steps_per_s") or 0.0
     lines = [f"trained {steps} steps: {sps:.2f} steps/s, {metrics.get('samples_per_s') or 0:.0f} samples/s "
@@ -70,7 +64,7 @@ def summary_lines(metrics: dict, wall_s: float) -> list[str]:
     times = metrics.get("time_s", {})
     for device in metrics.get("devices", []):
         t = times.get(device, {})
-        lines.append(f"{device:<16} {_size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
+        lines.append(f"{device:<16} {units.size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
                      f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f}")
     lines.append("(bytes: payload this rank handed to send / collectives; comm: time in copies and "
                  "gradient syncs, waiting included; DDP's overlapped all-reduce and a pipeline schedule's sends "
@@ -190,7 +184,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
         console.say(binding.reason)
     where = f"node {node_rank} of {nnodes}: " if nnodes > 1 else ""
     console.say(f"{where}{binding.nproc_per_node} workers ({binding.backend}), run dir {run_dir}")
-    if nnodes == 1 and len({launcher.node_of(d) for d in program.devices}) > 1:
+    if nnodes == 1 and len({Device.parse(d).node for d in program.devices}) > 1:
         console.say("the spec spans several machines; all its workers run here "
                     "(use --nnodes N --node-rank K --rdzv-endpoint HOST:PORT on each machine)")
     args = ["--steps", str(steps)] if steps else []

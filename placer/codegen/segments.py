@@ -12,24 +12,21 @@ import keyword
 import re
 from dataclasses import dataclass
 
+from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
 from placer.modes import tensor
 from placer.plan.ir import Plan
 from placer.plan.place import segment_params
 from placer.spec.check import torch_pipeline_blocker
-from placer.spec.types import Spec
+from placer.spec.types import DEFAULT_PARALLEL, Spec
 
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
-def node_of(device: str) -> int:
-    return int(device.split("/", 1)[0][4:]) if "/" in device else 0
-
-
 def rank_order(devices) -> tuple[str, ...]:
     """Devices in rank order: node by node (torchrun numbers ranks that way), spec order within a node."""
-    return tuple(sorted(devices, key=node_of))
+    return tuple(sorted(devices, key=lambda d: Device.parse(d).node))
 
 
 @dataclass(frozen=True)
@@ -44,9 +41,9 @@ class Seg:
     sync: str | None = None
     """data: allreduce | parameter_server | broadcast."""
     server: int | None = None
-    bucket_mb: float = 25.0
-    overlap: bool = True
-    sync_batchnorm: bool = False
+    bucket_mb: float = DEFAULT_PARALLEL.bucket_mb
+    overlap: bool = DEFAULT_PARALLEL.overlap
+    sync_batchnorm: bool = DEFAULT_PARALLEL.sync_batchnorm
     route: str = "direct"
     """How the segment's input arrives: direct | via_host."""
     has_params: bool = True
@@ -175,13 +172,14 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             k=k, name=placed.name, layers=tuple(placed.layers), ranks=ranks, mode=mode,
             sync=opts.get("sync") if data else None,
             server=devices.index(opts["server"]) if data and opts.get("sync") == "parameter_server" else None,
-            bucket_mb=float(opts.get("bucket_mb", 25.0)), overlap=bool(opts.get("overlap", True)) and not loops,
-            sync_batchnorm=bool(opts.get("sync_batchnorm", False)), route=placed.route,
+            bucket_mb=float(opts.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb)),
+            overlap=bool(opts.get("overlap", DEFAULT_PARALLEL.overlap)) and not loops,
+            sync_batchnorm=bool(opts.get("sync_batchnorm", DEFAULT_PARALLEL.sync_batchnorm)), route=placed.route,
             has_params=n_params > 0, in_shape=per_step(shape), in_dtype=dtype,
             out_shape=per_step(graph.layer(placed.layers[-1]).out_shape or ()),
             rows=spec.training.batch_size // m // (len(ranks) if data else 1),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
-            shard=opts.get("shard", "none") if data else "none",
+            shard=opts.get("shard", DEFAULT_PARALLEL.shard) if data else "none",
             axis=opts["axis"] % len(shape) if mode == "spatial" else None,  # -1 is W of NCHW: 3
             pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))) if mode == "tensor" else (),
         ))

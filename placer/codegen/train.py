@@ -331,7 +331,7 @@ class TrainWriter:
         if last.replicated:
             c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
         if last.mode == "spatial":
-            c(f"# the output's gradient back to the bands", 'with timer("comm"):',
+            c("# the output's gradient back to the bands", 'with timer("comm"):',
               f"    d{last.k} = relayout_grad(out.grad if rank == {last.ranks[0]} else None, {self.layout_arg(last)}, "
               f"{whole},", f"                       {list(last.out_shape)}, route={self.route(last)}, device=device)")
             self.when(last.ranks, f"torch.autograd.backward(h{last.k}, d{last.k})")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from placer.device import Device
 from placer.plan.ir import TRANSFERS, Layout, Op, OpKind, Plan
 
 Move = tuple[str, str, int]
@@ -71,20 +72,10 @@ def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
     return out
 
 
-def host_of(device: str) -> str:
-    """The CPU a via_host copy goes through: the sender's machine's `cpu`."""
-    node, sep, _ = device.rpartition("/")
-    return f"{node}{sep}cpu"
-
-
-def _is_host(device: str) -> bool:
-    return device.rpartition("/")[2].split(":")[0] == "cpu"
-
-
 def route_hops(a: str, b: str, n: int, route: str | None) -> list[Move]:
-    if route != "via_host" or _is_host(a) or _is_host(b):
+    if route != "via_host" or Device.parse(a).is_host or Device.parse(b).is_host:
         return [(a, b, n)]
-    h = host_of(a)
+    h = Device.parse(a).host  # the sender's machine's CPU
     return [(a, h, n), (h, b, n)]
 
 

@@ -21,7 +21,7 @@ from placer.model.graph import ModelGraph
 from placer.modes import tensor
 from placer.plan.ir import OpKind, PlacedSegment, Plan, in_layout
 from placer.plan.place import steppers
-from placer.spec.types import Optimizer
+from placer.spec.types import DEFAULT_PARALLEL, Optimizer
 
 KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
                "Adagrad": 1, "ASGD": 1}
@@ -116,7 +116,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> dict[str, Dev
         server = seg.server
         holders = seg.devices + ((server,) if server and server not in seg.devices else ())
         stepping = steppers(seg)
-        shard = seg.options.get("shard", "none") if seg.mode == "data" else "none"
+        shard = seg.options.get("shard", DEFAULT_PARALLEL.shard) if seg.mode == "data" else "none"
         for dev in holders:
             n, b, buf = held_params(seg, graph, dev)
             a = acc[dev]

@@ -16,9 +16,11 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, RunError
 from placer.spec.types import Spec
 
@@ -38,14 +40,6 @@ class Binding:
     nnodes: int
 
 
-def local_device_name(device: str) -> str:
-    return device.split("/", 1)[-1]
-
-
-def node_of(device: str) -> int:
-    return int(device.split("/", 1)[0][4:]) if "/" in device else 0
-
-
 def cuda_count() -> int:
     try:
         import torch
@@ -58,9 +52,9 @@ def cuda_count() -> int:
 def bind(spec: Spec, nnodes: int = 1) -> Binding:
     """Decide real vs simulated devices and the backend (runtime.simulate / backend), and how
     many workers each of `nnodes` machines starts (nnodes 1: all of them here)."""
-    cudas = [local_device_name(d) for d in spec.devices if "cuda" in d]
+    cudas = [Device.parse(d) for d in spec.devices if not Device.parse(d).is_host]
     have = cuda_count()
-    missing = sorted({d for d in cudas if int(d.split(":")[1]) >= have})
+    missing = sorted({d.local for d in cudas if d.index >= have})
     mode = spec.runtime.simulate
     if mode == "never" and missing:
         raise RunError(Diagnostic("R030", f"devices {', '.join(missing)} are not on this machine "
@@ -77,9 +71,7 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
         backend = "gloo"
     elif backend == "auto":
         backend = "nccl" if cudas and len(cudas) == len(spec.devices) else "gloo"
-    per_node: dict[int, int] = {}
-    for d in spec.devices:
-        per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
+    per_node = dict(Counter(Device.parse(d).node for d in spec.devices))  # nodes in order of first listing
     if nnodes == 1:  # every device's worker on this machine (a multi-node spec included)
         return Binding(simulate, reason, backend, len(spec.devices), 1)
     if sorted(per_node) != list(range(nnodes)):

@@ -33,9 +33,6 @@ from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
 from placer.spec import check
 from placer.spec.types import Layer, Spec
 
-MODE_KIND_CODES = {"W002", "W006", "P026", "P027", "P028"}
-"""Diagnostics of check._check_modes that depend on what the layers are."""
-
 
 # -- building ---------------------------------------------------------------------------------------
 
@@ -357,7 +354,7 @@ def _check_module_modes(spec: Spec, module: nn.Module, graph: ModelGraph, groups
         op = cls.__name__ if cls.__module__.startswith("torch.nn") else f"user class {cls.__name__}"
         layers.append(Layer(name=info.name, op=op, loc=locs.get(i, spec.model.loc)))
     as_inline = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=tuple(layers)))
-    return [d for d in check._check_modes(as_inline, groups) if d.code in MODE_KIND_CODES]
+    return check.check_layer_kinds(as_inline, groups)
 
 
 def _selects(text: str, names: list[str], i: int) -> bool:

@@ -4,8 +4,8 @@ A `Plan` holds the resolved segments (which layers, which devices, which
 mode) and, per device, its ops in execution order. `placer.plan.place` makes
 a compute-only placement; lowering passes (`placer.plan.lower`) add copies,
 splits, merges, collectives and pipeline sends; `placer.plan.verify` checks
-the invariants. `Plan.format()` / `Plan.parse()` are the compact text form
-(`placer.plan.text`) that tests and golden files use.
+the invariants. `placer.plan.text` writes and reads the compact text form that
+tests and golden files use (`format_plan` / `parse_plan`); the IR does not import it.
 
 Where a tensor lives is a `Layout`: a device group and the dim it is cut
 along (contiguous equal slices in group order), or no dim (every device
@@ -178,15 +178,3 @@ class Plan:
         a, _, b = op.tensor.partition("..")
         i = layers.index(a)
         return layers[i:layers.index(b) + 1] if b else layers[i:i + 1]
-
-    def format(self, marks=()) -> str:
-        """The compact text form; `marks` ((device, index) pairs) get a `>>` prefix."""
-        from placer.plan.text import format_plan
-
-        return format_plan(self, marks)
-
-    @staticmethod
-    def parse(text: str) -> "Plan":
-        from placer.plan.text import parse_plan
-
-        return parse_plan(text)

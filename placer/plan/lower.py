@@ -30,10 +30,10 @@ from placer.plan.place import layer_geometry
 from placer.plan.attach import Attached
 from placer.plan.verify import verify
 from placer.spec.torch_names import NN_MODULE_KINDS
-from placer.spec.types import Spec
+from placer.spec.types import DEFAULT_PARALLEL, Spec
+from placer.units import MiB
 
 BWD = ("bwd", "bwd_input", "bwd_weight")
-MiB = 2 ** 20
 
 
 def _is_compute(op: Op, seg: int, phases) -> bool:
@@ -144,8 +144,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
 
     if seg.mode == "data":
         o = seg.options
-        bks = buckets(seg, graph, o.get("bucket_mb", 25.0))
-        sync, shard = o.get("sync", "allreduce"), o.get("shard", "none")
+        bks = buckets(seg, graph, o.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb))
+        sync, shard = o.get("sync", DEFAULT_PARALLEL.sync), o.get("shard", DEFAULT_PARALLEL.shard)
         if sync == "parameter_server":
             server = o["server"]
             group = g if server in g else g + (server,)
@@ -218,7 +218,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
             if grads[i]:
                 a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
         # every device computes weight gradients from its own rows: sum them like data parallel
-        a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", buckets(seg, graph, 25.0))
+        bks = buckets(seg, graph, DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
+        a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
     return a
 
 
@@ -365,11 +366,11 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
         if src == dst:  # consecutive stages on the same group (the turn of a V schedule)
             continue
         n = boundary_bytes(graph, prev) // m
-        for flow, (a_seg, b_seg), mv, tensor in (("fwd", (prev, cur), moves(src, dst, n), "act"),
-                                                 ("bwd", (cur, prev), moves(dst, src, n), "grad")):
+        for flow, (a_seg, b_seg), mv, what in (("fwd", (prev, cur), moves(src, dst, n), "act"),
+                                               ("bwd", (cur, prev), moves(dst, src, n), "grad")):
             for mb in range(m):
                 for a, b, nbytes in mv:
-                    common = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=tensor, bytes=nbytes,
+                    common = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=what, bytes=nbytes,
                                   microbatch=mb, route=cur.route, src=(a,), dst=(b,))
                     out.setdefault((a, a_seg.index, flow, mb), []).append(
                         (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common)))

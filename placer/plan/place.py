@@ -65,8 +65,7 @@ def _options(seg: Segment, layers, graph: ModelGraph) -> dict:
             opts["server"] = p.server
         return opts
     if p.mode == "spatial":
-        dim = "H" if p.dim is None else p.dim
-        return {"dim": dim, "axis": _spatial_axis(dim, graph.layer(layers[0]).in_shape if layers else None)}
+        return {"dim": p.dim, "axis": _spatial_axis(p.dim, graph.layer(layers[0]).in_shape if layers else None)}
     if p.mode == "channel":
         return {"axis": _channel_axis(layers, graph)}
     return {}
@@ -143,18 +142,7 @@ def layer_geometry(spec: Spec, name: str) -> dict | None:
     if not spec.model.inline:
         return None
     layer = next((l for l in spec.model.layers if l.name == name), None)
-    if layer is None or shapes.kind(layer) not in ("conv", "pool") or layer.op[-2] not in "123":
-        return None
-    nd, pool = int(layer.op[-2]), shapes.kind(layer) == "pool"
-
-    def tup(v):
-        return tuple(v) if isinstance(v, (list, tuple)) else (v,) * nd
-
-    k = tup(shapes.arg(layer, 0 if pool else 2, "kernel_size"))
-    s = tup(shapes.arg(layer, 1 if pool else 3, "stride", None) or (k if pool else 1))
-    p = tup(shapes.arg(layer, 2 if pool else 4, "padding", 0))
-    d = tup(shapes.arg(layer, 3, "dilation", 1) if layer.op.startswith("MaxPool")
-            else 1 if pool else shapes.arg(layer, 5, "dilation", 1))
-    if not all(isinstance(x, int) for x in k + s + p + d):
+    w = shapes.window(layer) if layer is not None else None
+    if w is None or not w.static:
         return None  # padding="same" and friends: no static halo
-    return {"kernel": k, "stride": s, "padding": p, "dilation": d}
+    return {"kernel": w.kernel, "stride": w.stride, "padding": w.padding, "dilation": w.dilation}

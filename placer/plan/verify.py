@@ -24,6 +24,7 @@ from collections import Counter
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.comm import moves
 from placer.plan.ir import P2P, TRANSFERS, Op, OpKind, Plan, in_layout
+from placer.plan.text import format_plan
 
 Problem = tuple[str, str, list]  # (code, message, marks)
 
@@ -38,7 +39,7 @@ def verify(plan: Plan, complete: bool = True, after: str | None = None) -> Plan:
             code, msg, marks = problem
             where = f" after {after}" if after else ""
             raise PlanError(Diagnostic(
-                code, f"plan {plan.name!r} is inconsistent{where}: {msg}\n" + plan.format(marks).rstrip(),
+                code, f"plan {plan.name!r} is inconsistent{where}: {msg}\n" + format_plan(plan, marks).rstrip(),
                 Loc(f"<plan {plan.name}>"), "a lowering pass broke an invariant: this is a placer bug; "
                 "please report it with the spec"))
     return plan

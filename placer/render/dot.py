@@ -16,6 +16,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from placer import units
+from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.plan.ir import COLLECTIVES, P2P, TRANSFERS, Op, OpKind, Plan
 
@@ -39,15 +41,6 @@ def _q(*lines) -> str:
     def esc(s) -> str:
         return str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\r", " ").replace("\n", " ")
     return '"' + "\\n".join(esc(line) for line in lines if line is not None) + '"'
-
-
-def size(n: float) -> str:
-    """Bytes for people: 512 B, 1.5 KiB, 3.0 MiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""  # unreachable
 
 
 def _shape(shape) -> str:
@@ -97,16 +90,6 @@ def _ends(op: Op, plan: Plan) -> tuple[tuple, tuple]:
         src = plan.segments[op.segment - 1].devices if op.segment else d
         return tuple(x for x in d if x in src), tuple(x for x in d if x in plan.segments[op.segment].devices)
     return d[:1], d[-1:]
-
-
-def _host(device: str) -> str:
-    """The CPU of a device's machine: `cpu`, or `node1/cpu` for `node1/cuda:0`."""
-    node, slash, _ = device.rpartition("/")
-    return f"{node}{slash}cpu"
-
-
-def _is_host(device: str) -> bool:
-    return device.rpartition("/")[2].split(":")[0] == "cpu"
 
 
 class _Merged:
@@ -176,11 +159,11 @@ def _transition_label(m: _Merged, plan: Plan) -> list[str]:
         head += f" ({cut})" if cut else ""
         path = [", ".join(src), ", ".join(dst)]
     else:
-        hop = op.route == "via_host" and not any(_is_host(d) for d in (src[0], dst[0]))
-        path = [src[0], _host(src[0]), dst[0]] if hop else [src[0], dst[0]]
+        hop = op.route == "via_host" and not any(Device.parse(d).is_host for d in (src[0], dst[0]))
+        path = [src[0], Device.parse(src[0]).host, dst[0]] if hop else [src[0], dst[0]]
     lines = [head, " -> ".join(path) + (f" ({op.route})" if op.route else "")]
     n = max(1, len(m.microbatches))
-    amounts = [f"{what} {size(total / n)}" for what, total, present in
+    amounts = [f"{what} {units.size(total / n)}" for what, total, present in
                (("fwd", m.bytes, m.has_fwd), ("bwd", m.bwd_bytes, m.bwd_bytes)) if present]
     lines.append(", ".join(amounts))
     if n > 1:
@@ -201,7 +184,7 @@ def _collective_label(m: _Merged) -> list[str]:
     elif root is not None:
         others = ", ".join(d for d in op.devices if d != root)
         devs = f"{others} -> {root}" if op.kind == OpKind.REDUCE else f"{root} -> {others}"
-    lines = [head, devs, size(m.bytes + m.bwd_bytes)]
+    lines = [head, devs, units.size(m.bytes + m.bwd_bytes)]
     if m.count > 1:
         lines[-1] += f" in {m.count} ops"
     return lines
@@ -248,7 +231,7 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
     first, last = {}, {}
     for gi, (devs, members) in enumerate(groups.items()):
         fill = _FILLS[gi % len(_FILLS)]
-        label = [", ".join(devs)] + [f"{d}: {size(mem[d])}" for d in devs if d in mem]
+        label = [", ".join(devs)] + [f"{d}: {units.size(mem[d])}" for d in devs if d in mem]
         out += [f"  subgraph cluster_g{gi} {{", f"    label={_q(*label)};", "    style=rounded; color=\"#555555\"; labeljust=l;"]
         for seg in members:
             i = seg.index

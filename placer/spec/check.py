@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 
+from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
 from placer.modes import tensor
 from placer.spec import load, schema, select, shapes, torch_names
-from placer.spec.types import Segment, Spec, from_document
+from placer.spec.types import Spec, from_document
 
 # schedule -> (stage layout, rule on microbatches)
 #   layout "single": one stage per device; "loop": stage i on device group i % p; "v": V-shaped, 2 per device
@@ -97,9 +98,9 @@ def _selector_hint(text: str, names: list[str]) -> str:
 
 def _check_devices(spec: Spec) -> list[Diagnostic]:
     diags = []
-    seen = {}
+    seen: dict[Device, int] = {}
     for i, dev in enumerate(spec.devices):
-        canon = dev.removeprefix("node0/")  # no prefix means node0
+        canon = Device.parse(dev)  # no prefix means node0: `node0/cuda:0` is `cuda:0`
         if canon in seen and spec.devices[seen[canon]] != dev:  # exact repeats are schema errors
             diags.append(D("P010", f"device {dev!r} is listed twice (also as {spec.devices[seen[canon]]!r})",
                            spec.doc.loc(("devices", i)), "a device without a node prefix is on node0; "
@@ -129,8 +130,9 @@ def _check_devices(spec: Spec) -> list[Diagnostic]:
 
 
 def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]:
+    """Each segment's mode against its devices and options; then, when the segments
+    resolved, the rules on their layers."""
     diags = []
-    layers = spec.model.layers
     for seg in spec.placement:
         p, n = seg.parallel, len(seg.devices)
         ploc = p.loc
@@ -157,7 +159,19 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                 diags.append(D("P030", f"batch_size {spec.training.batch_size} is not divisible by the "
                                f"{n} devices of data segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
                                f"use a multiple of {n}"))
-        if groups is None or p.mode == "none":
+    return diags + (check_layer_kinds(spec, groups) if groups is not None else [])
+
+
+def check_layer_kinds(spec: Spec, groups: list[list[int]]) -> list[Diagnostic]:
+    """The mode rules that depend on what the layers are (channel, tensor and spatial layers,
+    BatchNorm in data segments and pipelines), over `spec.model.layers` grouped by segment;
+    `placer.model.build` runs them on a module model's layers as well."""
+    diags = []
+    layers = spec.model.layers
+    for seg in spec.placement:
+        p, n = seg.parallel, len(seg.devices)
+        ploc = p.loc
+        if p.mode == "none":
             continue
         kinds = [shapes.kind(layers[i]) for i in groups[seg.index]]
         seg_layers = [layers[i] for i in groups[seg.index]]
@@ -181,10 +195,10 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                                "change the layer's option, or put it in a segment of its own"))
         if p.mode == "channel":
             bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS and l.op not in CHANNEL_NORMS]
-            grouped = [l for l, k in zip(seg_layers, kinds) if k == "conv" and shapes.arg(l, 6, "groups", 1) != 1]
+            grouped = [l for l, k in zip(seg_layers, kinds) if k == "conv" and shapes.param(l, "groups", 1) != 1]
             if grouped and not bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {grouped[0].name!r} is a grouped convolution "
-                               f"(groups={shapes.arg(grouped[0], 6, 'groups', 1)}) and cannot be split by channel",
+                               f"(groups={shapes.param(grouped[0], 'groups', 1)}) and cannot be split by channel",
                                grouped[0].loc, "use groups: 1, or put it in a segment of its own"))
             if bad:
                 diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
@@ -195,7 +209,7 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
                                "put the Linear/Conv layers in this segment"))
         if p.mode == "tensor":
             diags += tensor.check(seg, seg_layers, kinds)
-    norms = [layers[i] for g in (groups or []) for i in g if layers[i].op.startswith("BatchNorm")]
+    norms = [layers[i] for g in groups for i in g if layers[i].op.startswith("BatchNorm")]
     if spec.pipeline and norms:
         diags.append(D("W006", f"layer {norms[0].name!r} is a BatchNorm in a pipeline: it normalises over each "
                        f"micro-batch of {spec.training.batch_size // spec.pipeline.microbatches} rows, so run --check "
@@ -206,17 +220,19 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
 
 def _spatial_option(layer) -> str | None:
     """An option of a Conv/Pool layer that the spatial split cannot reproduce band by band."""
-    if shapes.kind(layer) == "conv":
-        if isinstance(shapes.arg(layer, 4, "padding", 0), str):
-            return f"padding {shapes.arg(layer, 4, 'padding')!r} (give the padding as numbers)"
-        if shapes.arg(layer, 8, "padding_mode", "zeros") != "zeros":
-            return f"padding_mode {shapes.arg(layer, 8, 'padding_mode')!r} (only 'zeros')"
-    if layer.op.startswith("MaxPool") and shapes.arg(layer, 4, "return_indices", False):
+    if shapes.kind(layer) not in ("conv", "pool"):
+        return None
+    padding = shapes.param(layer, "padding", 0)
+    if isinstance(padding, str):
+        return f"padding {padding!r} (give the padding as numbers)"
+    if shapes.param(layer, "padding_mode", "zeros") != "zeros":
+        return f"padding_mode {shapes.param(layer, 'padding_mode')!r} (only 'zeros')"
+    if shapes.param(layer, "return_indices", False):
         return "return_indices: true"
     if layer.op.startswith("AvgPool"):
-        if shapes.arg(layer, 3, "ceil_mode", False):
+        if shapes.param(layer, "ceil_mode", False):
             return "ceil_mode: true"
-        if shapes.arg(layer, 2, "padding", 0) and not shapes.arg(layer, 4, "count_include_pad", True):
+        if padding and not shapes.param(layer, "count_include_pad", True):
             return "padding and count_include_pad: false"
     return None
 
@@ -401,7 +417,7 @@ def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
         if seg.mode != "spatial":
             continue
         d = len(seg.devices)
-        dim = seg.parallel.dim if seg.parallel.dim is not None else "H"
+        dim = seg.parallel.dim
         for i in groups[seg.index]:
             layer = spec.model.layers[i]
             s = shapes_in.get(layer.name)
@@ -414,11 +430,8 @@ def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
                 diags.append(D("P029", f"segment {seg.name!r}: split dim {dim!r} is not a spatial dim of "
                                f"{layer.op} input {list(s)}", seg.parallel.loc, "use H or W"))
                 break
-            pool = shapes.kind(layer) == "pool"
-            k = shapes.arg(layer, 0 if pool else 2, "kernel_size")
-            stride = shapes.arg(layer, 1 if pool else 3, "stride", None) or (k if pool else 1)
-            stride = stride[axis - 1] if isinstance(stride, (list, tuple)) else stride
-            size = s[axis]
+            strides = shapes.window(layer).stride
+            stride, size = strides[axis - 1] if axis <= len(strides) else None, s[axis]
             if isinstance(stride, int) and stride > 0 and (size % d or (size // d) % stride):
                 diags.append(D("P029", f"segment {seg.name!r}: {layer.name!r} has {size} rows along {dim} and stride "
                                f"{stride}; {d} devices cannot each take a whole multiple of the stride", layer.loc,

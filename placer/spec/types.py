@@ -1,7 +1,9 @@
 """The spec as frozen, typed objects, each carrying where the user wrote it.
 
-Built from a schema-valid `Document` by `from_document`; defaults here are the
-ones SPEC.md and the JSON Schema state.
+Built from a schema-valid `Document` by `from_document`. The field defaults here
+are the one Python source of placer's defaults: `from_document` leaves out what
+the user did not write, consumers that read options from a plan fall back on
+`DEFAULT_PARALLEL`, and a unit test holds the JSON Schema's `default`s equal to them.
 """
 from __future__ import annotations
 
@@ -64,9 +66,13 @@ class Parallel:
     overlap: bool = True
     shard: str = "none"
     sync_batchnorm: bool = False
-    dim: str | int | None = None
+    dim: str | int = "H"
     """`spatial` split dim: "H", "W" or a tensor dim index."""
     loc: Loc = field(default_factory=Loc, compare=False)
+
+
+DEFAULT_PARALLEL = Parallel()
+"""The mode options a segment has when the spec gives none (`bucket_mb` 25 as in DDP, ...)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +161,7 @@ class Spec:
     devices: tuple[str, ...]
     placement: tuple[Segment, ...]
     pipeline: Pipeline | None
-    route: str
+    route: str = "direct"
     """Spec-wide copy route: direct | via_host."""
     training: Training
     runtime: Runtime
@@ -180,9 +186,13 @@ def _expand_layers(doc: Document, raw: list) -> tuple[Layer, ...]:
     return tuple(out)
 
 
+def _given(raw: dict, *keys: str) -> dict:
+    """The keys the user wrote: the others take the dataclass's defaults."""
+    return {k: raw[k] for k in keys if k in raw}
+
+
 def _tensor(doc: Document, path: tuple, raw: dict) -> TensorSpec:
-    return TensorSpec(shape=tuple(raw["shape"]), dtype=raw.get("dtype", "float32"), high=raw.get("high"),
-                      low=raw.get("low", 0), loc=doc.loc(path))
+    return TensorSpec(shape=tuple(raw["shape"]), **_given(raw, "dtype", "high", "low"), loc=doc.loc(path))
 
 
 def _parallel(doc: Document, path: tuple, raw) -> Parallel:
@@ -227,37 +237,36 @@ def from_document(doc: Document) -> Spec:
         ))
     t = d["training"]
     opt = t["optimizer"]
-    data = t.get("data", "synthetic")
+    data = t.get("data")  # absent or "synthetic": Data(); else the user's module
     ck = t.get("checkpoint")
-    rt = d.get("runtime", {})
+    rt = dict(d.get("runtime", {}))
+    if "simulate" in rt:
+        rt["simulate"] = {True: "always", False: "never"}.get(rt["simulate"], rt["simulate"])
+    if "timeout_s" in rt:
+        rt["timeout_s"] = float(rt["timeout_s"])
     pl = d.get("pipeline")
-    simulate = rt.get("simulate", "auto")
-    simulate = {True: "always", False: "never"}.get(simulate, simulate)
     return Spec(
         name=d["name"],
         description=d.get("description"),
         model=model,
         devices=tuple(d["devices"]),
         placement=tuple(segments),
-        pipeline=Pipeline(microbatches=pl["microbatches"], schedule=pl.get("schedule", "1f1b"),
+        pipeline=Pipeline(microbatches=pl["microbatches"], **_given(pl, "schedule"),
                           loc=doc.loc(("pipeline",))) if pl else None,
-        route=d.get("copies", {}).get("route", "direct"),
+        **_given(d.get("copies", {}), "route"),
         training=Training(
             batch_size=t["batch_size"],
             steps=t["steps"],
             optimizer=Optimizer(op=opt["op"], lr=opt.get("lr"), kwargs=dict(opt.get("kwargs", {})),
                                 loc=doc.loc(("training", "optimizer"))),
-            seed=t.get("seed", 0),
-            data=Data(loc=doc.loc(("training", "data"))) if data == "synthetic"
-            else Data(module=data["module"], kwargs=dict(data.get("kwargs", {})), loc=doc.loc(("training", "data"))),
-            prefetch=t.get("prefetch", 2),
-            checkpoint=Checkpoint(dir=ck["dir"], every=ck["every"], keep=ck.get("keep", 3),
+            **_given(t, "seed", "prefetch"),
+            data=Data(module=data["module"], kwargs=dict(data.get("kwargs", {})), loc=doc.loc(("training", "data")))
+            if isinstance(data, dict) else Data(loc=doc.loc(("training", "data"))),
+            checkpoint=Checkpoint(dir=ck["dir"], every=ck["every"], **_given(ck, "keep"),
                                   loc=doc.loc(("training", "checkpoint"))) if ck else None,
             loc=doc.loc(("training",)),
         ),
-        runtime=Runtime(backend=rt.get("backend", "auto"), simulate=simulate,
-                        timeout_s=float(rt.get("timeout_s", 300)), max_restarts=rt.get("max_restarts", 0),
-                        loc=doc.loc(("runtime",))),
+        runtime=Runtime(**_given(rt, "backend", "simulate", "timeout_s", "max_restarts"), loc=doc.loc(("runtime",))),
         file=doc.file,
         doc=doc,
     )

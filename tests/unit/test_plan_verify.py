@@ -5,6 +5,7 @@ import pytest
 
 from placer.diagnostics import PlanError
 from placer.plan.ir import Plan
+from placer.plan.text import parse_plan
 from placer.plan.verify import verify
 
 GROUPS = """\
@@ -81,7 +82,7 @@ device cuda:1
 
 def edit(text: str, old: str, new: str, count: int = 1) -> Plan:
     assert text.count(old) >= count, old
-    return Plan.parse(text.replace(old, new, count))
+    return parse_plan(text.replace(old, new, count))
 
 
 def failure(plan: Plan, **kw) -> tuple[str, str, list[str]]:
@@ -93,7 +94,7 @@ def failure(plan: Plan, **kw) -> tuple[str, str, list[str]]:
 
 def test_good_plans_pass():
     for text in (GROUPS, PIPE):
-        plan = Plan.parse(text)
+        plan = parse_plan(text)
         assert verify(plan) is plan
 
 
@@ -120,7 +121,7 @@ def test_devices_reaching_shared_ops_in_different_orders():
         "  merge s1 bwd grad [cuda:0,cuda:1]->cpu bytes=4096 route=direct src_dim=0\n"
         "  all_reduce s1 bwd grads [cuda:0,cuda:1] bytes=16640 bucket=0 layers=fc2\n  step s1 step params\n\n"
         "device cuda:1")
-    code, msg, marked = failure(Plan.parse(swapped))
+    code, msg, marked = failure(parse_plan(swapped))
     assert code == "V002" and "different orders (deadlock)" in msg
     assert len(marked) >= 2
 
@@ -133,7 +134,7 @@ def test_compute_outside_its_segment_group():
 
 
 def test_transfer_between_the_wrong_segments():
-    plan = Plan.parse(GROUPS.replace("split s1 fwd act cpu->", "split s1 fwd act cuda:0->"))
+    plan = parse_plan(GROUPS.replace("split s1 fwd act cpu->", "split s1 fwd act cuda:0->"))
     code, msg, _ = failure(plan)
     assert code in ("V001", "V003")
 
@@ -152,12 +153,12 @@ def test_every_layer_computed_once_per_phase(old, new, why):
 
 def test_boundary_needs_exactly_one_transfer():
     dropped = GROUPS.replace("  merge s1 bwd grad [cuda:0,cuda:1]->cpu bytes=4096 route=direct src_dim=0\n", "")
-    code, msg, _ = failure(Plan.parse(dropped))
+    code, msg, _ = failure(parse_plan(dropped))
     assert code == "V006" and "bwd boundary 'embed' -> 'middle'" in msg
-    verify(Plan.parse(dropped), complete=False)  # between passes a missing transfer is allowed ...
+    verify(parse_plan(dropped), complete=False)  # between passes a missing transfer is allowed ...
     doubled = GROUPS.replace("  merge s2 fwd act [cuda:0,cuda:1]->cpu bytes=2048 route=direct src_dim=0\n",
                              "  merge s2 fwd act [cuda:0,cuda:1]->cpu bytes=2048 route=direct src_dim=0\n" * 2)
-    code, msg, marked = failure(Plan.parse(doubled), complete=False)  # ... a second one never
+    code, msg, marked = failure(parse_plan(doubled), complete=False)  # ... a second one never
     assert code == "V006" and "more than one transfer" in msg and len(marked) == 2
 
 
@@ -179,18 +180,18 @@ def test_receiving_in_another_order_than_sending():
         "  recv s1 fwd act cuda:0->cuda:1 mb=1 bytes=512 route=direct\n",
         "  recv s1 fwd act cuda:0->cuda:1 mb=1 bytes=512 route=direct\n"
         "  recv s1 fwd act cuda:0->cuda:1 mb=0 bytes=512 route=direct\n  compute s1 fwd fc2 mb=0\n")
-    code, msg, marked = failure(Plan.parse(swapped))
+    code, msg, marked = failure(parse_plan(swapped))
     assert code == "V005" and "another order" in msg and len(marked) == 2
 
 
 def test_pipeline_boundary_without_sends():
-    plan = Plan.parse("\n".join(l for l in PIPE.splitlines() if " fwd act " not in l) + "\n")
+    plan = parse_plan("\n".join(l for l in PIPE.splitlines() if " fwd act " not in l) + "\n")
     code, msg, _ = failure(plan)
     assert code == "V006" and "micro-batch 0 is never sent (fwd)" in msg
 
 
 def test_pipeline_boundary_may_not_copy():
-    plan = Plan.parse(PIPE.replace("  send s1 fwd act cuda:0->cuda:1 mb=0 bytes=512 route=direct\n",
+    plan = parse_plan(PIPE.replace("  send s1 fwd act cuda:0->cuda:1 mb=0 bytes=512 route=direct\n",
                                    "  copy s1 fwd act cuda:0->cuda:1 bytes=512 route=direct\n")
                       .replace("  recv s1 fwd act cuda:0->cuda:1 mb=0 bytes=512 route=direct\n",
                                "  copy s1 fwd act cuda:0->cuda:1 bytes=512 route=direct\n"))

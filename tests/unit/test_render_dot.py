@@ -12,7 +12,7 @@ from placer.diagnostics import PlanError
 from placer.model.graph import LayerInfo, ModelGraph
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, union
 from placer.render import dot as render_dot
-from placer.render.dot import placement_dot, size, write_diagram
+from placer.render.dot import placement_dot, write_diagram
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz not installed")
 
@@ -259,6 +259,3 @@ def test_write_diagram_rejects_unknown_suffix(tmp_path):
         write_diagram("digraph x {}", tmp_path / "plan.jpeg")
     assert e.value.diagnostics[0].code == "R001" and ".svg" in e.value.diagnostics[0].hint
 
-
-def test_size():
-    assert [size(512), size(1536), size(3 << 20), size(5 << 40)] == ["512 B", "1.5 KiB", "3.0 MiB", "5120.0 GiB"]

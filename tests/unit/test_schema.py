@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
 import placer
+from placer.spec import types
 
 SCHEMA_PATH = Path(placer.__file__).parent / "schemas" / "placer-spec.schema.json"
 SCHEMA = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
@@ -152,6 +154,56 @@ def test_defaults_from_spec_md():
     rt = defs["runtime"]["properties"]
     assert (rt["backend"]["default"], rt["simulate"]["default"], rt["max_restarts"]["default"]) == ("auto", "auto", 0)
 
+
+
+def _field_default(cls, name: str):
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+# Where each default of the schema lives in Python: (dataclass, field), or the value a
+# schema default stands for when no field holds it.
+PY_DEFAULTS = {
+    "#/$defs/copies/properties/route": (types.Spec, "route"),
+    "#/$defs/tensor/properties/dtype": (types.TensorSpec, "dtype"),
+    "#/$defs/tensor/properties/low": (types.TensorSpec, "low"),
+    "#/$defs/layer/properties/args": (types.Layer, "args"),
+    "#/$defs/layer/properties/kwargs": (types.Layer, "kwargs"),
+    "#/$defs/layer/properties/repeat": None,  # no repeat is one layer named `name`, not `name.0`
+    **{f"#/$defs/parallel/properties/{k}": (types.Parallel, k)
+       for k in ("sync", "bucket_mb", "overlap", "shard", "sync_batchnorm", "dim")},
+    "#/$defs/segment/properties/parallel": (types.Parallel, "mode"),
+    "#/$defs/pipeline/properties/schedule": (types.Pipeline, "schedule"),
+    "#/$defs/training/properties/seed": (types.Training, "seed"),
+    "#/$defs/training/properties/prefetch": (types.Training, "prefetch"),
+    "#/$defs/training/properties/data": None,  # "synthetic": Data() (checked below)
+    "#/$defs/checkpoint/properties/keep": (types.Checkpoint, "keep"),
+    **{f"#/$defs/runtime/properties/{k}": (types.Runtime, k)
+       for k in ("backend", "simulate", "timeout_s", "max_restarts")},
+}
+
+
+def test_schema_defaults_equal_the_dataclass_defaults():
+    """One source of defaults: every `default` the schema states is the dataclass's (spec/types.py)."""
+    found = {where: sub["default"] for where, sub, _ in walk(SCHEMA) if isinstance(sub, dict) and "default" in sub}
+    assert set(found) == set(PY_DEFAULTS), "map each schema default to its dataclass field here"
+    for where, value in found.items():
+        if PY_DEFAULTS[where]:
+            py = _field_default(*PY_DEFAULTS[where])
+            py = list(py) if isinstance(py, tuple) else py
+            assert py == value and isinstance(py, bool) == isinstance(value, bool), (where, py, value)
+    assert types.Data().module is None and found["#/$defs/training/properties/data"] == "synthetic"
+    assert types.DEFAULT_PARALLEL == types.Parallel() and types.DEFAULT_PARALLEL.bucket_mb == 25
+
+
+def test_from_document_leaves_defaults_to_the_dataclasses():
+    from placer.spec.load import load_text
+
+    spec = types.from_document(load_text(yaml.safe_dump({**MINIMAL, "placement": [
+        {"layers": "fc1", "devices": ["cpu", "cpu:1"], "parallel": "data"}]}), "spec.yaml"))
+    assert spec.placement[0].parallel == types.Parallel(mode="data")
+    assert (spec.route, spec.model.input, spec.training.seed, spec.runtime) == (
+        "direct", types.TensorSpec(shape=("B", 784)), 0, types.Runtime())
 
 # ---------------------------------------------------------------------- instances
 
