@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -37,6 +37,7 @@ class Document:
     data: object
     locs: dict  # path -> Loc of the value
     key_locs: dict  # path -> Loc of the mapping key that names it
+    booleans: dict = field(default_factory=dict)  # path -> the text of an unquoted boolean (`no`, `on`)
 
     def loc(self, path: Path = ()) -> Loc:
         """Best location for `path`: the value, else the nearest ancestor."""
@@ -137,10 +138,11 @@ def _measure(root, file: str) -> None:
 
 
 def _to_data(root, file: str):
-    """Node tree -> (data, locs, key_locs), aliases expanded (after `_measure` bounded them)."""
+    """Node tree -> (data, locs, key_locs, booleans), aliases expanded (after `_measure` bounded them)."""
     _measure(root, file)
     locs: dict = {}
     key_locs: dict = {}
+    booleans: dict = {}
     scalars = yaml.constructor.SafeConstructor()  # one per load: it caches every node it builds
 
     def walk(node, path):
@@ -163,6 +165,8 @@ def _to_data(root, file: str):
             return out
         if isinstance(node, yaml.SequenceNode):
             return [walk(v, path + (i,)) for i, v in enumerate(node.value)]
+        if node.tag == _CORE + "bool" and not node.style:
+            booleans[path] = node.value  # for a "quote it" hint where a string was meant
         if node.tag == _CORE + "timestamp":
             return node.value  # keep dates as written
         if node.tag == _CORE + "str" and not node.style and _EXP_FLOAT.match(node.value):
@@ -173,7 +177,7 @@ def _to_data(root, file: str):
             _fail("L012", f"value {node.value[:20]!r}{'...' if len(node.value) > 20 else ''} cannot be read: "
                   f"{str(e).split(';')[0]}", _loc(file, node.start_mark), "write a shorter value")
 
-    return walk(root, ()), locs, key_locs
+    return walk(root, ()), locs, key_locs, booleans
 
 
 def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
@@ -204,12 +208,12 @@ def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
         _fail("L003", f"YAML: {str(e).splitlines()[0]}", Loc(file, line, col))
     if root is None:
         _fail("L010", "the spec is empty", Loc(file, 1, 1), "start from an example in specs/")
-    data, locs, key_locs = _to_data(root, file)
+    data, locs, key_locs, booleans = _to_data(root, file)
     if not isinstance(data, dict):
         kind = {str: "string", list: "list", bool: "boolean", int: "number", float: "number"}.get(type(data), "value")
         _fail("L011", f"a spec is a mapping of keys; found a {kind}", locs[()],
               "start with 'placer: 1' and 'name: ...'")
-    return Document(file, data, locs, key_locs)
+    return Document(file, data, locs, key_locs, booleans)
 
 
 def load_file(path: str) -> Document:
