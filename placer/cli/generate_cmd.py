@@ -48,6 +48,9 @@ def command(spec_path, output, fmt):
       python program.py --reference              # the whole model in one process
     """
     from placer.cli.main import emit_diagnostics, fail
+    from placer.deps import require_torch
+
+    require_torch("placer generate")
     from placer.codegen.program import generate
 
     try:

@@ -7,12 +7,29 @@ import sys
 import click
 
 from placer import __version__
+from placer.deps import INSTALL, MissingDependency, is_missing_torch
 from placer.diagnostics import Diagnostic, PlacerError, format_report
 
 FORMATS = click.Choice(["text", "json", "github"])
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class PlacerGroup(click.Group):
+    """The `placer` group: a missing torch is one line naming the install command, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            if not is_missing_torch(e):
+                raise
+            # Commands say it themselves (require_torch); this catches an import they did not foresee.
+            what = str(e) if isinstance(e, MissingDependency) else \
+                f"placer {ctx.invoked_subcommand} needs PyTorch: {INSTALL}"
+            click.echo(f"error: {what}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=PlacerGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="placer")
 def main():
     """Place every layer of a PyTorch model on devices, from one YAML spec.
@@ -64,9 +81,12 @@ def validate(specs, deep, fmt, strict, quiet):
       placer validate --format github specs/*.yaml     # annotations in GitHub Actions
       cat spec.yaml | placer validate -
     """
+    from placer.deps import require_torch
     from placer.spec import check as checks
     from placer.spec import load
 
+    if deep:
+        require_torch("placer validate --deep")
     results, failed = [], False
     for path in specs:
         try:

@@ -261,9 +261,11 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
     import json
 
     from placer.cli.main import fail
+    from placer.deps import require_torch
     from placer.diagnostics import Diagnostic, PlacerError, SpecError
     from placer.spec.check import load_spec
 
+    require_torch("placer plan")
     def say(msg: str) -> None:
         if not quiet:
             click.echo(f"placer: {msg}", err=True)

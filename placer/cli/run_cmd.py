@@ -140,7 +140,9 @@ def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, 
       placer run spec.yaml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node 1
     """
     from placer.cli.main import fail
+    from placer.deps import require_torch
 
+    require_torch("placer run")
     if nnodes > 1 and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if node_rank >= nnodes:
