@@ -7,6 +7,7 @@ import sys
 import click
 
 from placer import __version__
+from placer.cli.options import launcher_hint, set_option
 from placer.deps import INSTALL, MissingDependency, is_missing_torch
 from placer.diagnostics import Diagnostic, PlacerError, format_report
 
@@ -19,6 +20,12 @@ class PlacerGroup(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.NoSuchOption as e:  # torchrun habits: say where placer decides what the flag would
+            hint = launcher_hint(e.option_name)
+            if hint:
+                e.message += f"\n  hint: {hint}"
+                e.possibilities = None
+            raise
         except ModuleNotFoundError as e:
             if not is_missing_torch(e):
                 raise
@@ -69,7 +76,8 @@ def fail(err: PlacerError, fmt: str = "text"):
               help="text for people, json for machines, github for workflow annotations.")
 @click.option("--strict", is_flag=True, help="Treat warnings as errors.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing for valid specs.")
-def validate(specs, deep, fmt, strict, quiet):
+@set_option
+def validate(specs, deep, fmt, strict, quiet, overrides):
     """Check spec files: schema, names, devices, coverage, batch arithmetic.
 
     Plain validate never imports torch or user code, so it is fast and safe to
@@ -80,6 +88,7 @@ def validate(specs, deep, fmt, strict, quiet):
       placer validate specs/*.yaml
       placer validate --format github specs/*.yaml     # annotations in GitHub Actions
       cat spec.yaml | placer validate -
+      placer validate spec.yaml --set training.batch_size=64
     """
     from placer.deps import require_torch
     from placer.spec import check as checks
@@ -90,7 +99,7 @@ def validate(specs, deep, fmt, strict, quiet):
     results, failed = [], False
     for path in specs:
         try:
-            spec, diags = checks.validate_document(load.load_file(path))
+            spec, diags = checks.validate_document(load.load_file(path, overrides))
             if spec is not None and deep and not any(d.severity == "error" for d in diags):
                 from placer.model import build
 

@@ -474,9 +474,9 @@ def validate_document(doc: load.Document) -> tuple[Spec | None, list[Diagnostic]
     return spec, check(spec)
 
 
-def load_spec(path: str) -> Spec:
-    """Load and fully check a spec; raise SpecError on any error."""
-    spec, diags = validate_document(load.load_file(path))
+def load_spec(path: str, overrides=()) -> Spec:
+    """Load a spec (with `--set KEY=VALUE` overrides) and fully check it; raise SpecError on any error."""
+    spec, diags = validate_document(load.load_file(path, overrides))
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise SpecError(errors)
