@@ -46,6 +46,8 @@ def main():
     placer plan spec.yaml       per-device memory, copies, collectives, comm bytes, diagrams
     placer generate spec.yaml   a readable standalone torch program
     placer run spec.yaml        generate and launch it (simulated on CPU workers if devices are missing)
+    placer init -o spec.yaml    a commented starter spec (--model REF: your model's layers, placed)
+    placer schema               the JSON Schema of a spec (--path: where the installed file is)
 
     The spec language is described in docs/spec.md; error codes in docs/errors.md.
     Exit codes: 0 ok, 1 invalid spec or failed run, 2 usage error.
@@ -131,7 +133,8 @@ def _register_optional_commands():
     """Commands of later stages live in their own modules."""
     import importlib
 
-    for mod in ("placer.cli.plan_cmd", "placer.cli.generate_cmd", "placer.cli.run_cmd"):
+    for mod in ("placer.cli.plan_cmd", "placer.cli.generate_cmd", "placer.cli.run_cmd", "placer.cli.init_cmd",
+                "placer.cli.schema_cmd"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

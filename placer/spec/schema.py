@@ -16,6 +16,11 @@ from placer.spec.load import Document
 SCHEMA_FILE = "placer-spec.schema.json"
 
 
+def schema_path() -> str:
+    """Where the installed schema file is (inside the package)."""
+    return str(resources.files("placer").joinpath("schemas", SCHEMA_FILE))
+
+
 @lru_cache(maxsize=1)
 def schema() -> dict:
     return json.loads(resources.files("placer").joinpath("schemas", SCHEMA_FILE).read_text("utf-8"))
