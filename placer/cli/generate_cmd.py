@@ -7,14 +7,15 @@ import sys
 
 import click
 
+from placer.cli.options import set_option
 from placer.diagnostics import PlacerError, SpecError
 
 
-def load_checked(spec_path: str):
-    """(spec, warnings); SpecError if the spec has errors."""
+def load_checked(spec_path: str, overrides=()):
+    """(spec, warnings), `--set KEY=VALUE` overrides applied; SpecError if the spec has errors."""
     from placer.spec import check, load
 
-    spec, diags = check.validate_document(load.load_file(spec_path))
+    spec, diags = check.validate_document(load.load_file(spec_path, overrides))
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise SpecError(errors)
@@ -29,7 +30,8 @@ def load_checked(spec_path: str):
               help="Where to write the program (default: <spec name>_program.py here).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: {program, world_size, devices, command} on stdout.")
-def command(spec_path, output, fmt):
+@set_option
+def command(spec_path, output, fmt, overrides):
     """Write a standalone, readable torch training program for SPEC.
 
     The program imports torch and the spec's own model / data files only (never placer),
@@ -48,10 +50,13 @@ def command(spec_path, output, fmt):
       python program.py --reference              # the whole model in one process
     """
     from placer.cli.main import emit_diagnostics, fail
+    from placer.deps import require_torch
+
+    require_torch("placer generate")
     from placer.codegen.program import generate
 
     try:
-        spec, warnings = load_checked(spec_path)
+        spec, warnings = load_checked(spec_path, overrides)
         emit_diagnostics(warnings, "text", file=sys.stderr)
         output = output or f"{spec.name}_program.py"
         program = generate(spec, filename=os.path.basename(output), out_dir=os.path.dirname(os.path.abspath(output)))

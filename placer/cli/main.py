@@ -7,12 +7,36 @@ import sys
 import click
 
 from placer import __version__, units
+from placer.cli.options import launcher_hint, set_option
+from placer.deps import INSTALL, MissingDependency, is_missing_torch
 from placer.diagnostics import Diagnostic, PlacerError, format_report
 
 FORMATS = click.Choice(["text", "json", "github"])
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class PlacerGroup(click.Group):
+    """The `placer` group: a missing torch is one line naming the install command, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.NoSuchOption as e:  # torchrun habits: say where placer decides what the flag would
+            hint = launcher_hint(e.option_name)
+            if hint:
+                e.message += f"\n  hint: {hint}"
+                e.possibilities = None
+            raise
+        except ModuleNotFoundError as e:
+            if not is_missing_torch(e):
+                raise
+            # Commands say it themselves (require_torch); this catches an import they did not foresee.
+            what = str(e) if isinstance(e, MissingDependency) else \
+                f"placer {ctx.invoked_subcommand} needs PyTorch: {INSTALL}"
+            click.echo(f"error: {what}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=PlacerGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="placer")
 def main():
     """Place every layer of a PyTorch model on devices, from one YAML spec.
@@ -22,6 +46,8 @@ def main():
     placer plan spec.yaml       per-device memory, copies, collectives, comm bytes, diagrams
     placer generate spec.yaml   a readable standalone torch program
     placer run spec.yaml        generate and launch it (simulated on CPU workers if devices are missing)
+    placer init -o spec.yaml    a commented starter spec (--model REF: your model's layers, placed)
+    placer schema               the JSON Schema of a spec (--path: where the installed file is)
 
     The spec language is described in docs/spec.md; error codes in docs/errors.md.
     Exit codes: 0 ok, 1 invalid spec or failed run, 2 usage error.
@@ -52,7 +78,8 @@ def fail(err: PlacerError, fmt: str = "text"):
               help="text for people, json for machines, github for workflow annotations.")
 @click.option("--strict", is_flag=True, help="Treat warnings as errors.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing for valid specs.")
-def validate(specs, deep, fmt, strict, quiet):
+@set_option
+def validate(specs, deep, fmt, strict, quiet, overrides):
     """Check spec files: schema, names, devices, coverage, batch arithmetic.
 
     Plain validate never imports torch or user code, so it is fast and safe to
@@ -63,14 +90,18 @@ def validate(specs, deep, fmt, strict, quiet):
       placer validate specs/*.yaml
       placer validate --format github specs/*.yaml     # annotations in GitHub Actions
       cat spec.yaml | placer validate -
+      placer validate spec.yaml --set training.batch_size=64
     """
+    from placer.deps import require_torch
     from placer.spec import check as checks
     from placer.spec import load
 
+    if deep:
+        require_torch("placer validate --deep")
     results, failed = [], False
     for path in specs:
         try:
-            spec, diags = checks.validate_document(load.load_file(path))
+            spec, diags = checks.validate_document(load.load_file(path, overrides))
             if spec is not None and deep and not any(d.severity == "error" for d in diags):
                 from placer.model import build
 
@@ -99,7 +130,8 @@ def _register_optional_commands():
     """Commands of later stages live in their own modules."""
     import importlib
 
-    for mod in ("placer.cli.plan_cmd", "placer.cli.generate_cmd", "placer.cli.run_cmd"):
+    for mod in ("placer.cli.plan_cmd", "placer.cli.generate_cmd", "placer.cli.run_cmd", "placer.cli.init_cmd",
+                "placer.cli.schema_cmd"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -12,6 +12,7 @@ import time
 import click
 
 from placer import units
+from placer.cli.options import set_option
 
 JSON_FORMAT = "placer-plan/1"
 
@@ -224,7 +225,8 @@ def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> 
 @click.option("--deep", is_flag=True, help="Needed for `model.module` specs: building the model on the meta "
               "device RUNS THE USER'S MODEL CODE.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
-def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet):
+@set_option
+def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet, overrides):
     """Plan a spec: memory per device, communication ops and bytes, FLOPs and balance.
 
     Builds the model on the meta device (no weight memory; `model.module` specs
@@ -237,21 +239,24 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
       placer plan specs/mlp_data_allreduce.yaml
       placer plan --deep --format json specs/gpt_1b.yaml > plan.json
       placer plan --plan-text specs/mlp_pipeline_1f1b.yaml
+      placer plan specs/mlp_data_allreduce.yaml --set training.batch_size=256
       placer plan --deep --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
     """
     import json
 
     from placer.cli.main import fail
+    from placer.deps import require_torch
     from placer.diagnostics import Diagnostic, PlacerError, SpecError
     from placer.plan.text import format_plan
     from placer.spec.check import load_spec
 
+    require_torch("placer plan")
     def say(msg: str) -> None:
         if not quiet:
             click.echo(f"placer: {msg}", err=True)
 
     try:
-        spec = load_spec(spec_path)
+        spec = load_spec(spec_path, overrides)
         if not spec.model.inline and not deep:  # SPEC.md: user model code runs only with plan --deep
             raise SpecError(Diagnostic(
                 "P071", f"model.module {spec.model.module!r} is user code, and planning it runs that code",

@@ -14,6 +14,7 @@ import click
 
 from placer import units
 from placer.device import Device
+from placer.cli.options import set_option
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 
 
@@ -119,7 +120,10 @@ def check_failure(report) -> str:
               help="This machine's index: it runs the spec's nodeK/ devices.")
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Node 0's address, where the nodes meet (--nnodes > 1).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, fmt):
+@click.option("--max-restarts", type=click.IntRange(min=0),
+              help="Restart a failed run up to N times (same as --set runtime.max_restarts=N).")
+@set_option
+def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, fmt, max_restarts, overrides):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
@@ -130,19 +134,24 @@ def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, 
     \b
     Examples:
       placer run specs/mlp_group_transitions.yaml --check
+      placer run spec.yaml --set training.batch_size=64 --max-restarts 2
       placer run spec.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node 0
       placer run spec.yaml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node 1
     """
     from placer.cli.main import fail
+    from placer.deps import require_torch
 
+    require_torch("placer run")
     if nnodes > 1 and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if node_rank >= nnodes:
         raise click.UsageError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
+    if max_restarts is not None:
+        overrides += (f"runtime.max_restarts={max_restarts}",)
     console = Console(quiet=fmt == "json")
     try:
         outcome = run(spec_path, console, check=check, run_dir=run_dir, steps=steps, nnodes=nnodes,
-                      node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+                      node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides)
     except PlacerError as e:
         fail(e, fmt)
     if fmt == "json":
@@ -150,14 +159,17 @@ def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, 
     sys.exit(0 if outcome["ok"] else 1)
 
 
-def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint) -> dict:
+def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint,
+        overrides=()) -> dict:
     from placer.cli.generate_cmd import load_checked
     from placer.codegen.program import generate
     from placer.launch import run as launcher
 
-    spec, warnings = load_checked(spec_path)
+    spec, warnings = load_checked(spec_path, overrides)
     for w in warnings:
         console.say(w.format(), err=True)
+    if overrides:  # run.log says what differs from RUN_DIR/spec.yaml
+        console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)
     run_dir = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
     run_dir.mkdir(parents=True, exist_ok=True)

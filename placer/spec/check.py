@@ -474,9 +474,17 @@ def validate_document(doc: load.Document) -> tuple[Spec | None, list[Diagnostic]
     return spec, check(spec)
 
 
-def load_spec(path: str) -> Spec:
-    """Load and fully check a spec; raise SpecError on any error."""
-    spec, diags = validate_document(load.load_file(path))
+def load_spec(path: str, overrides=()) -> Spec:
+    """Load a spec (with `--set KEY=VALUE` overrides) and fully check it; raise SpecError on any error."""
+    return _checked(*validate_document(load.load_file(path, overrides)))
+
+
+def load_spec_text(text: str, file: str = "<spec>") -> Spec:
+    """`load_spec` for spec text (`file` names it, and relative model paths start from its folder)."""
+    return _checked(*validate_document(load.load_text(text, file)))
+
+
+def _checked(spec: Spec | None, diags: list[Diagnostic]) -> Spec:
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise SpecError(errors)

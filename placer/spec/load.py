@@ -7,10 +7,11 @@ keeps its `Loc`, addressed by its path (a tuple of keys and indices).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -37,6 +38,7 @@ class Document:
     data: object
     locs: dict  # path -> Loc of the value
     key_locs: dict  # path -> Loc of the mapping key that names it
+    booleans: dict = field(default_factory=dict)  # path -> the text of an unquoted boolean (`no`, `on`)
 
     def loc(self, path: Path = ()) -> Loc:
         """Best location for `path`: the value, else the nearest ancestor."""
@@ -137,10 +139,11 @@ def _measure(root, file: str) -> None:
 
 
 def _to_data(root, file: str):
-    """Node tree -> (data, locs, key_locs), aliases expanded (after `_measure` bounded them)."""
+    """Node tree -> (data, locs, key_locs, booleans), aliases expanded (after `_measure` bounded them)."""
     _measure(root, file)
     locs: dict = {}
     key_locs: dict = {}
+    booleans: dict = {}
     scalars = yaml.constructor.SafeConstructor()  # one per load: it caches every node it builds
 
     def walk(node, path):
@@ -163,6 +166,8 @@ def _to_data(root, file: str):
             return out
         if isinstance(node, yaml.SequenceNode):
             return [walk(v, path + (i,)) for i, v in enumerate(node.value)]
+        if node.tag == _CORE + "bool" and not node.style:
+            booleans[path] = node.value  # for a "quote it" hint where a string was meant
         if node.tag == _CORE + "timestamp":
             return node.value  # keep dates as written
         if node.tag == _CORE + "str" and not node.style and _EXP_FLOAT.match(node.value):
@@ -173,20 +178,14 @@ def _to_data(root, file: str):
             _fail("L012", f"value {node.value[:20]!r}{'...' if len(node.value) > 20 else ''} cannot be read: "
                   f"{str(e).split(';')[0]}", _loc(file, node.start_mark), "write a shorter value")
 
-    return walk(root, ()), locs, key_locs
+    return walk(root, ()), locs, key_locs, booleans
 
 
-def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
-    """Parse spec text (bytes are checked for size and UTF-8 first)."""
-    if isinstance(raw, str):
-        raw = raw.encode("utf-8", "surrogateescape")
-    if len(raw) > MAX_BYTES:
-        _fail("L001", f"the spec is {len(raw)} bytes; the limit is {MAX_BYTES}", Loc(file, 1, 1),
-              "a spec is a few KiB: is this the right file?")
-    text = _decode(raw, file)
+def _compose(text: str, file: str):
+    """YAML text -> node tree (None when empty), bounded first; syntax errors located."""
     try:
         _prescan(text, file)
-        root = yaml.compose(text, Loader=_Loader)
+        return yaml.compose(text, Loader=_Loader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         msg = (e.problem or e.context or "invalid YAML").strip()
@@ -202,26 +201,102 @@ def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
         mark = getattr(e, "problem_mark", None)
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         _fail("L003", f"YAML: {str(e).splitlines()[0]}", Loc(file, line, col))
+
+
+def load_text(raw: bytes | str, file: str = "<spec>") -> Document:
+    """Parse spec text (bytes are checked for size and UTF-8 first)."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape")
+    if len(raw) > MAX_BYTES:
+        _fail("L001", f"the spec is {len(raw)} bytes; the limit is {MAX_BYTES}", Loc(file, 1, 1),
+              "a spec is a few KiB: is this the right file?")
+    text = _decode(raw, file)
+    root = _compose(text, file)
     if root is None:
         _fail("L010", "the spec is empty", Loc(file, 1, 1), "start from an example in specs/")
-    data, locs, key_locs = _to_data(root, file)
+    data, locs, key_locs, booleans = _to_data(root, file)
     if not isinstance(data, dict):
         kind = {str: "string", list: "list", bool: "boolean", int: "number", float: "number"}.get(type(data), "value")
         _fail("L011", f"a spec is a mapping of keys; found a {kind}", locs[()],
               "start with 'placer: 1' and 'name: ...'")
-    return Document(file, data, locs, key_locs)
+    return Document(file, data, locs, key_locs, booleans)
 
 
-def load_file(path: str) -> Document:
-    """Read and parse a spec file; '-' reads standard input."""
+def load_file(path: str, overrides=()) -> Document:
+    """Read and parse a spec file ('-' reads standard input), then apply `--set KEY=VALUE` overrides."""
     if path == "-":
-        return load_text(_read_bounded(sys.stdin.buffer, "<stdin>"), "<stdin>")
+        return apply_overrides(load_text(_read_bounded(sys.stdin.buffer, "<stdin>"), "<stdin>"), overrides)
     try:
         with open(path, "rb") as f:
             raw = _read_bounded(f, path)
     except OSError as e:
         _fail("L000", f"cannot read spec: {e.strerror or e}", Loc(path))
-    return load_text(raw, path)
+    return apply_overrides(load_text(raw, path), overrides)
+
+
+def split_override(text: str) -> tuple[Path, str]:
+    """`training.batch_size=64` -> (('training', 'batch_size'), '64'); list items by index (`placement.0.device`).
+    ValueError when it is not KEY=VALUE."""
+    key, eq, value = text.partition("=")
+    parts = key.strip().split(".")
+    if not eq or not all(parts):
+        raise ValueError(f"{text!r} is not KEY=VALUE (e.g. training.batch_size=64)")
+    return tuple(int(p) if p.isdigit() else p for p in parts), value
+
+
+def apply_overrides(doc: Document, overrides) -> Document:
+    """The document with each `KEY=VALUE` set, in order. VALUE is read as YAML (`64`, `1e-3`, `no`,
+    `[cpu, cuda:0]`) and keeps the override as its location, so that the checks that follow name
+    it (`--set training.batch_size=abc: error[S003]: ...`) as they name a line of the file."""
+    if not overrides:
+        return doc
+    import copy
+
+    data, locs, key_locs, booleans = copy.deepcopy(doc.data), dict(doc.locs), dict(doc.key_locs), dict(doc.booleans)
+    for text in overrides:
+        where = f"--set {text}"
+        try:
+            path, raw = split_override(text)
+        except ValueError as e:
+            _fail("L013", str(e), Loc(where), "write --set KEY=VALUE, KEY a dotted path such as runtime.max_restarts")
+        try:
+            node = _compose(raw, where)
+        except SpecError as e:  # the override is the location: its text is one line of argv
+            raise SpecError([dataclasses.replace(d, loc=Loc(where)) for d in e.diagnostics]) from None
+        value, vlocs, _, vbools = _to_data(node, where) if node is not None else (None, {(): Loc(where)}, {}, {})
+        parent = data
+        for i, part in enumerate(path[:-1]):
+            nxt = path[i + 1]
+            if isinstance(parent, dict) and part not in parent:
+                parent[part] = {}  # --set runtime.max_restarts=2 on a spec without runtime:
+            parent = _child(parent, part, path[:i + 1], where)
+            if not isinstance(parent, (dict, list)) or (isinstance(parent, list) and not isinstance(nxt, int)):
+                _fail("L013", f"{'.'.join(map(str, path[:i + 1]))} is {_kind(parent)}: it has no entry {nxt!r}",
+                      Loc(where), "name a key of a mapping, or an index of a list (placement.0.device)")
+        if isinstance(parent, list):
+            _child(parent, path[-1], path, where)  # the index must exist
+        parent[path[-1]] = value
+        for table in (locs, key_locs, booleans):  # what was written under the path is gone
+            for p in [p for p in table if p[:len(path)] == path]:
+                del table[p]
+        locs.update({path + p: Loc(where) for p in vlocs})
+        booleans.update({path + p: b for p, b in vbools.items()})
+        key_locs[path] = Loc(where)
+    return Document(doc.file, data, locs, key_locs, booleans)
+
+
+def _child(parent, part, path: Path, where: str):
+    if isinstance(parent, list):
+        if not isinstance(part, int) or part >= len(parent):
+            _fail("L013", f"{'.'.join(map(str, path[:-1]))} has {len(parent)} items; there is no item {part}",
+                  Loc(where), f"list items are numbered from 0 to {len(parent) - 1}")
+        return parent[part]
+    return parent[part] if isinstance(parent, dict) else parent
+
+
+def _kind(value) -> str:
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number", type(None): "null"}.get(
+        type(value), "a list" if isinstance(value, list) else "a value")
 
 
 def _read_bounded(f, file: str) -> bytes:

@@ -10,9 +10,15 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match, relevance
 
 from placer.diagnostics import Diagnostic, did_you_mean
+from placer.spec import hints
 from placer.spec.load import Document
 
 SCHEMA_FILE = "placer-spec.schema.json"
+
+
+def schema_path() -> str:
+    """Where the installed schema file is (inside the package)."""
+    return str(resources.files("placer").joinpath("schemas", SCHEMA_FILE))
 
 
 @lru_cache(maxsize=1)
@@ -117,8 +123,13 @@ def _diagnose(doc: Document, err) -> list[Diagnostic]:
         if out:
             return out
     if v == "required":
-        missing = [k for k in err.validator_value if isinstance(inst, dict) and k not in inst]
-        key = missing[0] if missing else err.message
+        missing = [k for k in err.validator_value if isinstance(inst, dict) and k not in inst] or [err.message]
+        if len(missing) > 1:  # one report for all of them: fixing one at a time is trial and error
+            keys = ", ".join(repr(k) for k in missing[:-1]) + f" and {missing[-1]!r}"
+            return [Diagnostic("S002", f"missing required keys {keys} in {at}", doc.loc(path),
+                               "docs/spec.md describes each; `placer init -o spec.yaml` writes a starter spec "
+                               "that has them all")]
+        key = missing[0]
         desc = _described(err, key)
         return [Diagnostic("S002", f"missing required key {key!r} in {at}", doc.loc(path),
                            f"{key}: {desc}" if desc else None)]
@@ -132,16 +143,20 @@ def _diagnose(doc: Document, err) -> list[Diagnostic]:
     if v in ("enum", "const"):
         choices = err.validator_value if v == "enum" else [err.validator_value]
         dym = did_you_mean(inst, choices) if isinstance(inst, str) else None
-        hint = (dym + " " if dym else "") + "allowed: " + ", ".join(json.dumps(c) for c in choices)
+        allowed = "allowed: " + ", ".join(json.dumps(c) for c in choices)
+        said = hints.for_value(path, inst) or (
+            hints.quote_boolean(doc.booleans.get(path), path) if any(isinstance(c, str) for c in choices) else None)
+        hint = f"{said} ({allowed})" if said else (dym + " " if dym else "") + allowed
         return [Diagnostic("S004", f"{at} is {json.dumps(inst)}; not an allowed value", doc.loc(path), hint)]
     if v == "type":
         want = err.validator_value if isinstance(err.validator_value, str) else " or ".join(err.validator_value)
+        quote = hints.quote_boolean(doc.booleans.get(path), path) if "string" in want else None
         return [Diagnostic("S003", f"{at} must be {'an' if want[0] in 'aeiou' else 'a'} {want}, not "
                            f"{json.dumps(inst) if not isinstance(inst, (dict, list)) else type(inst).__name__}",
-                           doc.loc(path), sch.get("description"))]
+                           doc.loc(path), quote or sch.get("description"))]
     if v == "pattern":
         return [Diagnostic("S005", f"{at} is {json.dumps(inst)}, which is not well formed", doc.loc(path),
-                           _described(err) or f"it must match {err.validator_value}")]
+                           hints.for_value(path, inst) or _described(err) or f"it must match {err.validator_value}")]
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "minLength"):
         return [Diagnostic("S006", f"{at}: {err.message}", doc.loc(path), sch.get("description"))]
     return [Diagnostic("S007", f"{at}: {err.message}", doc.loc(path), sch.get("description"))]

@@ -180,3 +180,22 @@ def test_cli_deep_reports_without_traceback(tmp_path):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["validate", "--deep", str(bad)])
     assert r.exit_code == 1 and "error[M006]" in r.output and "Traceback" not in r.output
+
+
+FACTORY = """import tinygpt
+
+def make_gpt(**kwargs):
+    return tinygpt.TinyGPT(**kwargs)
+
+def not_a_model(**kwargs):
+    return 3
+"""
+
+
+def test_a_factory_function_is_a_model(tmp_path):
+    """SPEC.md: `module` names any callable that returns an nn.Module, called with `kwargs`."""
+    path = write(tmp_path, GPT.replace("tinygpt.py:TinyGPT", "factory.py:make_gpt"), **{"factory.py": FACTORY})
+    assert deep(path)[1] == []
+    (d,) = deep(write(tmp_path, GPT.replace("tinygpt.py:TinyGPT", "factory.py:not_a_model"),
+                      **{"factory.py": FACTORY}))[1]
+    assert d.code == "M004" and "returned a value of type int, not an nn.Module" in d.message
