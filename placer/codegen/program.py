@@ -11,7 +11,6 @@ and `repr()` of values.
 """
 from __future__ import annotations
 
-import ast
 import hashlib
 import math
 import os
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from placer import __version__
-from placer.codegen import runtime
+from placer.codegen import preflight, runtime
 from placer.codegen.pipeline import pipeline_train_source
 from placer.codegen.segments import (FLOAT_DTYPES, Seg, identifier, node_of, program_segments, rank_order,
                                      torch_schedules_take)
@@ -84,6 +83,7 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
     from placer.model.build import build_graph
 
     graph = build_graph(spec)
+    preflight.check_optimizer(spec)
     devices = rank_order(spec.devices)
     pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
@@ -126,7 +126,7 @@ def generate(spec: Spec, filename: str = "program.py") -> Program:
               pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches) if pl else
               train_source(segs, devices, cut, ckpt, zero_args(spec), loops), (TEMPLATES / "main.py").read_text()]
     text = "\n\n".join(p.strip("\n") + "\n" for p in parts)
-    ast.parse(text)  # a generator bug should fail here, not in a worker
+    preflight.parse_program(text, spec)  # a generator bug should fail here, not in a worker
     return Program(text, devices, nproc, len(per_node))
 
 
