@@ -179,9 +179,9 @@ class TrainWriter:
             group = f"g{k}"
             ranks = sorted(seg.holders) if seg.sync == "parameter_server" else list(seg.ranks)
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
-            c(f"{group} = dist.new_group({ranks}){note}")
+            c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
             if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
-                c(f"{group}_bn = dist.new_group({list(seg.ranks)})  # batch statistics: the data ranks only")
+                c(f"{group}_bn = dist.new_group({list(seg.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))  # batch statistics: the data ranks only")
         c(f"seg{k} = opt{k} = None")
         cond = self.cond(seg.holders)
         if cond:

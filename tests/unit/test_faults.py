@@ -62,3 +62,27 @@ def test_a_program_that_does_not_parse_is_an_error_not_a_crash(tmp_path, monkeyp
     monkeypatch.setattr(program_module, "data_source", lambda spec: "def batches(:\n")
     text = first_error(lambda: generate(tiny(tmp_path)))
     assert "error[G005]: the generated program does not parse: " in text and "def batches(:" in text
+
+
+def _group_calls(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("new_group", "pipeline_group", "init_process_group"):
+                yield name, node
+
+
+def test_every_process_group_waits_at_most_timeout_s():
+    """runtime.timeout_s bounds every group, not only the default one (torch's new_group
+    default is 30 minutes, whatever init_process_group was given)."""
+    seen = set()
+    for path in SPECS:
+        text = generate(load_spec(str(path))).text
+        for name, call in _group_calls(ast.parse(text)):
+            timeout = next((k.value for k in call.keywords if k.arg == "timeout"), None)
+            assert timeout is not None, f"{path.stem}: {ast.unparse(call)}"
+            if not (name == "new_group" and ast.unparse(timeout) == "timeout"):  # the pasted pipeline_group
+                assert ast.unparse(timeout) == "timedelta(seconds=TIMEOUT_S)", f"{path.stem}: {ast.unparse(call)}"
+            seen.add(name)
+    assert seen == {"new_group", "pipeline_group", "init_process_group"}
