@@ -113,7 +113,8 @@ class Optimizer:
 class Checkpoint:
     dir: str
     every: int
-    keep: int = 3
+    keep: int | None = None
+    """How many complete checkpoints to keep, newest first; None (the schema's default) keeps all."""
     loc: Loc = field(default_factory=Loc, compare=False)
 
 
@@ -251,7 +252,7 @@ def from_document(doc: Document) -> Spec:
             data=Data(loc=doc.loc(("training", "data"))) if data == "synthetic"
             else Data(module=data["module"], kwargs=dict(data.get("kwargs", {})), loc=doc.loc(("training", "data"))),
             prefetch=t.get("prefetch", 2),
-            checkpoint=Checkpoint(dir=ck["dir"], every=ck["every"], keep=ck.get("keep", 3),
+            checkpoint=Checkpoint(dir=ck["dir"], every=ck["every"], keep=ck.get("keep"),
                                   loc=doc.loc(("training", "checkpoint"))) if ck else None,
             loc=doc.loc(("training",)),
         ),

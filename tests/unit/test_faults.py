@@ -86,3 +86,46 @@ def test_every_process_group_waits_at_most_timeout_s():
                 assert ast.unparse(timeout) == "timedelta(seconds=TIMEOUT_S)", f"{path.stem}: {ast.unparse(call)}"
             seen.add(name)
     assert seen == {"new_group", "pipeline_group", "init_process_group"}
+
+
+def template_namespace(**constants) -> dict:
+    """The program's helpers and checkpoint functions, as a generated program pastes them."""
+    import importlib
+
+    ns = {m.split(".")[0]: importlib.import_module(m) for m in program_module.STDLIB + ["torch"]} | constants
+    ns["dist"] = importlib.import_module("torch.distributed")
+    for name in ("helpers.py", "checkpoint.py"):
+        exec(compile((program_module.TEMPLATES / name).read_text(), name, "exec"), ns)
+    return ns
+
+
+def test_files_are_renamed_into_place_and_a_failed_write_leaves_the_old_file(tmp_path):
+    ns = template_namespace()
+    target = tmp_path / "metrics.json"
+    ns["replace_atomically"](str(target), lambda tmp: ns["write_json"](tmp, {"a": 1}))
+    assert target.read_text() == '{\n  "a": 1\n}'
+
+    def half_written(tmp):
+        Path(tmp).write_text('{"a": ')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        ns["replace_atomically"](str(target), half_written)
+    assert target.read_text() == '{\n  "a": 1\n}' and [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+@pytest.mark.parametrize("keep, kept", [(1, [4, 5]), (2, [2, 4, 5]), (None, [1, 2, 4, 5])])
+def test_rotation_keeps_the_newest_complete_checkpoints_up_to_the_one_just_written(tmp_path, keep, kept):
+    """step_3 is a crash's leftover (no COMPLETE); step_5 is from an earlier attempt that got further."""
+    for step in (1, 2, 3, 4, 5):
+        (tmp_path / f"step_{step}").mkdir()
+        if step != 3:
+            (tmp_path / f"step_{step}" / "COMPLETE").write_text("{}")
+    template_namespace(CHECKPOINT_KEEP=keep)["rotate_checkpoints"](str(tmp_path), 4)
+    assert sorted(int(p.name[5:]) for p in tmp_path.iterdir()) == kept
+
+
+def test_keep_defaults_to_keeping_every_checkpoint_as_the_schema_says(tmp_path):
+    spec = tiny(tmp_path, extra="  checkpoint: {dir: ckpt, every: 1}\n")
+    assert spec.training.checkpoint.keep is None
+    assert "CHECKPOINT_KEEP = None" in generate(spec).text

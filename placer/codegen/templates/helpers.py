@@ -136,9 +136,25 @@ def write_outputs(out, losses, params, seconds, **facts):
     metrics = {"spec": SPEC_NAME, "losses": losses, "steps": steps, "batch_size": BATCH_SIZE,
                "wall_s": seconds, "steps_per_s": steps / seconds if seconds else None,
                "samples_per_s": steps * BATCH_SIZE / seconds if seconds else None, **facts}
-    with open(os.path.join(out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    torch.save(dict(sorted(params.items())), os.path.join(out, "final_params.pt"))
+    replace_atomically(os.path.join(out, "metrics.json"), lambda tmp: write_json(tmp, metrics))
+    replace_atomically(os.path.join(out, "final_params.pt"), lambda tmp: torch.save(dict(sorted(params.items())), tmp))
+
+
+def replace_atomically(path, write):
+    """write(tmp) to a temporary name beside `path`, then rename it over `path`: a reader, or a
+    run killed while writing, sees the old file or the whole new one, never half of one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 def finish(args, rank, world, losses, own, seconds, **facts):
