@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import signal
 import subprocess
@@ -92,7 +93,8 @@ def check_lines(report) -> list[str]:
         if i != prev + 1:
             lines.append(f"  {'...':>5}")
         step, a, b, d, ok = steps[i]
-        lines.append(f"  {step:>5}  {a:>14.8f}  {b:>16.8f}  {d:>9.2e}{'' if ok else '  <- differs'}")
+        mark = "" if ok else "  <- differs" if math.isfinite(d) else "  <- non-finite"
+        lines.append(f"  {step:>5}  {a:>14.8f}  {b:>16.8f}  {d:>9.2e}{mark}")
         prev = i
     worst = max(report.params, key=lambda p: p[2], default=None)
     if worst:
@@ -106,10 +108,14 @@ def check_failure(report) -> str:
         parts.append(report.problem)
     if report.first_bad_step is not None:
         s = report.steps[report.first_bad_step - 1]
-        parts.append(f"the loss differs from step {s[0]} on ({s[1]:.8f} vs {s[2]:.8f})")
+        if math.isfinite(s[1]) and math.isfinite(s[2]):
+            parts.append(f"the loss differs from step {s[0]} on ({s[1]:.8f} vs {s[2]:.8f})")
+        else:  # "nan vs nan" would read as a mismatch of two equal values
+            parts.append(f"the loss is non-finite at step {s[0]} (run {s[1]}, reference {s[2]})")
     if report.first_bad_param is not None:
         p = next(p for p in report.params if p[0] == report.first_bad_param)
-        parts.append(f"parameter {p[0]!r} differs by up to {p[2]:.2e}")
+        parts.append(f"parameter {p[0]!r} differs by up to {p[2]:.2e}" if math.isfinite(p[2]) else
+                     f"parameter {p[0]!r} is non-finite (nan or inf) in the run or the reference")
     return "; ".join(parts)
 
 
@@ -199,6 +205,10 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
                              rdzv_endpoint=rdzv_endpoint, max_restarts=spec.runtime.max_restarts,
                              on_progress=console.progress)
     outcome["metrics"] = result.metrics
+    stopped = _stopped(spec, run_dir)
+    if not result.ok and stopped:  # the program stopped on its input: that is the whole story
+        outcome["stopped"] = stopped.as_dict()
+        raise RunError(stopped)
     if not result.ok:
         outcome["failures"] = {r: {"exit_code": c, "stderr_tail": t} for r, (c, t) in result.failures.items()}
         order = failures_in_order(result.failures)
@@ -226,6 +236,23 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
         console.say("check passed: every step's loss and every parameter match the reference")
     outcome["ok"] = True
     return outcome
+
+
+def _stopped(spec, run_dir: Path) -> Diagnostic | None:
+    """Why the program stopped itself (its OUT/stopped.json), as a diagnostic."""
+    try:
+        info = json.loads((run_dir / "stopped.json").read_text())
+    except (OSError, ValueError):
+        return None
+    step = info.get("step")
+    if info.get("reason") == "non-finite loss":
+        return Diagnostic("R024", f"{info.get('message')}; the run stopped there", spec.training.optimizer.loc,
+                          "a smaller training.optimizer.lr, or inputs and targets without inf/nan, usually fix it")
+    if info.get("reason") == "data exhausted":
+        data = spec.training.data
+        return Diagnostic("R025", f"{info.get('message')}; the run stopped there", getattr(data, "loc", Loc(spec.file)),
+                          "make the data function yield at least training.steps batches, or pass fewer --steps")
+    return Diagnostic("R020", f"the program stopped at step {step}: {info.get('message')}", Loc(spec.file))
 
 
 def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:

@@ -106,7 +106,7 @@ class PipelineWriter(TrainWriter):
               "total = (loss if j == 0 else torch.zeros(())).float().cpu()")
         else:
             c("total = loss.float().cpu()")
-        c("dist.all_reduce(total)", "losses.append(total.item())",
+        c("dist.all_reduce(total)", "losses.append(finite_loss(total.item(), step))  # NaN/inf: stop here",
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",

@@ -254,7 +254,7 @@ class TrainWriter:
             self.sync(seg)
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()",
-          "dist.all_reduce(total)", "losses.append(total.item())",
+          "dist.all_reduce(total)", "losses.append(finite_loss(total.item(), step))  # NaN/inf: stop here",
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",

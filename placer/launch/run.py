@@ -137,7 +137,8 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / PROGRESS).unlink(missing_ok=True)
+    for name in (PROGRESS, "stopped.json"):  # what the program writes as it goes: this run's only
+        (run_dir / name).unlink(missing_ok=True)
     threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
     # One node: a private c10d rendezvous on a free port. Several: the static rendezvous, which

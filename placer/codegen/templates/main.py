@@ -18,7 +18,7 @@ def reference(args):
         loss = compute_loss(model(x.to(device)), y.to(device))
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(finite_loss(loss.item(), step))
         report_step(args.out, step, args.steps, losses[-1], start)
     seconds = time.perf_counter() - start
     if args.out:
@@ -42,16 +42,25 @@ def main():
     args = parser.parse_args()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    if args.reference:
-        reference(args)
-    elif "RANK" in os.environ:  # a worker started by torchrun
-        train(args)
+    if args.reference or "RANK" in os.environ:  # the reference, or a worker started by torchrun
+        try:
+            if args.reference:
+                reference(args)
+            else:
+                train(args)
+            code = 0
+        except StopRun as e:
+            print(f"stopped: {e}", file=sys.stderr)
+            if args.out:
+                info = {"reason": e.reason, "step": e.step, "message": str(e)}
+                replace_atomically(os.path.join(args.out, "stopped.json"), lambda tmp: write_json(tmp, info))
+            code = 1
         # Leave without Python's shutdown: gloo's threads may still be freeing the last
         # collective's tensors, and doing that while the interpreter shuts down aborts the
         # process (SIGABRT, about 1 run in 20 on 2 cores). Everything is written by now.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
     else:  # `python program.py`: start one worker per device on this machine
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={len(DEVICES)}", os.path.abspath(__file__), *sys.argv[1:]]
