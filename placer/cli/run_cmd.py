@@ -1,10 +1,10 @@
 """`placer run`: generate the program into a run directory and launch it, one worker per device."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
-import shutil
 import signal
 import subprocess
 import sys
@@ -44,15 +44,15 @@ class Console:
             self.last = time.monotonic()
 
     def save(self, run_dir: Path) -> None:
-        (run_dir / "run.log").write_text("\n".join(self.log) + "\n")
+        try:
+            (run_dir / "run.log").write_text("\n".join(self.log) + "\n")
+        except OSError:  # a full disk: the error being reported already says so
+            pass
 
 
-def default_run_dir(name: str, node_rank: int) -> Path:
-    stem = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
-    path, n = Path(stem), 2
-    while path.exists():
-        path, n = Path(f"{stem}-{n}"), n + 1
-    return path
+def default_run_dir(name: str, node_rank: int) -> str:
+    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
 
 
 def _size(n: float) -> str:
@@ -123,7 +123,10 @@ def check_failure(report) -> str:
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
 @click.option("--check", is_flag=True,
               help="Also train the one-device reference and compare every step's loss and all final parameters.")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Default: runs/<name>-<YYYYmmdd-HHMMSS>/.")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Default: runs/<name>-<YYYYmmdd-HHMMSS>/. An existing one must be empty (see --overwrite).")
+@click.option("--overwrite", is_flag=True,
+              help="Reuse a --run-dir that holds files: a previous run's outputs there are deleted first.")
 @click.option("--steps", type=click.IntRange(min=1), help="Train this many steps instead of training.steps.")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Machines taking part; start `placer run` on each with its --node-rank.")
@@ -131,7 +134,7 @@ def check_failure(report) -> str:
               help="This machine's index: it runs the spec's nodeK/ devices.")
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Node 0's address, where the nodes meet (--nnodes > 1).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, fmt):
+def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
@@ -153,16 +156,23 @@ def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, 
         raise click.UsageError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
     console = Console(quiet=fmt == "json")
     try:
-        outcome = run(spec_path, console, check=check, run_dir=run_dir, steps=steps, nnodes=nnodes,
-                      node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+        outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
+                      nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     except PlacerError as e:
         fail(e, fmt)
+    except OSError as e:  # writing the run's own files (a full disk); the workers' are reported as R028 too
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from placer.launch.run import disk_error
+
+        fail(disk_error(e, f"writing {e.filename or 'the run directory'}"), fmt)
     if fmt == "json":
         click.echo(json.dumps(outcome, indent=2, default=str))
     sys.exit(0 if outcome["ok"] else 1)
 
 
-def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint) -> dict:
+def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
+        rdzv_endpoint) -> dict:
     from placer.cli.generate_cmd import load_checked
     from placer.codegen.program import generate
     from placer.launch import run as launcher
@@ -171,11 +181,12 @@ def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank
     for w in warnings:
         console.say(w.format(), err=True)
     binding = launcher.bind(spec, nnodes)
-    run_dir = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
-    run_dir.mkdir(parents=True, exist_ok=True)
     program = generate(spec, filename="program.py")
+    ckpt = spec.training.checkpoint
+    run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, default_run_dir(spec.name, node_rank),
+                                     Path(spec_path).read_bytes(), overwrite=overwrite,
+                                     checkpoint_dir=ckpt.dir if ckpt else None)
     (run_dir / "program.py").write_text(program.text)
-    shutil.copyfile(spec_path, run_dir / "spec.yaml")
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
                "backend": binding.backend, "world_size": program.world_size}
     try:
@@ -212,6 +223,11 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     if not result.ok:
         outcome["failures"] = {r: {"exit_code": c, "stderr_tail": t} for r, (c, t) in result.failures.items()}
         order = failures_in_order(result.failures)
+        full = next((line for _, (_, tail) in order for line in tail.splitlines() if "[Errno 28]" in line), None)
+        if full:  # a worker could not write (a checkpoint, the results): the disk, not the rank, is at fault
+            raise RunError(Diagnostic("R028", f"the disk is full: a worker failed writing: {full.strip()}",
+                                      Loc(str(run_dir)), "free some space (old runs/ directories, checkpoints), "
+                                      "or choose a --run-dir on another disk"))
         first = order[0][0]
         raise RunError([_failure(spec, program, run_dir, r, code, tail, after=None if r == first else first)
                         for r, (code, tail) in order])

@@ -8,10 +8,12 @@ progress through a callback and the outcome as a `RunResult`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -91,6 +93,88 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
         raise RunError(Diagnostic("R031", f"nodes hold different numbers of devices {per_node}", Loc(spec.file),
                                   "torch's launcher starts the same number of workers on every node"))
     return Binding(simulate, reason, backend, counts.pop(), nnodes)
+
+
+OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "stopped.json",
+           "reference", "reference.log", "check.json")
+"""What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
+
+
+def claim_run_dir(path: Path | None, stem: str, spec_text: bytes, *, overwrite: bool = False,
+                  checkpoint_dir: str | None = None) -> Path:
+    """A run directory that this run alone writes to, claimed by creating its spec.yaml
+    exclusively (two runs started together never share one). `path` None: `stem`, `stem-2`, ...,
+    the first that os.mkdir creates. A given `path` is created if missing; if it holds files it
+    is refused (R027) unless `overwrite`, which removes a previous run's outputs first."""
+    try:
+        if path is None:
+            path, n = Path(stem), 2
+            while not _made(path):
+                path, n = Path(f"{stem}-{n}"), n + 1
+        elif not _made(path):
+            if not path.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+            if any(path.iterdir()) and not overwrite:
+                raise RunError(Diagnostic("R027", f"run directory {path} already holds files", Loc(str(path)),
+                                          "choose a new --run-dir, or pass --overwrite to replace a previous "
+                                          "run's outputs there"))
+            if overwrite:
+                _remove_outputs(path, checkpoint_dir)
+        try:
+            with open(path / "spec.yaml", "xb") as f:
+                f.write(spec_text)
+        except FileExistsError:  # another run claimed it between our look and our write
+            raise RunError(Diagnostic("R027", f"run directory {path} was claimed by another run", Loc(str(path)),
+                                      "choose another --run-dir")) from None
+    except OSError as e:
+        blocker = next((p for p in (path, *path.parents) if _is_file(p)), None)
+        if blocker is not None:  # mkdir's "File exists" / "Not a directory" would not say which
+            e = OSError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(blocker))
+        raise disk_error(e, f"cannot create the run directory {path}") from None
+    return path
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.exists() and not path.is_dir()
+    except OSError:  # a name too long to look up
+        return False
+
+
+def _made(path: Path) -> bool:
+    """os.mkdir(path): True if this call created it, False if it exists (no check-then-create race)."""
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir()
+        return True
+    except FileExistsError:
+        return False
+
+
+def _remove_outputs(path: Path, checkpoint_dir: str | None) -> None:
+    names = list(OUTPUTS)
+    if checkpoint_dir and (path / checkpoint_dir).resolve().is_relative_to(path.resolve()) and \
+            (path / checkpoint_dir).resolve() != path.resolve():
+        names.append(checkpoint_dir)
+    for name in names:
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+
+def disk_error(e: OSError, doing: str) -> RunError:
+    """An OSError of the run's own files as a diagnostic: a full disk (R028) or a path that
+    cannot be made or written (R026)."""
+    where = Loc(str(e.filename)) if e.filename else Loc()
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunError(Diagnostic("R028", f"the disk is full: {doing}: {e.strerror}", where,
+                                   "free some space (old runs/ directories, checkpoints), or choose a --run-dir "
+                                   "on another disk"))
+    return RunError(Diagnostic("R026", f"{doing}: {e.strerror or e}", where,
+                               "choose a --run-dir whose parent is a writable directory, with a shorter name"))
 
 
 def worker_threads(nproc_per_node: int) -> int:

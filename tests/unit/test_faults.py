@@ -143,3 +143,79 @@ def test_check_calls_a_nan_loss_non_finite_not_a_mismatch():
     assert check_failure(report) == ("the loss is non-finite at step 2 (run nan, reference nan); "
                                      "parameter 'w' is non-finite (nan or inf) in the run or the reference")
     assert check_lines(report)[3].endswith("<- non-finite")
+
+
+# -- run directories -------------------------------------------------------------------------------
+
+def test_runs_started_together_each_claim_their_own_directory(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from placer.launch.run import claim_run_dir
+
+    stem = str(tmp_path / "runs" / "tiny-20260101-000000")
+    with ThreadPoolExecutor(6) as pool:
+        dirs = list(pool.map(lambda i: claim_run_dir(None, stem, b"spec %d" % i), range(6)))
+    assert len(set(dirs)) == 6
+    assert sorted(p.name for p in dirs) == sorted(["tiny-20260101-000000"] + [f"tiny-20260101-000000-{n}"
+                                                                             for n in range(2, 7)])
+    assert sorted((p / "spec.yaml").read_bytes() for p in dirs) == [b"spec %d" % i for i in range(6)]
+
+
+def test_overwrite_removes_a_previous_runs_outputs_only(tmp_path):
+    from placer.launch.run import claim_run_dir
+
+    run = tmp_path / "run"
+    for name in ("logs/x/stderr.log", "ckpt/step_2/rank0.pt", "metrics.json", "spec.yaml", "notes.txt"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("old")
+    assert claim_run_dir(run, "unused", b"new", overwrite=True, checkpoint_dir="ckpt") == run
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "spec.yaml"]
+    assert (run / "spec.yaml").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("where, says", [
+    ("afile/run", "cannot create the run directory {tmp}/afile/run: {tmp}/afile is a file, not a directory"),
+    ("x" * 300, "cannot create the run directory {tmp}/" + "x" * 300 + ": File name too long"),
+])
+def test_a_run_directory_that_cannot_be_made_is_R026(tmp_path, where, says):
+    from placer.launch.run import claim_run_dir
+
+    (tmp_path / "afile").write_text("")
+    text = first_error(lambda: claim_run_dir(tmp_path / where, "unused", b""))
+    assert f"error[R026]: {says.format(tmp=tmp_path)}" in text
+
+
+def run_cli(*args):
+    from click.testing import CliRunner
+
+    from placer.cli.main import main
+
+    return CliRunner().invoke(main, ["run", *map(str, args)])
+
+
+def test_a_run_dir_that_holds_files_is_refused_without_overwrite(tmp_path):
+    tiny(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "progress.jsonl").write_text("{}\n")
+    r = run_cli(tmp_path / "spec.yaml", "--run-dir", tmp_path / "run")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.stderr.startswith(f"{tmp_path}/run: error[R027]: run directory {tmp_path}/run already holds files\n"
+                               "  hint: choose a new --run-dir, or pass --overwrite")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["progress.jsonl"]
+
+
+def test_a_full_disk_is_R028_not_a_traceback(tmp_path, monkeypatch):
+    import errno
+
+    tiny(tmp_path)
+    write_text = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == "program.py":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    r = run_cli(tmp_path / "spec.yaml", "--run-dir", tmp_path / "run")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert f"error[R028]: the disk is full: writing {tmp_path}/run/program.py: No space left on device" in r.stderr
