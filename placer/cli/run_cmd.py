@@ -24,6 +24,8 @@ class Console:
         self.log: list[str] = []
         self.tty = sys.stderr.isatty()
         self.last = 0.0
+        self.step = 0  # the last step reported
+        self.said_interrupted = False
 
     def say(self, line: str = "", err: bool = False) -> None:
         self.log.append(line)
@@ -33,6 +35,7 @@ class Console:
     def progress(self, record: dict) -> None:
         """A progress bar on a terminal; otherwise a line per second (and the first and last step)."""
         step, steps = record.get("step", 0), record.get("steps", 0)
+        self.step = step
         text = f"step {step}/{steps}  loss {record.get('loss', float('nan')):.6f}  " \
                f"{record.get('samples_per_s', 0):.0f} samples/s"
         self.log.append(text)
@@ -142,6 +145,9 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
     worker's output), progress.jsonl, metrics.json and final_params.pt; with --check also
     reference/ (the one-device run) and check.json.
 
+    Ctrl-C (SIGINT) or SIGTERM stops the workers, says at which step, keeps the run
+    directory and exits 130 or 143; workers also end if `placer run` is killed.
+
     \b
     Examples:
       placer run specs/mlp_group_transitions.yaml --check
@@ -154,10 +160,17 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
         raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if node_rank >= nnodes:
         raise click.UsageError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
+    from placer.launch.run import Interrupted, interruptible
+
     console = Console(quiet=fmt == "json")
     try:
-        outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
-                      nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+        with interruptible():
+            outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
+                          nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
+        if not console.said_interrupted:
+            console.say("interrupted before the run started", err=True)
+        sys.exit(128 + e.signum)
     except PlacerError as e:
         fail(e, fmt)
     except OSError as e:  # writing the run's own files (a full disk); the workers' are reported as R028 too
@@ -194,6 +207,12 @@ def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, 
                                  nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     except PlacerError as e:
         console.log += [d.format() for d in e.diagnostics]
+        raise
+    except launcher.Interrupted:
+        if console.tty:
+            click.echo(err=True)  # off the progress bar's line
+        console.say(f"interrupted at step {console.step}; run directory kept: {run_dir}", err=True)
+        console.said_interrupted = True
         raise
     finally:
         console.save(run_dir)

@@ -27,8 +27,8 @@ from placer.diagnostics import Diagnostic, SpecError
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
-STDLIB = ["argparse", "collections", "contextlib", "functools", "importlib", "importlib.util", "json", "os",
-          "queue", "shutil", "subprocess", "sys", "threading", "time"]
+STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "importlib", "importlib.util", "json", "os",
+          "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
 
 
 @dataclass(frozen=True)

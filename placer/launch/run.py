@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -182,6 +183,31 @@ def worker_threads(nproc_per_node: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc_per_node)
 
 
+class Interrupted(Exception):
+    """`placer run` got SIGINT or SIGTERM; the workers have been stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGINT and SIGTERM raise Interrupted in the main thread for the block, instead of
+    KeyboardInterrupt (SIGINT) or death (SIGTERM), so the run can say where it stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+    saved = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 @dataclass
 class RunResult:
     ok: bool
@@ -215,7 +241,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
            on_progress=None) -> RunResult:
     """Run `program` with one worker per device through torch's elastic launcher."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -223,8 +249,9 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in (PROGRESS, "stopped.json"):  # what the program writes as it goes: this run's only
         (run_dir / name).unlink(missing_ok=True)
-    threads = os.environ.get("OMP_NUM_THREADS")
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID")}
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
+    os.environ["PLACER_LAUNCHER_PID"] = str(os.getpid())  # the workers end with this process (die_with_launcher)
     # One node: a private c10d rendezvous on a free port. Several: the static rendezvous, which
     # (unlike c10d's, which orders nodes by arrival) makes node K's workers ranks K*n .. K*n+n-1,
     # so the spec's nodeK/ devices run on the machine started with --node-rank K.
@@ -245,9 +272,12 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         follower.start()
     t0 = time.perf_counter()
     result = RunResult(ok=True, run_dir=run_dir)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with _quiet_launcher():
             elastic_launch(config, entrypoint=sys.executable)(*args)
+    except SignalException as e:  # the agent has stopped the workers with the same signal
+        raise Interrupted(e.sigval) from None
     except ChildFailedError as e:
         result.ok = False
         for rank, failure in e.failures.items():  # keyed by global rank
@@ -262,10 +292,14 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         stop.set()
         if follower:
             follower.join(timeout=2)
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
+        if threading.current_thread() is threading.main_thread():  # the agent installed its own
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     result.wall_s = time.perf_counter() - t0
     metrics = run_dir / METRICS
     if metrics.exists():

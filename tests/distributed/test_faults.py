@@ -77,3 +77,56 @@ def test_data_that_runs_out_is_named_with_the_step(tmp_path):
     assert ("error[R025]: the data iterator is exhausted at step 3: it gave 2 batches, training needs 4; "
             "the run stopped there") in r.stderr
     assert "StopIteration" not in r.output
+
+
+def workers_of(program: Path) -> list[int]:
+    """The pids of processes running `program` (this test's run directory's, so ours alone)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(program).encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return condition()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_a_signalled_run_ends_its_workers(tmp_path, sig, code):
+    """Ctrl-C / SIGTERM: one line, run.log says it, exit 130 / 143. SIGKILL: placer cannot stop its
+    workers itself; the kernel does (PR_SET_PDEATHSIG). No worker outlives the run in any case."""
+    spec = tiny_spec(tmp_path, steps=100000)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run_dir)],
+                            cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stderr:  # progress goes to stderr: wait for the first step
+            if line.startswith("step 1/") or time.monotonic() > deadline:
+                break
+        assert workers_of(run_dir / "program.py"), "no worker running"
+        proc.send_signal(sig)
+        rest = proc.stderr.read()  # ends when placer exits
+        assert proc.wait(timeout=60) == code, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert wait_until(lambda: not workers_of(run_dir / "program.py"), 20), "a worker outlived placer"
+    if sig != signal.SIGKILL:
+        line = rest.strip().splitlines()[-1]
+        assert line.startswith("interrupted at step ") and line.endswith(f"; run directory kept: {run_dir}"), rest
+        assert "Traceback" not in rest and "SignalException" not in rest
+        assert (run_dir / "run.log").read_text().splitlines()[-1] == line

@@ -92,7 +92,7 @@ def template_namespace(**constants) -> dict:
     """The program's helpers and checkpoint functions, as a generated program pastes them."""
     import importlib
 
-    ns = {m.split(".")[0]: importlib.import_module(m) for m in program_module.STDLIB + ["torch"]} | constants
+    ns = {m.split(".")[0]: importlib.import_module(m.split(".")[0]) for m in program_module.STDLIB + ["torch"]} | constants
     ns["dist"] = importlib.import_module("torch.distributed")
     for name in ("helpers.py", "checkpoint.py"):
         exec(compile((program_module.TEMPLATES / name).read_text(), name, "exec"), ns)

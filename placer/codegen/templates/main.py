@@ -30,6 +30,21 @@ def reference(args):
 # ---------------------------------------------------------------------------- main
 
 
+def die_with_launcher():
+    """Started by `placer run` (PLACER_LAUNCHER_PID): end with it. Its Ctrl-C (SIGINT, passed on
+    to the workers) ends this process at once, even inside a collective; and on Linux the kernel
+    kills it when the launcher dies, SIGKILL included, rather than leave it training as an orphan."""
+    launcher = os.environ.get("PLACER_LAUNCHER_PID")
+    if not launcher:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):  # it died before prctl took effect
+        os._exit(1)
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=f"Train {SPEC_NAME} with one worker per device ({len(DEVICES)} in all).")
@@ -40,6 +55,7 @@ def main():
                         help="train the whole model in this one process instead")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps to train (default {STEPS})")
     args = parser.parse_args()
+    die_with_launcher()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     if args.reference or "RANK" in os.environ:  # the reference, or a worker started by torchrun
