@@ -1,9 +1,10 @@
 """`placer run`: generate the program into a run directory and launch it, one worker per device."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
-import shutil
+import math
 import signal
 import subprocess
 import sys
@@ -26,6 +27,8 @@ class Console:
         self.log: list[str] = []
         self.tty = sys.stderr.isatty()
         self.last = 0.0
+        self.step = 0  # the last step reported
+        self.said_interrupted = False
 
     def say(self, line: str = "", err: bool = False) -> None:
         self.log.append(line)
@@ -35,6 +38,7 @@ class Console:
     def progress(self, record: dict) -> None:
         """A progress bar on a terminal; otherwise a line per second (and the first and last step)."""
         step, steps = record.get("step", 0), record.get("steps", 0)
+        self.step = step
         text = f"step {step}/{steps}  loss {record.get('loss', float('nan')):.6f}  " \
                f"{record.get('samples_per_s', 0):.0f} samples/s"
         self.log.append(text)
@@ -46,15 +50,15 @@ class Console:
             self.last = time.monotonic()
 
     def save(self, run_dir: Path) -> None:
-        (run_dir / "run.log").write_text("\n".join(self.log) + "\n")
+        try:
+            (run_dir / "run.log").write_text("\n".join(self.log) + "\n")
+        except OSError:  # a full disk: the error being reported already says so
+            pass
 
 
-def default_run_dir(name: str, node_rank: int) -> Path:
-    stem = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
-    path, n = Path(stem), 2
-    while path.exists():
-        path, n = Path(f"{stem}-{n}"), n + 1
-    return path
+def default_run_dir(name: str, node_rank: int) -> str:
+    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
 
 
 def summary_lines(metrics: dict, wall_s: float) -> list[str]:
@@ -87,7 +91,8 @@ def check_lines(report) -> list[str]:
         if i != prev + 1:
             lines.append(f"  {'...':>5}")
         step, a, b, d, ok = steps[i]
-        lines.append(f"  {step:>5}  {a:>14.8f}  {b:>16.8f}  {d:>9.2e}{'' if ok else '  <- differs'}")
+        mark = "" if ok else "  <- differs" if math.isfinite(d) else "  <- non-finite"
+        lines.append(f"  {step:>5}  {a:>14.8f}  {b:>16.8f}  {d:>9.2e}{mark}")
         prev = i
     worst = max(report.params, key=lambda p: p[2], default=None)
     if worst:
@@ -101,10 +106,14 @@ def check_failure(report) -> str:
         parts.append(report.problem)
     if report.first_bad_step is not None:
         s = report.steps[report.first_bad_step - 1]
-        parts.append(f"the loss differs from step {s[0]} on ({s[1]:.8f} vs {s[2]:.8f})")
+        if math.isfinite(s[1]) and math.isfinite(s[2]):
+            parts.append(f"the loss differs from step {s[0]} on ({s[1]:.8f} vs {s[2]:.8f})")
+        else:  # "nan vs nan" would read as a mismatch of two equal values
+            parts.append(f"the loss is non-finite at step {s[0]} (run {s[1]}, reference {s[2]})")
     if report.first_bad_param is not None:
         p = next(p for p in report.params if p[0] == report.first_bad_param)
-        parts.append(f"parameter {p[0]!r} differs by up to {p[2]:.2e}")
+        parts.append(f"parameter {p[0]!r} differs by up to {p[2]:.2e}" if math.isfinite(p[2]) else
+                     f"parameter {p[0]!r} is non-finite (nan or inf) in the run or the reference")
     return "; ".join(parts)
 
 
@@ -112,7 +121,10 @@ def check_failure(report) -> str:
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
 @click.option("--check", is_flag=True,
               help="Also train the one-device reference and compare every step's loss and all final parameters.")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Default: runs/<name>-<YYYYmmdd-HHMMSS>/.")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Default: runs/<name>-<YYYYmmdd-HHMMSS>/. An existing one must be empty (see --overwrite).")
+@click.option("--overwrite", is_flag=True,
+              help="Reuse a --run-dir that holds files: a previous run's outputs there are deleted first.")
 @click.option("--steps", type=click.IntRange(min=1), help="Train this many steps instead of training.steps.")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Machines taking part; start `placer run` on each with its --node-rank.")
@@ -123,13 +135,17 @@ def check_failure(report) -> str:
 @click.option("--max-restarts", type=click.IntRange(min=0),
               help="Restart a failed run up to N times (same as --set runtime.max_restarts=N).")
 @set_option
-def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, fmt, max_restarts, overrides):
+def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt, max_restarts,
+            overrides):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
     (the run says so). The run directory keeps program.py, spec.yaml, run.log, logs/ (each
     worker's output), progress.jsonl, metrics.json and final_params.pt; with --check also
     reference/ (the one-device run) and check.json.
+
+    Ctrl-C (SIGINT) or SIGTERM stops the workers, says at which step, keeps the run
+    directory and exits 130 or 143; workers also end if `placer run` is killed.
 
     \b
     Examples:
@@ -148,19 +164,32 @@ def command(spec_path, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint, 
         raise click.UsageError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
     if max_restarts is not None:
         overrides += (f"runtime.max_restarts={max_restarts}",)
+    from placer.launch.run import Interrupted, interruptible
+
     console = Console(quiet=fmt == "json")
     try:
-        outcome = run(spec_path, console, check=check, run_dir=run_dir, steps=steps, nnodes=nnodes,
-                      node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides)
+        with interruptible():
+            outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
+                          nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides)
+    except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
+        if not console.said_interrupted:
+            console.say("interrupted before the run started", err=True)
+        sys.exit(128 + e.signum)
     except PlacerError as e:
         fail(e, fmt)
+    except OSError as e:  # writing the run's own files (a full disk); the workers' are reported as R028 too
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        from placer.launch.run import disk_error
+
+        fail(disk_error(e, f"writing {e.filename or 'the run directory'}"), fmt)
     if fmt == "json":
         click.echo(json.dumps(outcome, indent=2, default=str))
     sys.exit(0 if outcome["ok"] else 1)
 
 
-def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank, rdzv_endpoint,
-        overrides=()) -> dict:
+def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
+        rdzv_endpoint, overrides=()) -> dict:
     from placer.cli.generate_cmd import load_checked
     from placer.codegen.program import generate
     from placer.launch import run as launcher
@@ -171,11 +200,13 @@ def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank
     if overrides:  # run.log says what differs from RUN_DIR/spec.yaml
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)
-    run_dir = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    program = generate(spec, filename="program.py", out_dir=str(run_dir))
+    wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
+    program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
+    ckpt = spec.training.checkpoint
+    run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted,
+                                     Path(spec_path).read_bytes(), overwrite=overwrite,
+                                     checkpoint_dir=ckpt.dir if ckpt else None)
     (run_dir / "program.py").write_text(program.text)
-    shutil.copyfile(spec_path, run_dir / "spec.yaml")
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
                "backend": binding.backend, "world_size": program.world_size}
     try:
@@ -183,6 +214,12 @@ def run(spec_path, console: Console, *, check, run_dir, steps, nnodes, node_rank
                                  nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     except PlacerError as e:
         console.log += [d.format() for d in e.diagnostics]
+        raise
+    except launcher.Interrupted:
+        if console.tty:
+            click.echo(err=True)  # off the progress bar's line
+        console.say(f"interrupted at step {console.step}; run directory kept: {run_dir}", err=True)
+        console.said_interrupted = True
         raise
     finally:
         console.save(run_dir)
@@ -205,9 +242,18 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
                              rdzv_endpoint=rdzv_endpoint, max_restarts=spec.runtime.max_restarts,
                              on_progress=console.progress)
     outcome["metrics"] = result.metrics
+    stopped = _stopped(spec, run_dir)
+    if not result.ok and stopped:  # the program stopped on its input: that is the whole story
+        outcome["stopped"] = stopped.as_dict()
+        raise RunError(stopped)
     if not result.ok:
         outcome["failures"] = {r: {"exit_code": c, "stderr_tail": t} for r, (c, t) in result.failures.items()}
         order = failures_in_order(result.failures)
+        full = next((line for _, (_, tail) in order for line in tail.splitlines() if "[Errno 28]" in line), None)
+        if full:  # a worker could not write (a checkpoint, the results): the disk, not the rank, is at fault
+            raise RunError(Diagnostic("R028", f"the disk is full: a worker failed writing: {full.strip()}",
+                                      Loc(str(run_dir)), "free some space (old runs/ directories, checkpoints), "
+                                      "or choose a --run-dir on another disk"))
         first = order[0][0]
         raise RunError([_failure(spec, program, run_dir, r, code, tail, after=None if r == first else first)
                         for r, (code, tail) in order])
@@ -232,6 +278,23 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
         console.say("check passed: every step's loss and every parameter match the reference")
     outcome["ok"] = True
     return outcome
+
+
+def _stopped(spec, run_dir: Path) -> Diagnostic | None:
+    """Why the program stopped itself (its OUT/stopped.json), as a diagnostic."""
+    try:
+        info = json.loads((run_dir / "stopped.json").read_text())
+    except (OSError, ValueError):
+        return None
+    step = info.get("step")
+    if info.get("reason") == "non-finite loss":
+        return Diagnostic("R024", f"{info.get('message')}; the run stopped there", spec.training.optimizer.loc,
+                          "a smaller training.optimizer.lr, or inputs and targets without inf/nan, usually fix it")
+    if info.get("reason") == "data exhausted":
+        data = spec.training.data
+        return Diagnostic("R025", f"{info.get('message')}; the run stopped there", getattr(data, "loc", Loc(spec.file)),
+                          "make the data function yield at least training.steps batches, or pass fewer --steps")
+    return Diagnostic("R020", f"the program stopped at step {step}: {info.get('message')}", Loc(spec.file))
 
 
 def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:

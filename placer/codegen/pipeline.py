@@ -44,9 +44,9 @@ class PipelineWriter(TrainWriter):
         c, k = self.c, seg.k
         c("", f"# {self.describe(seg)}")
         if self.replicated:
-            c(f"g{k} = dist.new_group({list(seg.ranks)})  # the stage's {seg.mode} split runs over this group")
+            c(f"g{k} = dist.new_group({list(seg.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))  # the stage's {seg.mode} split runs over this group")
         elif self.degree > 1:
-            c(f"g{k} = dist.new_group({list(seg.ranks)})  # its gradients are summed over this group")
+            c(f"g{k} = dist.new_group({list(seg.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))  # its gradients are summed over this group")
         c(f"seg{k} = opt{k} = None")
         self.c(f"if {self.cond(seg.ranks)}:").indent()
         if self.replicated:
@@ -77,7 +77,7 @@ class PipelineWriter(TrainWriter):
         elif self.degree > 1:
             c(f"# {self.degree} pipelines, one per data replica: pipeline j is the j-th rank of every stage's group")
         c(f"PIPELINES = {self.pipelines}  # each pipeline's ranks; group rank i runs the stages at position i",
-          "pp_groups = [pipeline_group(ranks) for ranks in PIPELINES]  # every rank creates every group",
+          "pp_groups = [pipeline_group(ranks, timeout=timedelta(seconds=TIMEOUT_S)) for ranks in PIPELINES]  # every rank creates every group",
           "j = next(i for i, ranks in enumerate(PIPELINES) if rank in ranks)  # this rank's pipeline",
           f"mine = {{s: m for s, m in enumerate({self.tuple_of('seg')}) if m is not None}}  # stage index -> module",
           f"stages = pipeline_stages(mine, {n}, pp_groups[j], device)",
@@ -108,7 +108,7 @@ class PipelineWriter(TrainWriter):
               "total = (loss if j == 0 else torch.zeros(())).float().cpu()")
         else:
             c("total = loss.float().cpu()")
-        c("dist.all_reduce(total)", "losses.append(total.item())",
+        c("dist.all_reduce(total)", "losses.append(finite_loss(total.item(), step))  # NaN/inf: stop here",
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",

@@ -11,7 +11,6 @@ and `repr()` of values.
 """
 from __future__ import annotations
 
-import ast
 import hashlib
 import io
 import math
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from placer import __version__
-from placer.codegen import runtime
+from placer.codegen import preflight, runtime
 from placer.codegen.pipeline import pipeline_train_source
 from placer.codegen.segments import (FLOAT_DTYPES, Seg, identifier, program_segments, rank_order,
                                      torch_schedules_take)
@@ -33,8 +32,8 @@ from placer.diagnostics import Diagnostic, SpecError
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
-STDLIB = ["argparse", "collections", "contextlib", "functools", "importlib", "importlib.util", "json", "os",
-          "queue", "shutil", "subprocess", "sys", "threading", "time"]
+STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "importlib", "importlib.util", "json", "os",
+          "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
 
     graph = build_graph(spec)
     plan = lower(place(spec, graph), spec, graph)
+    preflight.check_optimizer(spec)
     devices = rank_order(spec.devices)
     pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
@@ -137,7 +137,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         parts.append(SYNC_BATCHNORM)
     parts += ["# " + "-" * 76 + " communication pieces\n\n" + piece_text, (TEMPLATES / "main.py").read_text(),
               'if __name__ == "__main__":\n    main()']
-    text = formatted("\n\n\n".join(p.strip("\n") + "\n" for p in parts))
+    text = formatted("\n\n\n".join(p.strip("\n") + "\n" for p in parts), spec)
     return Program(text, devices, nproc, len(per_node))
 
 
@@ -222,9 +222,9 @@ def _comments_above(text: str) -> str:
     return "".join(lines)
 
 
-def formatted(text: str) -> str:
-    """The program as ruff formats it. A generator bug fails here (a syntax error), not in a worker."""
-    ast.parse(text)
+def formatted(text: str, spec: Spec) -> str:
+    """The program as ruff formats it. A generator bug fails here (G005), not in a worker."""
+    preflight.parse_program(text, spec)
     text = _comments_above(text)
     from ruff.__main__ import find_ruff_bin
 

@@ -190,9 +190,9 @@ class TrainWriter:
             group = f"g{k}"
             ranks = sorted(seg.holders) if seg.sync == "parameter_server" else list(seg.ranks)
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
-            c(f"{group} = dist.new_group({ranks}){note}")
+            c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
             if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
-                c(f"{group}_bn = dist.new_group({list(seg.ranks)})  # batch statistics: the data ranks only")
+                c(f"{group}_bn = dist.new_group({list(seg.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))  # batch statistics: the data ranks only")
         c(f"seg{k} = opt{k} = None" if seg.has_params or self.checkpoint or self.steps_all else f"seg{k} = None")
         cond = self.cond(seg.holders)
         if cond:
@@ -266,7 +266,7 @@ class TrainWriter:
             self.sync(seg)
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()",
-          "dist.all_reduce(total)", "losses.append(total.item())",
+          "dist.all_reduce(total)", "losses.append(finite_loss(total.item(), step))  # NaN/inf: stop here",
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",

@@ -8,10 +8,13 @@ progress through a callback and the outcome as a `RunResult`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
+import shutil
+import signal
 import sys
 import threading
 import time
@@ -85,9 +88,116 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
     return Binding(simulate, reason, backend, counts.pop(), nnodes)
 
 
+OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "stopped.json",
+           "reference", "reference.log", "check.json")
+"""What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
+
+
+def claim_run_dir(path: Path | None, stem: str, spec_text: bytes, *, overwrite: bool = False,
+                  checkpoint_dir: str | None = None) -> Path:
+    """A run directory that this run alone writes to, claimed by creating its spec.yaml
+    exclusively (two runs started together never share one). `path` None: `stem`, `stem-2`, ...,
+    the first that os.mkdir creates. A given `path` is created if missing; if it holds files it
+    is refused (R027) unless `overwrite`, which removes a previous run's outputs first."""
+    try:
+        if path is None:
+            path, n = Path(stem), 2
+            while not _made(path):
+                path, n = Path(f"{stem}-{n}"), n + 1
+        elif not _made(path):
+            if not path.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+            if any(path.iterdir()) and not overwrite:
+                raise RunError(Diagnostic("R027", f"run directory {path} already holds files", Loc(str(path)),
+                                          "choose a new --run-dir, or pass --overwrite to replace a previous "
+                                          "run's outputs there"))
+            if overwrite:
+                _remove_outputs(path, checkpoint_dir)
+        try:
+            with open(path / "spec.yaml", "xb") as f:
+                f.write(spec_text)
+        except FileExistsError:  # another run claimed it between our look and our write
+            raise RunError(Diagnostic("R027", f"run directory {path} was claimed by another run", Loc(str(path)),
+                                      "choose another --run-dir")) from None
+    except OSError as e:
+        blocker = next((p for p in (path, *path.parents) if _is_file(p)), None)
+        # mkdir's "File exists" / "Not a directory" would not say which
+        err = e if blocker is None else OSError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(blocker))
+        raise disk_error(err, f"cannot create the run directory {path}") from None
+    return path
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.exists() and not path.is_dir()
+    except OSError:  # a name too long to look up
+        return False
+
+
+def _made(path: Path) -> bool:
+    """os.mkdir(path): True if this call created it, False if it exists (no check-then-create race)."""
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir()
+        return True
+    except FileExistsError:
+        return False
+
+
+def _remove_outputs(path: Path, checkpoint_dir: str | None) -> None:
+    names = list(OUTPUTS)
+    if checkpoint_dir and (path / checkpoint_dir).resolve().is_relative_to(path.resolve()) and \
+            (path / checkpoint_dir).resolve() != path.resolve():
+        names.append(checkpoint_dir)
+    for name in names:
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+
+
+def disk_error(e: OSError, doing: str) -> RunError:
+    """An OSError of the run's own files as a diagnostic: a full disk (R028) or a path that
+    cannot be made or written (R026)."""
+    where = Loc(str(e.filename)) if e.filename else Loc()
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunError(Diagnostic("R028", f"the disk is full: {doing}: {e.strerror}", where,
+                                   "free some space (old runs/ directories, checkpoints), or choose a --run-dir "
+                                   "on another disk"))
+    return RunError(Diagnostic("R026", f"{doing}: {e.strerror or e}", where,
+                               "choose a --run-dir whose parent is a writable directory, with a shorter name"))
+
+
 def worker_threads(nproc_per_node: int) -> int:
     """CPU threads per worker: oversubscribed threads slow a 2-core machine several-fold."""
     return max(1, (os.cpu_count() or 1) // nproc_per_node)
+
+
+class Interrupted(Exception):
+    """`placer run` got SIGINT or SIGTERM; the workers have been stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGINT and SIGTERM raise Interrupted in the main thread for the block, instead of
+    KeyboardInterrupt (SIGINT) or death (SIGTERM), so the run can say where it stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+    saved = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 @dataclass
@@ -123,15 +233,17 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
            on_progress=None) -> RunResult:
     """Run `program` with one worker per device through torch's elastic launcher."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / PROGRESS).unlink(missing_ok=True)
-    threads = os.environ.get("OMP_NUM_THREADS")
+    for name in (PROGRESS, "stopped.json"):  # what the program writes as it goes: this run's only
+        (run_dir / name).unlink(missing_ok=True)
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID")}
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
+    os.environ["PLACER_LAUNCHER_PID"] = str(os.getpid())  # the workers end with this process (die_with_launcher)
     # One node: a private c10d rendezvous on a free port. Several: the static rendezvous, which
     # (unlike c10d's, which orders nodes by arrival) makes node K's workers ranks K*n .. K*n+n-1,
     # so the spec's nodeK/ devices run on the machine started with --node-rank K.
@@ -152,9 +264,12 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         follower.start()
     t0 = time.perf_counter()
     result = RunResult(ok=True, run_dir=run_dir)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with _quiet_launcher():
             elastic_launch(config, entrypoint=sys.executable)(*args)
+    except SignalException as e:  # the agent has stopped the workers with the same signal
+        raise Interrupted(e.sigval) from None
     except ChildFailedError as e:
         result.ok = False
         for rank, failure in e.failures.items():  # keyed by global rank
@@ -169,10 +284,14 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         stop.set()
         if follower:
             follower.join(timeout=2)
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
+        if threading.current_thread() is threading.main_thread():  # the agent installed its own
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     result.wall_s = time.perf_counter() - t0
     metrics = run_dir / METRICS
     if metrics.exists():

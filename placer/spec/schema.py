@@ -3,11 +3,12 @@ with jsonschema's errors turned into located, hinted diagnostics."""
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from importlib import resources
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match, relevance
+from jsonschema import Draft202012Validator, validators
+from jsonschema.exceptions import ValidationError, best_match, relevance
 
 from placer.diagnostics import Diagnostic, did_you_mean
 from placer.spec import hints
@@ -26,9 +27,25 @@ def schema() -> dict:
     return json.loads(resources.files("placer").joinpath("schemas", SCHEMA_FILE).read_text("utf-8"))
 
 
+@lru_cache(maxsize=None)
+def _python_regex(pattern: str) -> re.Pattern:
+    """A schema pattern as ECMA-262 (JSON Schema's dialect, what editors use) reads it: there `$`
+    ends the input, while Python's `$` also matches before a final newline (`name: "x\\n"`
+    would pass and reach the program). The schema keeps the portable `$`; we read it as `\\Z`."""
+    return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
+
+
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _python_regex(pattern).search(instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = validators.extend(Draft202012Validator, {"pattern": _pattern})
+
+
 @lru_cache(maxsize=1)
 def _validator() -> Draft202012Validator:
-    return Draft202012Validator(schema())
+    return _Validator(schema())
 
 
 def where(path) -> str:

@@ -119,7 +119,8 @@ class Optimizer:
 class Checkpoint:
     dir: str
     every: int
-    keep: int = 3
+    keep: int | None = None
+    """How many complete checkpoints to keep, newest first; None (the schema's default) keeps all."""
     loc: Loc = field(default_factory=Loc, compare=False)
 
 

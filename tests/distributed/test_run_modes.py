@@ -129,13 +129,16 @@ def test_tensor_pairs_are_the_plans(tmp_path):
 
 
 def test_checkpoints_keep_the_newest(tmp_path):
-    """training.checkpoint {every: 2, keep: 2}: after 5 steps, step_2 is gone, step_4 holds every rank."""
+    """training.checkpoint {every: 2, keep: 2}: after 6 steps, step_2 is gone, step_6 holds every rank."""
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(main, ["run", str(ROOT / "specs" / "mlp_checkpoint.yaml"), "--run-dir",
                                        str(run_dir), "--steps", "6"])
     assert result.exit_code == 0, result.output
     kept = sorted(p.name for p in (run_dir / "ckpt").iterdir())
     assert kept == ["step_4", "step_6"]
+    # each step directory complete (its marker written last), every file renamed into place
+    assert sorted(p.name for p in (run_dir / "ckpt" / "step_6").iterdir()) == ["COMPLETE", "rank0.pt", "rank1.pt"]
+    assert not list(run_dir.rglob("*.tmp-*"))
     state = torch.load(run_dir / "ckpt" / "step_6" / "rank1.pt")
     final = torch.load(run_dir / "final_params.pt")
     assert state["step"] == 6 and set(state["params"]) == {"fc3.weight", "fc3.bias", "head.weight", "head.bias"}

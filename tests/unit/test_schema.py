@@ -177,7 +177,6 @@ PY_DEFAULTS = {
     "#/$defs/training/properties/seed": (types.Training, "seed"),
     "#/$defs/training/properties/prefetch": (types.Training, "prefetch"),
     "#/$defs/training/properties/data": None,  # "synthetic": Data() (checked below)
-    "#/$defs/checkpoint/properties/keep": (types.Checkpoint, "keep"),
     **{f"#/$defs/runtime/properties/{k}": (types.Runtime, k)
        for k in ("backend", "simulate", "timeout_s", "max_restarts")},
 }

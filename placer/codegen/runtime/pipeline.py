@@ -42,10 +42,11 @@ def pipeline_stage_owner(schedule, stage, pp_size):
     return stage % pp_size
 
 
-def pipeline_group(ranks):
+def pipeline_group(ranks, timeout=None):
     """The pipeline's process group with group rank i = ranks[i] (the stage owners in
-    pipeline order), which is what the schedules assume; new_group would sort them."""
-    return dist.new_group(ranks, sort_ranks=False)
+    pipeline order), which is what the schedules assume; new_group would sort them. `timeout`:
+    how long its collectives wait (None: torch's default, not the default group's)."""
+    return dist.new_group(ranks, sort_ranks=False, timeout=timeout)
 
 
 def pipeline_stages(stage_modules, num_stages, group, device="cpu"):

@@ -112,6 +112,23 @@ def timer(kind):
         TIME[kind] += time.perf_counter() - start
 
 
+class StopRun(Exception):
+    """The run cannot go on because of its input, not a bug (a non-finite loss, data that ran
+    out): main() says why without a traceback and leaves OUT/stopped.json for `placer run`."""
+
+    def __init__(self, reason, step, message):
+        super().__init__(message)
+        self.reason, self.step = reason, step
+
+
+def finite_loss(loss, step):
+    """The step's loss; a NaN or inf stops the run at this step rather than training on to NaN
+    parameters. Every rank sees the same (all-reduced) loss, so every rank stops."""
+    if not torch.isfinite(torch.tensor(loss)):
+        raise StopRun("non-finite loss", step + 1, f"the loss is {loss} at step {step + 1}")
+    return loss
+
+
 def report_step(out, step, steps, loss, start):
     """Rank 0: one line per step on stdout and in OUT/progress.jsonl (what `placer run` shows)."""
     elapsed = time.perf_counter() - start
@@ -136,9 +153,25 @@ def write_outputs(out, losses, params, seconds, **facts):
     metrics = {"spec": SPEC_NAME, "losses": losses, "steps": steps, "batch_size": BATCH_SIZE,
                "wall_s": seconds, "steps_per_s": steps / seconds if seconds else None,
                "samples_per_s": steps * BATCH_SIZE / seconds if seconds else None, **facts}
-    with open(os.path.join(out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    torch.save(dict(sorted(params.items())), os.path.join(out, "final_params.pt"))
+    replace_atomically(os.path.join(out, "metrics.json"), lambda tmp: write_json(tmp, metrics))
+    replace_atomically(os.path.join(out, "final_params.pt"), lambda tmp: torch.save(dict(sorted(params.items())), tmp))
+
+
+def replace_atomically(path, write):
+    """write(tmp) to a temporary name beside `path`, then rename it over `path`: a reader, or a
+    run killed while writing, sees the old file or the whole new one, never half of one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 def finish(args, rank, world, losses, own, seconds, **facts):
@@ -179,14 +212,14 @@ def prefetched(make, steps):
     makes them up to PREFETCH ahead, so the step loop rarely waits for data."""
     if PREFETCH == 0:
         for step in range(steps):
-            yield make(step)
+            yield batch_of(make, step, steps)
         return
     ready = queue.Queue(maxsize=PREFETCH)
 
     def fill():
         try:
             for step in range(steps):
-                ready.put((make(step), None))
+                ready.put((batch_of(make, step, steps), None))
         except Exception as e:  # hand the error to the step loop, which raises it
             ready.put((None, e))
 
@@ -196,3 +229,13 @@ def prefetched(make, steps):
         if error is not None:
             raise error
         yield batch
+
+
+def batch_of(make, step, steps):
+    """make(step), with a data iterator that ended named as such (a StopIteration would
+    otherwise surface as "generator raised StopIteration")."""
+    try:
+        return make(step)
+    except StopIteration:
+        raise StopRun("data exhausted", step + 1, f"the data iterator is exhausted at step {step + 1}: it gave "
+                      f"{step} batches, training needs {steps}") from None

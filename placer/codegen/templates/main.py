@@ -18,7 +18,7 @@ def reference(args):
         loss = compute_loss(model(x.to(device)), y.to(device))
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(finite_loss(loss.item(), step))
         report_step(args.out, step, args.steps, losses[-1], start)
     seconds = time.perf_counter() - start
     if args.out:
@@ -28,6 +28,21 @@ def reference(args):
 
 
 # ---------------------------------------------------------------------------- main
+
+
+def die_with_launcher():
+    """Started by `placer run` (PLACER_LAUNCHER_PID): end with it. Its Ctrl-C (SIGINT, passed on
+    to the workers) ends this process at once, even inside a collective; and on Linux the kernel
+    kills it when the launcher dies, SIGKILL included, rather than leave it training as an orphan."""
+    launcher = os.environ.get("PLACER_LAUNCHER_PID")
+    if not launcher:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):  # it died before prctl took effect
+        os._exit(1)
 
 
 def main():
@@ -42,18 +57,28 @@ def main():
     parser.add_argument("--measure", action="store_true",
                         help="count the bytes each rank sends (placer run asks for it)")
     args = parser.parse_args()
+    die_with_launcher()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    if args.reference:
-        reference(args)
-    elif "RANK" in os.environ:  # a worker started by torchrun
-        train(args)
+    if args.reference or "RANK" in os.environ:  # the reference, or a worker started by torchrun
+        try:
+            if args.reference:
+                reference(args)
+            else:
+                train(args)
+            code = 0
+        except StopRun as e:
+            print(f"stopped: {e}", file=sys.stderr)
+            if args.out:
+                info = {"reason": e.reason, "step": e.step, "message": str(e)}
+                replace_atomically(os.path.join(args.out, "stopped.json"), lambda tmp: write_json(tmp, info))
+            code = 1
         # Leave without Python's shutdown: gloo's threads may still be freeing the last
         # collective's tensors, and doing that while the interpreter shuts down aborts the
         # process (SIGABRT, about 1 run in 20 on 2 cores). Everything is written by now.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
     else:  # `python program.py`: start one worker per device on this machine
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={len(DEVICES)}", os.path.abspath(__file__), *sys.argv[1:]]

@@ -1,0 +1,221 @@
+"""Bad input that would reach the program is refused before any worker starts, and the
+program's fault handling (atomic files, checkpoints, timeouts) is what `generate` writes."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from placer.codegen import program as program_module
+from placer.codegen.program import generate
+from placer.diagnostics import PlacerError
+from placer.spec.check import load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+
+TINY = """placer: 1
+name: tiny
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [4, 2]}
+  input: {shape: [B, 4]}
+  target: {shape: [B, 2]}
+  loss: MSELoss
+devices: [cpu]
+placement:
+  - {layers: fc1, device: cpu}
+training:
+  batch_size: 4
+  steps: 2
+  optimizer: OPTIMIZER
+"""
+
+
+def tiny(tmp_path, optimizer="{op: SGD, lr: 0.1}", extra=""):
+    path = tmp_path / "spec.yaml"
+    path.write_text(TINY.replace("OPTIMIZER", optimizer) + extra)
+    return load_spec(str(path))
+
+
+def first_error(call) -> str:
+    with pytest.raises(PlacerError) as e:
+        call()
+    return e.value.diagnostics[0].format()
+
+
+@pytest.mark.parametrize("kwargs, where, says", [
+    ('{momentum: "fast"}', "15:52", "rejects momentum='fast': TypeError"),
+    ("{momentom: 0.9}", "15:52", "rejects momentom=0.9: TypeError"),
+    ("{nesterov: true}", "15:52", "rejects nesterov=True: ValueError: Nesterov momentum requires a momentum"),
+])
+def test_optimizer_kwargs_are_tried_on_a_dummy_parameter(tmp_path, kwargs, where, says):
+    spec = tiny(tmp_path, "{op: SGD, lr: 0.1, kwargs: %s}" % kwargs)
+    text = first_error(lambda: generate(spec))
+    assert f"spec.yaml:{where}: error[G004]: torch.optim.SGD {says}" in text
+    if "momentom" in kwargs:
+        assert "hint: did you mean 'momentum'?" in text
+
+
+def test_a_program_that_does_not_parse_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setattr(program_module, "data_source", lambda spec: "def batches(:\n")
+    text = first_error(lambda: generate(tiny(tmp_path)))
+    assert "error[G005]: the generated program does not parse: " in text and "def batches(:" in text
+
+
+def _group_calls(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("new_group", "pipeline_group", "init_process_group"):
+                yield name, node
+
+
+def test_every_process_group_waits_at_most_timeout_s():
+    """runtime.timeout_s bounds every group, not only the default one (torch's new_group
+    default is 30 minutes, whatever init_process_group was given)."""
+    seen = set()
+    for path in SPECS:
+        text = generate(load_spec(str(path))).text
+        for name, call in _group_calls(ast.parse(text)):
+            timeout = next((k.value for k in call.keywords if k.arg == "timeout"), None)
+            assert timeout is not None, f"{path.stem}: {ast.unparse(call)}"
+            if not (name == "new_group" and ast.unparse(timeout) == "timeout"):  # the pasted pipeline_group
+                assert ast.unparse(timeout) == "timedelta(seconds=TIMEOUT_S)", f"{path.stem}: {ast.unparse(call)}"
+            seen.add(name)
+    assert seen == {"new_group", "pipeline_group", "init_process_group"}
+
+
+def template_namespace(**constants) -> dict:
+    """The program's helpers and checkpoint functions, as a generated program pastes them."""
+    import importlib
+
+    ns = {m.split(".")[0]: importlib.import_module(m.split(".")[0]) for m in program_module.STDLIB + ["torch"]} | constants
+    ns["dist"] = importlib.import_module("torch.distributed")
+    for name in ("helpers.py", "checkpoint.py"):
+        exec(compile((program_module.TEMPLATES / name).read_text(), name, "exec"), ns)
+    return ns
+
+
+def test_files_are_renamed_into_place_and_a_failed_write_leaves_the_old_file(tmp_path):
+    ns = template_namespace()
+    target = tmp_path / "metrics.json"
+    ns["replace_atomically"](str(target), lambda tmp: ns["write_json"](tmp, {"a": 1}))
+    assert target.read_text() == '{\n  "a": 1\n}'
+
+    def half_written(tmp):
+        Path(tmp).write_text('{"a": ')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        ns["replace_atomically"](str(target), half_written)
+    assert target.read_text() == '{\n  "a": 1\n}' and [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+@pytest.mark.parametrize("keep, kept", [(1, [4, 5]), (2, [2, 4, 5]), (None, [1, 2, 4, 5])])
+def test_rotation_keeps_the_newest_complete_checkpoints_up_to_the_one_just_written(tmp_path, keep, kept):
+    """step_3 is a crash's leftover (no COMPLETE); step_5 is from an earlier attempt that got further."""
+    for step in (1, 2, 3, 4, 5):
+        (tmp_path / f"step_{step}").mkdir()
+        if step != 3:
+            (tmp_path / f"step_{step}" / "COMPLETE").write_text("{}")
+    template_namespace(CHECKPOINT_KEEP=keep)["rotate_checkpoints"](str(tmp_path), 4)
+    assert sorted(int(p.name[5:]) for p in tmp_path.iterdir()) == kept
+
+
+def test_keep_defaults_to_keeping_every_checkpoint_as_the_schema_says(tmp_path):
+    spec = tiny(tmp_path, extra="  checkpoint: {dir: ckpt, every: 1}\n")
+    assert spec.training.checkpoint.keep is None
+    assert "CHECKPOINT_KEEP = None" in generate(spec).text
+
+
+def test_check_calls_a_nan_loss_non_finite_not_a_mismatch():
+    from types import SimpleNamespace
+
+    from placer.cli.run_cmd import check_failure, check_lines
+
+    nan = float("nan")
+    report = SimpleNamespace(problem=None, first_bad_step=2, first_bad_param="w", ok=False,
+                             steps=[(1, 0.5, 0.5, 0.0, True), (2, nan, nan, nan, False)],
+                             params=[("w", 4, nan, nan, False)])
+    assert check_failure(report) == ("the loss is non-finite at step 2 (run nan, reference nan); "
+                                     "parameter 'w' is non-finite (nan or inf) in the run or the reference")
+    assert check_lines(report)[3].endswith("<- non-finite")
+
+
+# -- run directories -------------------------------------------------------------------------------
+
+def test_runs_started_together_each_claim_their_own_directory(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from placer.launch.run import claim_run_dir
+
+    stem = str(tmp_path / "runs" / "tiny-20260101-000000")
+    with ThreadPoolExecutor(6) as pool:
+        dirs = list(pool.map(lambda i: claim_run_dir(None, stem, b"spec %d" % i), range(6)))
+    assert len(set(dirs)) == 6
+    assert sorted(p.name for p in dirs) == sorted(["tiny-20260101-000000"] + [f"tiny-20260101-000000-{n}"
+                                                                             for n in range(2, 7)])
+    assert sorted((p / "spec.yaml").read_bytes() for p in dirs) == [b"spec %d" % i for i in range(6)]
+
+
+def test_overwrite_removes_a_previous_runs_outputs_only(tmp_path):
+    from placer.launch.run import claim_run_dir
+
+    run = tmp_path / "run"
+    for name in ("logs/x/stderr.log", "ckpt/step_2/rank0.pt", "metrics.json", "spec.yaml", "notes.txt"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("old")
+    assert claim_run_dir(run, "unused", b"new", overwrite=True, checkpoint_dir="ckpt") == run
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "spec.yaml"]
+    assert (run / "spec.yaml").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("where, says", [
+    ("afile/run", "cannot create the run directory {tmp}/afile/run: {tmp}/afile is a file, not a directory"),
+    ("x" * 300, "cannot create the run directory {tmp}/" + "x" * 300 + ": File name too long"),
+])
+def test_a_run_directory_that_cannot_be_made_is_R026(tmp_path, where, says):
+    from placer.launch.run import claim_run_dir
+
+    (tmp_path / "afile").write_text("")
+    text = first_error(lambda: claim_run_dir(tmp_path / where, "unused", b""))
+    assert f"error[R026]: {says.format(tmp=tmp_path)}" in text
+
+
+def run_cli(*args):
+    from click.testing import CliRunner
+
+    from placer.cli.main import main
+
+    return CliRunner().invoke(main, ["run", *map(str, args)])
+
+
+def test_a_run_dir_that_holds_files_is_refused_without_overwrite(tmp_path):
+    tiny(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "progress.jsonl").write_text("{}\n")
+    r = run_cli(tmp_path / "spec.yaml", "--run-dir", tmp_path / "run")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.stderr.startswith(f"{tmp_path}/run: error[R027]: run directory {tmp_path}/run already holds files\n"
+                               "  hint: choose a new --run-dir, or pass --overwrite")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["progress.jsonl"]
+
+
+def test_a_full_disk_is_R028_not_a_traceback(tmp_path, monkeypatch):
+    import errno
+
+    tiny(tmp_path)
+    write_text = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == "program.py":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    r = run_cli(tmp_path / "spec.yaml", "--run-dir", tmp_path / "run")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert f"error[R028]: the disk is full: writing {tmp_path}/run/program.py: No space left on device" in r.stderr
