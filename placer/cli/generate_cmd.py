@@ -8,20 +8,7 @@ import sys
 import click
 
 from placer.cli.options import set_option
-from placer.diagnostics import PlacerError, SpecError
-
-
-def load_checked(spec_path: str, overrides=()):
-    """(spec, warnings), `--set KEY=VALUE` overrides applied; SpecError if the spec has errors."""
-    from placer.spec import check, load
-
-    spec, diags = check.validate_document(load.load_file(spec_path, overrides))
-    errors = [d for d in diags if d.severity == "error"]
-    if errors:
-        raise SpecError(errors)
-    return spec, diags
-
-
+from placer.diagnostics import PlacerError
 
 
 @click.command("generate")
@@ -49,15 +36,14 @@ def command(spec_path, output, fmt, overrides):
       python program.py                          # starts its own workers
       python program.py --reference              # the whole model in one process
     """
-    from placer.cli.main import emit_diagnostics, fail
+    from placer.cli.main import fail, load_and_warn
     from placer.deps import require_torch
 
     require_torch("placer generate")
     from placer.codegen.program import generate
 
     try:
-        spec, warnings = load_checked(spec_path, overrides)
-        emit_diagnostics(warnings, "text", file=sys.stderr)
+        spec = load_and_warn(spec_path, overrides)
         output = output or f"{spec.name}_program.py"
         program = generate(spec, filename=os.path.basename(output), out_dir=os.path.dirname(os.path.abspath(output)))
     except PlacerError as e:

@@ -60,6 +60,20 @@ def emit_diagnostics(diags: list[Diagnostic], fmt: str, file=None) -> None:
         click.echo(format_report(diags, fmt, max_shown=None if fmt != "text" else 10), file=file)
 
 
+def load_and_warn(spec_path: str, overrides=(), say=None):
+    """The checked spec for plan, generate and run, its warnings printed as validate prints them
+    (`say`: where each goes; stderr by default). SpecError if it has errors."""
+    from placer.spec.check import load_checked
+
+    spec, warnings = load_checked(spec_path, overrides)
+    if say is None:
+        emit_diagnostics(warnings, "text", file=sys.stderr)
+    else:
+        for w in warnings:
+            say(w.format())
+    return spec
+
+
 def fail(err: PlacerError, fmt: str = "text"):
     """Report a user-caused error and exit 1 (no traceback)."""
     if fmt == "json":

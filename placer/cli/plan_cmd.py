@@ -244,19 +244,19 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
     """
     import json
 
-    from placer.cli.main import fail
+    from placer.cli.main import fail, load_and_warn
     from placer.deps import require_torch
     from placer.diagnostics import Diagnostic, PlacerError, SpecError
     from placer.plan.text import format_plan
-    from placer.spec.check import load_spec
 
     require_torch("placer plan")
+
     def say(msg: str) -> None:
         if not quiet:
             click.echo(f"placer: {msg}", err=True)
 
     try:
-        spec = load_spec(spec_path, overrides)
+        spec = load_and_warn(spec_path, overrides)
         if not spec.model.inline and not deep:  # SPEC.md: user model code runs only with plan --deep
             raise SpecError(Diagnostic(
                 "P071", f"model.module {spec.model.module!r} is user code, and planning it runs that code",

@@ -190,13 +190,11 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
 
 def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
         rdzv_endpoint, overrides=()) -> dict:
-    from placer.cli.generate_cmd import load_checked
+    from placer.cli.main import load_and_warn
     from placer.codegen.program import generate
     from placer.launch import run as launcher
 
-    spec, warnings = load_checked(spec_path, overrides)
-    for w in warnings:
-        console.say(w.format(), err=True)
+    spec = load_and_warn(spec_path, overrides, say=lambda text: console.say(text, err=True))
     if overrides:  # run.log says what differs from RUN_DIR/spec.yaml
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)

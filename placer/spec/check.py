@@ -476,7 +476,13 @@ def validate_document(doc: load.Document) -> tuple[Spec | None, list[Diagnostic]
 
 def load_spec(path: str, overrides=()) -> Spec:
     """Load a spec (with `--set KEY=VALUE` overrides) and fully check it; raise SpecError on any error."""
-    return _checked(*validate_document(load.load_file(path, overrides)))
+    return load_checked(path, overrides)[0]
+
+
+def load_checked(path: str, overrides=()) -> tuple[Spec, list[Diagnostic]]:
+    """(spec, its warnings) for `load_spec`: every command that acts on a spec shows these."""
+    spec, diags = validate_document(load.load_file(path, overrides))
+    return _checked(spec, diags), [d for d in diags if d.severity != "error"]
 
 
 def load_spec_text(text: str, file: str = "<spec>") -> Spec:

@@ -97,3 +97,12 @@ def test_module_models_need_deep():
     r = run("--deep", SPECS / "tinygpt.yaml")
     assert r.exit_code == 0 and r.stdout.startswith("plan tinygpt: 236,928 parameters")
     assert "placer: building models/tinygpt.py:TinyGPT on the meta device" in r.stderr
+
+
+def test_plan_prints_the_warnings_validate_prints(tmp_path):
+    """One CLI policy: validate, plan, generate and run show a spec's warnings alike."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text((SPECS / "mlp_layerwise_direct.yaml").read_text().replace(
+        "devices: [cuda:0, cuda:1]", "devices: [cuda:0, cuda:1, cuda:2]"))
+    r = run(spec)
+    assert r.exit_code == 0 and "warning[W001]" in r.stderr and "cuda:2" in r.stderr
