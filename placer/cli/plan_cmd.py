@@ -115,7 +115,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
         devices.append({"device": d, "rank": rank, "params": e.params, "param_bytes": e.param_bytes,
                         "buffer_bytes": e.buffer_bytes, "grad_bytes": e.grad_bytes,
                         "optimizer_bytes": e.optimizer_bytes, "activation_bytes": e.activation_bytes,
-                        "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes,
+                        "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes, "payload_bytes": e.payload_bytes,
                         "recv_bytes": e.recv_bytes})
     ops = [{"kind": r.op.kind.value, "segment": r.op.segment, "phase": r.op.phase, "tensor": r.op.tensor,
             "devices": list(r.op.devices), "src": list(r.op.src), "dst": list(r.op.dst),

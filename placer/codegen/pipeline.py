@@ -80,8 +80,22 @@ class PipelineWriter(TrainWriter):
           "pp_groups = [pipeline_group(ranks, timeout=timedelta(seconds=TIMEOUT_S)) for ranks in PIPELINES]  # every rank creates every group",
           "j = next(i for i, ranks in enumerate(PIPELINES) if rank in ranks)  # this rank's pipeline",
           f"mine = {{s: m for s, m in enumerate({self.tuple_of('seg')}) if m is not None}}  # stage index -> module",
-          f"stages = pipeline_stages(mine, {n}, pp_groups[j], device)",
+          *self.stage_shapes(),
+          f"stages = pipeline_stages(mine, {n}, pp_groups[j], device{', STAGE_SHAPES' if self.shapes_known else ''})",
           f"schedule = make_pipeline_schedule({self.schedule!r}, stages, {self.microbatches}, compute_loss, BATCH_SIZE)")
+
+    @property
+    def shapes_known(self) -> bool:
+        return all(s.in_shape and s.out_shape for s in self.segs)
+
+    def stage_shapes(self) -> list[str]:
+        """STAGE_SHAPES: what each stage takes and gives per micro-batch, from the plan's shapes."""
+        if not self.shapes_known:
+            return ["# (shapes unknown: torch infers them at the first step)"]
+        io = {s.k: (((s.rows, *s.in_shape[1:]), s.in_dtype), ((s.rows, *s.out_shape[1:]), s.out_dtype))
+              for s in self.segs}
+        return ["# per micro-batch of one pipeline: ((input shape, dtype), (output shape, dtype)) of each stage",
+                f"STAGE_SHAPES = {io!r}"]
 
     def step(self) -> None:
         c, last = self.c, len(self.segs) - 1

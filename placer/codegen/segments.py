@@ -51,7 +51,8 @@ class Seg:
     """The entering activation on the global batch (the model input for segment 0)."""
     in_dtype: str = "float32"
     out_shape: tuple = ()
-    """The activation leaving the segment, on the global batch."""
+    """The activation leaving the segment, on the global batch (a micro-batch in a pipeline)."""
+    out_dtype: str = "float32"
     rows: int = 0
     """Rows of the batch each rank of the group computes."""
     grad_in: bool = False
@@ -177,6 +178,7 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             sync_batchnorm=bool(opts.get("sync_batchnorm", DEFAULT_PARALLEL.sync_batchnorm)), route=placed.route,
             has_params=n_params > 0, in_shape=per_step(shape), in_dtype=dtype,
             out_shape=per_step(graph.layer(placed.layers[-1]).out_shape or ()),
+            out_dtype=graph.layer(placed.layers[-1]).out_dtype,
             rows=spec.training.batch_size // m // (len(ranks) if data else 1),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
             shard=opts.get("shard", DEFAULT_PARALLEL.shard) if data else "none",

@@ -1,6 +1,12 @@
-"""Communication per step: which bytes each op moves between which devices.
+"""Communication per step: what each device sends, and which bytes each op moves.
 
-The numbers are the textbook minimum of each algorithm, per step:
+**Bytes sent**, one definition for the plan and the run: the payload each device hands to
+torch.distributed per step (`op_sent`, `Communication.payload`, the plan's `payload_bytes`,
+what `placer run` measures): the
+tensor of an all-reduce, reduce or reduce-scatter, its own slice of an all-gather, the
+tensor a broadcast's root sends, each piece a copy, send or halo hands over (once, whatever
+the route). **Bytes moved** (the comm table's `moved`, `pairs`, the plan's `sent_bytes` and
+`recv_bytes`) are the textbook wire traffic of each algorithm, per step:
 
 - ring all-reduce of B bytes over n devices: each device sends 2(n-1)/n * B to
   its ring neighbour; all-gather and reduce-scatter: (n-1)/n * B each;
@@ -86,6 +92,25 @@ def _ring(devices, fraction: Fraction, nbytes: int) -> list[Move]:
     return [(devices[i], devices[(i + 1) % n], round(nbytes * fraction)) for i in range(n)]
 
 
+def op_sent(op: Op) -> dict[str, int]:
+    """Device -> the payload it hands to torch.distributed for one op (see the module doc)."""
+    k, devs = op.kind, op.devices
+    if k in (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER):
+        return {d: op.bytes for d in devs}
+    if k == OpKind.BROADCAST:
+        return {op.attrs.get("root", devs[0]): op.bytes}
+    if k == OpKind.ALL_GATHER:  # its own slice; uneven channel slices are padded to the largest
+        n, channels = len(devs), op.attrs.get("channels")
+        piece = Fraction(-(-channels // n), channels) if channels else Fraction(1, n)
+        return {d: round(op.bytes * piece) for d in devs}
+    out: dict[str, int] = {}
+    if k in TRANSFERS or k in (OpKind.SEND, OpKind.HALO):  # point to point: by the sender, once
+        raw = _halo(op) if k == OpKind.HALO else op_moves(op.with_(route=None))
+        for a, _, n in raw:
+            out[a] = out.get(a, 0) + n
+    return out
+
+
 def op_moves(op: Op) -> list[Move]:
     """What one op moves, per (from, to) device pair, routes included. RECV moves nothing: its SEND does."""
     k, n, devs = op.kind, len(op.devices), op.devices
@@ -148,7 +173,11 @@ class Communication:
     pairs: dict
     """(from, to) -> bytes per step."""
     sent: dict
+    """Device -> bytes moved from it (wire)."""
     received: dict
+    """Device -> bytes moved to it (wire)."""
+    payload: dict
+    """Device -> payload it hands to torch.distributed per step (what `placer run` measures)."""
 
     @property
     def total(self) -> int:
@@ -156,7 +185,7 @@ class Communication:
 
 
 def communication(plan: Plan) -> Communication:
-    rows, pairs, sent, received = [], {}, {}, {}
+    rows, pairs, sent, received, payload = [], {}, {}, {}, {}
     for op in plan.unique_ops():
         if op.kind in (OpKind.COMPUTE, OpKind.STEP, OpKind.RECV):
             continue
@@ -166,10 +195,12 @@ def communication(plan: Plan) -> Communication:
             pairs[(a, b)] = pairs.get((a, b), 0) + n
             sent[a] = sent.get(a, 0) + n
             received[b] = received.get(b, 0) + n
+        for d, n in op_sent(op).items():
+            payload[d] = payload.get(d, 0) + n
     rank = {d: i for i, d in enumerate(plan.devices)}
 
     def order(pair):  # plan order; a host a via_host copy passes through after the plan's devices
         return tuple((rank.get(d, len(rank)), d) for d in pair)
 
     return Communication(rows=tuple(rows), pairs=dict(sorted(pairs.items(), key=lambda kv: order(kv[0]))),
-                         sent=sent, received=received)
+                         sent=sent, received=received, payload=payload)

@@ -48,6 +48,8 @@ class DeviceEstimate(DeviceMemory):
     device: str
     flops: int = 0
     sent_bytes: int = 0
+    payload_bytes: int = 0
+    """What it hands to torch.distributed per step: what `placer run` measures as bytes sent."""
     recv_bytes: int = 0
 
 
@@ -76,7 +78,7 @@ def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> Estimate:
     fl = flops(plan, graph)
     comm = communication(plan)
     slots, known = state_slots(optimizer)
-    per = {d: DeviceEstimate(device=d, flops=fl[d], sent_bytes=comm.sent.get(d, 0),
+    per = {d: DeviceEstimate(device=d, flops=fl[d], sent_bytes=comm.sent.get(d, 0), payload_bytes=comm.payload.get(d, 0),
                              recv_bytes=comm.received.get(d, 0), **vars(mem[d])) for d in plan.devices}
     ratio, busiest, mean = balance(fl)
     notes = []

@@ -82,6 +82,22 @@ def _transitions(plan: Plan, graph: ModelGraph, copies: bool) -> Plan:
     return plan.with_ops(ops)
 
 
+def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
+    """A spatial last segment's bands meet on its first device for the loss (the program's
+    `out = relayout(...)`), and the output's gradient goes back to the bands."""
+    last = plan.segments[-1]
+    if plan.schedule or last.mode != "spatial" or len(last.devices) < 2:
+        return
+    src, dst, s = in_layout(last), Layout(last.devices[:1]), last.index
+    n = boundary_bytes(graph, last)
+    fwd = _transfer(src, dst, s, "fwd", "act", n, last.route).with_(attrs={"loss": True})
+    bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route).with_(attrs={"loss": True})
+    for d in last.devices:
+        lst = ops[d]
+        lst.insert(_last(lst, lambda o: _is_compute(o, s, ("fwd",))) + 1, fwd)
+        lst.insert(_first(lst, lambda o: _is_compute(o, s, BWD)), bwd)
+
+
 def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
     return Op(kind=transfer_kind(src.devices, dst.devices), devices=union(src.devices, dst.devices), segment=seg,
               phase=phase, tensor=tensor, bytes=nbytes, route=route, src=src.devices, dst=dst.devices,
@@ -94,8 +110,12 @@ def insert_copies(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
 
 
 def insert_splits(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
-    """SPLIT / MERGE / RESPLIT where consecutive segments use different groups or modes."""
-    return _transitions(plan, graph, copies=False)
+    """SPLIT / MERGE / RESPLIT where consecutive segments use different groups or modes, and
+    where a spatial last segment's output meets for the loss."""
+    plan = _transitions(plan, graph, copies=False)
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    _loss_gather(plan, graph, ops)
+    return plan.with_ops(ops)
 
 
 # ---- collectives ---------------------------------------------------------------------------------

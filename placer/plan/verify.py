@@ -108,7 +108,8 @@ def _segments(plan: Plan) -> Problem | None:
                 return "V003", f"op {i} on {d} names segment {op.segment}, the plan has {n}", [(d, i)]
             seg = plan.segments[op.segment]
             allowed = set(seg.devices) | ({seg.server} if seg.server else set())
-            if op.kind in (OpKind.COMPUTE, OpKind.STEP) or op.kind not in TRANSFERS | P2P:
+            # a last segment's output meeting for the loss moves within the segment's group
+            if op.kind in (OpKind.COMPUTE, OpKind.STEP) or op.kind not in TRANSFERS | P2P or op.attrs.get("loss"):
                 bad = [x for x in op.devices if x not in allowed]
                 if bad:
                     return "V003", f"op {i} on {d}: {bad[0]} is not in segment {seg.name!r} {list(seg.devices)}", \

@@ -49,11 +49,22 @@ def pipeline_group(ranks, timeout=None):
     return dist.new_group(ranks, sort_ranks=False, timeout=timeout)
 
 
-def pipeline_stages(stage_modules, num_stages, group, device="cpu"):
-    """{stage index: module} of this rank -> its PipelineStages, by stage index. Shapes are
-    inferred from the first microbatch of the first step."""
-    return [PipelineStage(module, index, num_stages, torch.device(device), group=group)
-            for index, module in sorted(stage_modules.items())]
+def pipeline_stages(stage_modules, num_stages, group, device="cpu", shapes=None):
+    """{stage index: module} of this rank -> its PipelineStages, by stage index. `shapes`:
+    {stage index: ((input shape, dtype), (output shape, dtype))} of one micro-batch; stages
+    given them skip torch's shape inference, which sends extra messages at the first step."""
+    stages = []
+    for index, module in sorted(stage_modules.items()):
+        io = {}
+        if shapes and index in shapes:
+            (ins, idt), (outs, odt) = shapes[index]
+            x = torch.empty(ins, dtype=getattr(torch, idt), device="meta")
+            y = torch.empty(outs, dtype=getattr(torch, odt), device="meta")
+            # a later stage's float input takes a gradient, which goes back to the stage before
+            x.requires_grad_(index > 0 and x.is_floating_point())
+            io = {"input_args": x, "output_args": y.requires_grad_(y.is_floating_point())}
+        stages.append(PipelineStage(module, index, num_stages, torch.device(device), group=group, **io))
+    return stages
 
 
 def pipeline_loss(loss_fn, batch_size):
