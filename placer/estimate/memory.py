@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from placer.model.graph import ModelGraph
-from placer.modes import tensor
+from placer.modes import channel, tensor
 from placer.plan.ir import OpKind, PlacedSegment, Plan, in_layout
 from placer.plan.place import steppers
 from placer.spec.types import DEFAULT_PARALLEL, Optimizer
@@ -82,7 +82,7 @@ def _roots(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int, int]:
 def _held(seg: PlacedSegment, l, rows: dict, d: int, r: int) -> tuple[int, int]:
     """(parameter elements, buffer bytes) of one layer that rank r of the group holds.
     `rows`: in a tensor segment, {paired Linear: whether it is the row half}."""
-    if seg.mode == "channel" and (l.op == "Linear" or l.op.startswith(("Conv", "BatchNorm"))):
+    if seg.mode == "channel" and channel.held(l):
         return _share(l.params, d, r), _share(l.buffer_bytes, d, r)  # its slice of output channels
     if rows and l.name in rows:
         return tensor.held(l, rows[l.name], d, r, _share), l.buffer_bytes

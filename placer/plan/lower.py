@@ -22,14 +22,13 @@ from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.comm import moves
-from placer.modes import tensor
+from placer.modes import channel, tensor
 from placer.model.graph import ModelGraph
 from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_layout, layer_range,
                             transfer_kind, union)
 from placer.plan.place import layer_geometry
 from placer.plan.attach import Attached
 from placer.plan.verify import verify
-from placer.spec.torch_names import NN_MODULE_KINDS
 from placer.spec.types import DEFAULT_PARALLEL, Spec
 from placer.units import MiB
 
@@ -203,25 +202,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
                     # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
                     a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
                     a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
-    elif seg.mode == "channel":  # as the program's ChannelSplit runs it
-        sliced = None  # the channel dim the activation is split along, None while it is whole
-        for i, l in enumerate(info):
-            role = _channel_role(l)
-            if sliced is not None and role != "follows":  # this layer needs every channel: gather
-                a.cuts.add(i)
-                a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced,
-                                       attrs={"channels": l.in_shape[sliced]}))
-                sliced = None
-            if role == "split":  # each device makes its slice of the output channels from the whole input
-                if grads[i]:  # whose gradient is the sum of every slice's part
-                    a.cuts |= {i, i + 1}
-                    a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", l.in_bytes, l.name))
-                sliced = _channel_dim(l)
-        if sliced is not None:  # the segment leaves whole outputs on every device
-            last = len(info) - 1
-            a.cuts.add(last + 1)
-            a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
-                                       dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}))
+    elif seg.mode == "channel":
+        channel.collectives(a, info, grads, op)
     elif seg.mode == "tensor":
         tensor.collectives(a, info, grads, op)
     elif seg.mode == "spatial":
@@ -261,22 +243,6 @@ def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
         if r.trainable and r.consumer in out:
             out[r.consumer] += r.bytes
     return out
-
-
-def _channel_role(l) -> str:
-    """How ChannelSplit treats a layer: `split` (Linear/Conv: a slice of the output channels),
-    `follows` (per channel or per element: runs on the slice), `whole` (needs every channel)."""
-    if NN_MODULE_KINDS.get(l.op) in ("linear", "conv"):  # not ConvTranspose
-        return "split"
-    if NN_MODULE_KINDS.get(l.op) in ("pool", "elementwise") or any(
-            k in l.op for k in ("BatchNorm", "AdaptiveAvgPool", "AdaptiveMaxPool")):  # Lazy, Sync ones too
-        return "follows"
-    return "whole"
-
-
-def _channel_dim(l) -> int:
-    """The channel dim of a Linear / Conv input: last for Linear, 1 for Conv."""
-    return len(l.in_shape) - 1 if l.op == "Linear" and l.in_shape else 1
 
 
 def _channels(l) -> int:

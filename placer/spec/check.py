@@ -9,7 +9,7 @@ import os
 
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
-from placer.modes import tensor
+from placer.modes import channel, tensor
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Spec, from_document
 
@@ -25,10 +25,6 @@ SCHEDULES = {
     "dualpipev": ("v", "at_least_stages"),
 }
 SPATIAL_KINDS = {"conv", "pool", "elementwise"}
-CHANNEL_KINDS = {"linear", "conv", "pool", "elementwise", "batchnorm"}
-# Norms with per-channel statistics split by channel; LayerNorm, GroupNorm, RMSNorm and
-# LocalResponseNorm mix channels and do not.
-CHANNEL_NORMS = {"InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"}
 INT_DTYPES = {"int64", "int32", "bool"}
 MAX_LAYERS = 10_000
 
@@ -194,19 +190,7 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]]) -> list[Diagnostic]:
                                f"split spatially with {option[1]}", option[0].loc,
                                "change the layer's option, or put it in a segment of its own"))
         if p.mode == "channel":
-            bad = [l for l, k in zip(seg_layers, kinds) if k not in CHANNEL_KINDS and l.op not in CHANNEL_NORMS]
-            grouped = [l for l, k in zip(seg_layers, kinds) if k == "conv" and shapes.param(l, "groups", 1) != 1]
-            if grouped and not bad:
-                diags.append(D("P027", f"segment {seg.name!r}: layer {grouped[0].name!r} is a grouped convolution "
-                               f"(groups={shapes.param(grouped[0], 'groups', 1)}) and cannot be split by channel",
-                               grouped[0].loc, "use groups: 1, or put it in a segment of its own"))
-            if bad:
-                diags.append(D("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
-                               "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm, "
-                               "InstanceNorm and elementwise layers"))
-            elif not any(k in ("linear", "conv") for k in kinds):
-                diags.append(D("P027", f"segment {seg.name!r} has no Linear or Conv to split by channel", seg.loc,
-                               "put the Linear/Conv layers in this segment"))
+            diags += channel.check(seg, seg_layers, kinds)
         if p.mode == "tensor":
             diags += tensor.check(seg, seg_layers, kinds)
     norms = [layers[i] for g in groups for i in g if layers[i].op.startswith("BatchNorm")]

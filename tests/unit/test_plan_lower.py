@@ -220,12 +220,11 @@ def test_the_plan_gathers_a_channel_split_where_the_program_does():
     import torch.nn as nn
 
     from placer.codegen.runtime import channel
-    from placer.plan.lower import _channel_role
+    from placer.modes.channel import role as channel_role
     from placer.spec.torch_names import NN_MODULES
 
     def role(cls) -> str:
-        return _channel_role(LayerInfo(name="l", op=cls.__name__, params=0, param_bytes=0, buffer_bytes=0,
-                                       in_shape=(2, 4), out_shape=(2, 4)))
+        return channel_role(cls.__name__)
 
     layers = [getattr(nn, n) for n in sorted(NN_MODULES)]  # every layer a spec may name
     runs_on_slice = {c for c in layers if issubclass(c, channel.CHANNEL_WISE_LAYERS + channel.ELEMENTWISE_LAYERS)

@@ -1,0 +1,83 @@
+"""`channel`: every Linear / Conv of the segment split by output channels over its group.
+
+The one rule (`role`, shared with the program's ChannelSplit, whose layer classes a unit test
+compares with it): a Linear or Conv is `split` (each device makes its slice of the output
+channels from the whole input), a per-channel or per-element layer `follows` the slice, and
+any other layer needs every channel, so the slices are gathered before it and at the
+segment's end. The input's gradient is the sum of every slice's part: one all-reduce per
+split layer that something before it trains through.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from placer.diagnostics import Diagnostic
+from placer.plan.attach import Attached
+from placer.plan.ir import OpKind
+from placer.spec import shapes
+from placer.spec.torch_names import NN_MODULE_KINDS
+
+KINDS = {"linear", "conv", "pool", "elementwise", "batchnorm"}
+"""Layer kinds a channel segment may hold (and InstanceNorm, `NORMS`)."""
+NORMS = {"InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"}
+"""Norms with per-channel statistics; LayerNorm, GroupNorm, RMSNorm and LocalResponseNorm mix channels."""
+
+
+def role(op: str) -> str:
+    """How a layer class runs on channel slices: `split`, `follows` or `whole` (see the module doc)."""
+    if NN_MODULE_KINDS.get(op) in ("linear", "conv"):  # not ConvTranspose
+        return "split"
+    if NN_MODULE_KINDS.get(op) in ("pool", "elementwise") or any(
+            k in op for k in ("BatchNorm", "AdaptiveAvgPool", "AdaptiveMaxPool")):  # Lazy, Sync ones too
+        return "follows"
+    return "whole"
+
+
+def channel_dim(l) -> int:
+    """The channel dim of a Linear / Conv input: last for Linear, 1 for Conv."""
+    return len(l.in_shape) - 1 if l.op == "Linear" and l.in_shape else 1
+
+
+def check(seg, seg_layers, kinds: Sequence[str]) -> list[Diagnostic]:
+    """P027 for a layer the channel split cannot run, a grouped convolution, or no Linear/Conv."""
+    bad = [l for l, k in zip(seg_layers, kinds) if k not in KINDS and l.op not in NORMS]
+    grouped = [l for l, k in zip(seg_layers, kinds) if k == "conv" and shapes.param(l, "groups", 1) != 1]
+    diags = []
+    if grouped and not bad:
+        diags.append(Diagnostic("P027", f"segment {seg.name!r}: layer {grouped[0].name!r} is a grouped convolution "
+                                f"(groups={shapes.param(grouped[0], 'groups', 1)}) and cannot be split by channel",
+                                grouped[0].loc, "use groups: 1, or put it in a segment of its own"))
+    if bad:
+        diags.append(Diagnostic("P027", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
+                                "by channel", bad[0].loc, "channel segments hold Linear, Conv, Pool, BatchNorm, "
+                                "InstanceNorm and elementwise layers"))
+    elif not any(k in ("linear", "conv") for k in kinds):
+        diags.append(Diagnostic("P027", f"segment {seg.name!r} has no Linear or Conv to split by channel", seg.loc,
+                                "put the Linear/Conv layers in this segment"))
+    return diags
+
+
+def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
+    """The plan's gathers and input-gradient all-reduces, as the program's ChannelSplit runs them."""
+    sliced = None  # the channel dim the activation is split along, None while it is whole
+    for i, l in enumerate(info):
+        how = role(l.op)
+        if sliced is not None and how != "follows":  # this layer needs every channel: gather
+            a.cuts.add(i)
+            a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced,
+                                   attrs={"channels": l.in_shape[sliced]}))
+            sliced = None
+        if how == "split":  # each device makes its slice of the output channels from the whole input
+            if grads[i]:  # whose gradient is the sum of every slice's part
+                a.cuts |= {i, i + 1}
+                a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", l.in_bytes, l.name))
+            sliced = channel_dim(l)
+    if sliced is not None:  # the segment leaves whole outputs on every device
+        last = len(info) - 1
+        a.cuts.add(last + 1)
+        a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
+                                   dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}))
+
+def held(l) -> bool:
+    """Whether a device holds only its slice of the layer's parameters and buffers."""
+    return l.op == "Linear" or l.op.startswith(("Conv", "BatchNorm"))
