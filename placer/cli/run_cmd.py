@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from placer import units
-from placer.device import Device
 from placer.cli.options import set_option
+from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 
 

@@ -24,8 +24,7 @@ from pathlib import Path
 from placer import __version__
 from placer.codegen import preflight, runtime
 from placer.codegen.pipeline import pipeline_train_source
-from placer.codegen.segments import (FLOAT_DTYPES, Seg, identifier, program_segments, rank_order,
-                                     torch_schedules_take)
+from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, program_segments, rank_order, torch_schedules_take
 from placer.codegen.train import Code, TrainWriter, train_source
 from placer.device import Device
 from placer.diagnostics import Diagnostic, SpecError

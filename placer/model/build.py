@@ -34,7 +34,6 @@ from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
 from placer.spec import check
 from placer.spec.types import Layer, Spec
 
-
 # -- building ---------------------------------------------------------------------------------------
 
 class InlineModel(nn.Module):
