@@ -156,7 +156,10 @@ class Communication:
 
 
 def communication(plan: Plan) -> Communication:
-    rows, pairs, sent, received = [], {}, {}, {}
+    rows: list[CommRow] = []
+    pairs: dict[tuple[str, str], int] = {}
+    sent: dict[str, int] = {}
+    received: dict[str, int] = {}
     for op in plan.unique_ops():
         if op.kind in (OpKind.COMPUTE, OpKind.STEP, OpKind.RECV):
             continue

@@ -47,6 +47,11 @@ def _last(ops: list, pred) -> int | None:
     return next((i for i in range(len(ops) - 1, -1, -1) if pred(ops[i])), None)
 
 
+def _found(i: int | None) -> int:
+    assert i is not None, "a device in a transfer runs the compute it is placed against"
+    return i
+
+
 def boundary_bytes(graph: ModelGraph, seg: PlacedSegment) -> int:
     """Bytes of the activation a segment hands to the next (its last layer's output, global batch)."""
     return graph.layer(seg.layers[-1]).out_bytes
@@ -69,15 +74,15 @@ def _transitions(plan: Plan, graph: ModelGraph, copies: bool) -> Plan:
         for d in fwd.devices:
             lst = ops[d]
             if d in cur.devices:
-                lst.insert(_first(lst, lambda o: _is_compute(o, s, ("fwd",))), fwd)
+                lst.insert(_found(_first(lst, lambda o: _is_compute(o, s, ("fwd",)))), fwd)
             else:
-                lst.insert(_last(lst, lambda o: _is_compute(o, s - 1, ("fwd",))) + 1, fwd)
+                lst.insert(_found(_last(lst, lambda o: _is_compute(o, s - 1, ("fwd",)))) + 1, fwd)
         for d in bwd.devices:
             lst = ops[d]
             if d in prev.devices:
-                lst.insert(_first(lst, lambda o: _is_compute(o, s - 1, BWD)), bwd)
+                lst.insert(_found(_first(lst, lambda o: _is_compute(o, s - 1, BWD))), bwd)
             else:
-                lst.insert(_last(lst, lambda o: _is_compute(o, s, BWD)) + 1, bwd)
+                lst.insert(_found(_last(lst, lambda o: _is_compute(o, s, BWD))) + 1, bwd)
     return plan.with_ops(ops)
 
 
@@ -106,7 +111,8 @@ def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tup
     split; one larger than the cap gets a bucket of its own. Root parameters go with their consumer."""
     sizes = param_bytes(seg, graph)
     cap = bucket_mb * MiB
-    out, cur, size = [], [], 0
+    out, size = [], 0
+    cur: list[str] = []
     for name in reversed(seg.layers):
         b = sizes[name]
         if not b:
@@ -188,6 +194,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
             role = _channel_role(l)
             if sliced is not None and role != "follows":  # this layer needs every channel: gather
                 a.cuts.add(i)
+                assert l.in_shape is not None  # channel segments have shapes
                 a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced,
                                        attrs={"channels": l.in_shape[sliced]}))
                 sliced = None
@@ -199,6 +206,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
         if sliced is not None:  # the segment leaves whole outputs on every device
             last = len(info) - 1
             a.cuts.add(last + 1)
+            assert info[-1].out_shape is not None  # channel segments have shapes
             a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
                                        dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}))
     elif seg.mode == "tensor":
@@ -369,7 +377,7 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
                                                ("bwd", (cur, prev), moves(dst, src, n), "grad")):
             for mb in range(m):
                 for a, b, nbytes in mv:
-                    common = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=what, bytes=nbytes,
+                    common: dict = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=what, bytes=nbytes,
                                   microbatch=mb, route=cur.route, src=(a,), dst=(b,))
                     out.setdefault((a, a_seg.index, flow, mb), []).append(
                         (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common)))
