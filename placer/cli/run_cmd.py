@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from placer import units
-from placer.device import Device
 from placer.cli.options import set_option
+from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 
 
@@ -306,7 +306,7 @@ def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple
     return sorted(failures.items(), key=lambda kv: (kind(kv[1][0]), kv[0]))
 
 
-def _failure(spec, program, run_dir: Path, rank: int, code: int, tail: str, after: int | None) -> Diagnostic:
+def _failure(spec, program, run_dir: Path, rank: int, code: int | None, tail: str, after: int | None) -> Diagnostic:
     device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
     last = [line for line in tail.splitlines() if line.strip()][-8:]
     shown = "\n".join("    " + line for line in last)

@@ -35,6 +35,7 @@ def check_optimizer(spec: Spec) -> None:
         return
     # point at the first kwarg that fails on its own with the same error; else at them all
     culprit = next((k for k in opt.kwargs if problem(base | {k: opt.kwargs[k]}) == why), None)
+    path: tuple[str, ...]
     if culprit is not None:
         path, what = ("training", "optimizer", "kwargs", culprit), f"{culprit}={opt.kwargs[culprit]!r}"
     elif opt.lr is not None and problem(base) == why:

@@ -24,8 +24,7 @@ from pathlib import Path
 from placer import __version__
 from placer.codegen import preflight, runtime
 from placer.codegen.pipeline import pipeline_train_source
-from placer.codegen.segments import (FLOAT_DTYPES, Seg, identifier, program_segments, rank_order,
-                                     torch_schedules_take)
+from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, program_segments, rank_order, torch_schedules_take
 from placer.codegen.train import Code, TrainWriter, train_source
 from placer.device import Device
 from placer.diagnostics import Diagnostic, SpecError
@@ -294,6 +293,7 @@ def model_source(spec: Spec, graph) -> str:
 
 def _inline_model(spec: Spec, c: Code) -> None:
     runs: list[tuple[str, list]] = []  # (attribute, layers): a repeat's layers share one ModuleList
+    assert spec.model.layers is not None  # an inline model
     for layer in spec.model.layers:
         base = layer.name.split(".")[0]
         if "." in layer.name and runs and runs[-1][0] == base:
@@ -384,6 +384,7 @@ def _member(spec: Spec, names: tuple[str, ...]) -> str:
     """`model.fc1, *model.block[0:2]`: the segment's layers as attributes of the inline Model."""
     items, i = [], 0
     sizes: dict[str, int] = {}
+    assert spec.model.layers is not None  # called for inline models only
     for layer in spec.model.layers:
         if "." in layer.name:
             base = layer.name.split(".")[0]

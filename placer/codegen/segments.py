@@ -72,7 +72,10 @@ class Seg:
     @property
     def split_dim(self) -> int:
         """The activation dim the group's ranks hold slices of (rows for data, bands for spatial)."""
-        return self.axis if self.mode == "spatial" else 0
+        if self.mode != "spatial":
+            return 0
+        assert self.axis is not None  # set for every spatial segment
+        return self.axis
 
     @property
     def layout(self) -> tuple:
@@ -94,7 +97,10 @@ class Seg:
     @property
     def owner(self) -> int:
         """The rank whose parameters are the result (the one that steps, or the first replica)."""
-        return self.server if self.sync == "parameter_server" else self.ranks[0]
+        if self.sync != "parameter_server":
+            return self.ranks[0]
+        assert self.server is not None  # set with sync parameter_server
+        return self.server
 
     @property
     def steppers(self) -> tuple[int, ...]:
@@ -125,6 +131,7 @@ def torch_schedules_take(spec: Spec) -> bool:
     blocker = torch_pipeline_blocker(spec)
     if blocker is None:
         return True
+    assert spec.pipeline is not None  # asked only of a spec with a pipeline
     if spec.pipeline.schedule == "gpipe":
         return False
     k, what = blocker
@@ -157,6 +164,7 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
                                "give the model as inline `layers`, or use mode data / none here")
         ranks = tuple(devices.index(d) for d in placed.devices)
         first = graph.layer(placed.layers[0])
+        shape: tuple | None
         if k == 0:
             shape, dtype = tuple(spec.model.input.concrete(spec.training.batch_size)), spec.model.input.dtype
         else:

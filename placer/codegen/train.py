@@ -213,6 +213,7 @@ class TrainWriter:
         if seg.replicated:
             self.split_stage(seg)
         elif seg.mode == "spatial":
+            assert seg.axis is not None and seg.in_shape is not None  # set for every spatial segment
             c(f"seg{k} = SpatialSplit(stage, {group}, {ranks}, dim={seg.axis}, size={seg.in_shape[seg.axis]})")
         elif seg.shard == "full":
             c(f"seg{k} = fully_shard_segment(stage, {group}, device.type)  # gradients reduce-scattered in backward")

@@ -185,7 +185,11 @@ class Communication:
 
 
 def communication(plan: Plan) -> Communication:
-    rows, pairs, sent, received, payload = [], {}, {}, {}, {}
+    rows: list[CommRow] = []
+    pairs: dict[tuple[str, str], int] = {}
+    sent: dict[str, int] = {}
+    received: dict[str, int] = {}
+    payload: dict[str, int] = {}
     for op in plan.unique_ops():
         if op.kind in (OpKind.COMPUTE, OpKind.STEP, OpKind.RECV):
             continue

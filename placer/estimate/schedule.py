@@ -15,7 +15,7 @@ weight gradient (zero-bubble schedules split B into I + W).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from placer.diagnostics import Diagnostic, PlanError
 
@@ -150,7 +150,7 @@ def _torch_v_orders(schedule: str, p: int, m: int) -> list[list[Action]]:
     except (ImportError, AttributeError):
         raise _fail(f"schedule {schedule!r} needs torch.distributed.pipelining with that schedule",
                     "install a torch release that has it (2.9 or later), or pick another schedule") from None
-    gen = object.__new__(cls)  # skips __init__, which wants real stages and a process group
+    gen: Any = object.__new__(cls)  # skips __init__, which wants real stages and a process group
     gen.pp_group_size, gen.num_stages, gen._n_microbatches = p, 2 * p, m
     letter = {ts.FORWARD: "F", ts.FULL_BACKWARD: "B", ts.BACKWARD_INPUT: "I", ts.BACKWARD_WEIGHT: "W"}
     orders = []

@@ -57,7 +57,7 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
     many workers each of `nnodes` machines starts (nnodes 1: all of them here)."""
     cudas = [Device.parse(d) for d in spec.devices if not Device.parse(d).is_host]
     have = cuda_count()
-    missing = sorted({d.local for d in cudas if d.index >= have})
+    missing = sorted({d.local for d in cudas if (d.index or 0) >= have})  # `cuda` alone is cuda:0
     mode = spec.runtime.simulate
     if mode == "never" and missing:
         raise RunError(Diagnostic("R030", f"devices {', '.join(missing)} are not on this machine "
@@ -93,7 +93,7 @@ OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "fin
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
 
-def claim_run_dir(path: Path | None, stem: str, spec_text: bytes, *, overwrite: bool = False,
+def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, overwrite: bool = False,
                   checkpoint_dir: str | None = None) -> Path:
     """A run directory that this run alone writes to, claimed by creating its spec.yaml
     exclusively (two runs started together never share one). `path` None: `stem`, `stem-2`, ...,
@@ -120,6 +120,7 @@ def claim_run_dir(path: Path | None, stem: str, spec_text: bytes, *, overwrite: 
             raise RunError(Diagnostic("R027", f"run directory {path} was claimed by another run", Loc(str(path)),
                                       "choose another --run-dir")) from None
     except OSError as e:
+        assert path is not None  # set before anything that raises
         blocker = next((p for p in (path, *path.parents) if _is_file(p)), None)
         # mkdir's "File exists" / "Not a directory" would not say which
         err = e if blocker is None else OSError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(blocker))
@@ -229,7 +230,7 @@ def _follow(path: Path, on_progress, stop: threading.Event) -> None:
             stop.set()
 
 
-def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[str] = (), *,
+def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[str] | tuple[str, ...] = (), *,
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
            on_progress=None) -> RunResult:
     """Run `program` with one worker per device through torch's elastic launcher."""

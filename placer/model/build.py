@@ -24,6 +24,7 @@ import re
 import sys
 import traceback
 import warnings
+from typing import cast
 
 import torch
 from torch import nn
@@ -33,7 +34,6 @@ from placer.model.graph import LayerInfo, ModelGraph, RootParam
 from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
 from placer.spec import check
 from placer.spec.types import Layer, Spec
-
 
 # -- building ---------------------------------------------------------------------------------------
 
@@ -47,7 +47,7 @@ class InlineModel(nn.Module):
             if index:
                 if base not in self._modules:
                     self.add_module(base, nn.ModuleList())
-                self._modules[base].append(module)
+                cast(nn.ModuleList, self._modules[base]).append(module)
             else:
                 self.add_module(name, module)
 
@@ -79,6 +79,7 @@ def build_module(spec: Spec, device: str | torch.device = "meta") -> nn.Module:
 
 def _build_inline(spec: Spec, device) -> nn.Module:
     layers, seen, probe = [], set(), nn.Module()
+    assert spec.model.layers is not None  # an inline model
     for layer in spec.model.layers:
         if layer.name in seen:
             raise SpecError(_diag("M010", f"layer name {layer.name!r} is used twice", layer.loc,
@@ -101,6 +102,7 @@ def _build_inline(spec: Spec, device) -> nn.Module:
 def load_model_class(spec: Spec):
     """Import what `model.module` names (a file relative to the spec, or `pkg.mod`): an nn.Module
     class, or a function that returns an nn.Module (`torchvision.models:resnet18`)."""
+    assert spec.model.module is not None  # a module model
     target, _, cls_name = spec.model.module.rpartition(":")
     loc = _module_loc(spec)
     with _import_path(spec):
@@ -130,6 +132,7 @@ def load_model_class(spec: Spec):
 
 
 def _model_file(spec: Spec) -> str:
+    assert spec.model.module is not None  # a module model
     rel = spec.model.module.rpartition(":")[0]
     return os.path.normpath(os.path.join(_spec_dir(spec), rel))
 
@@ -147,6 +150,7 @@ def _import_file(path: str, spec: Spec):
     # A unique name per file, so two specs' `model.py` never share a module.
     name = f"placer_user_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
     mspec = importlib.util.spec_from_file_location(name, path)
+    assert mspec is not None and mspec.loader is not None  # a .py file has a source loader
     mod = importlib.util.module_from_spec(mspec)
     sys.modules[name] = mod  # dataclasses and pickling look the module up by name
     try:
@@ -215,8 +219,8 @@ def meta_batch(spec: Spec, batch: int | None = None, device="meta") -> tuple[tor
     """(input, target) zeros of the spec's shapes and dtypes on the global (or given) batch."""
     b = spec.training.batch_size if batch is None else batch
     m = spec.model
-    return tuple(torch.zeros(t.concrete(b), dtype=getattr(torch, t.dtype), device=device)
-                 for t in (m.input, m.target))
+    x, y = (torch.zeros(t.concrete(b), dtype=getattr(torch, t.dtype), device=device) for t in (m.input, m.target))
+    return x, y
 
 
 def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
@@ -245,6 +249,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         counted |= {id(p) for p in own + buffers}
         trainable = [p for p in own if p.requires_grad]
         frozen = [p for p in own if not p.requires_grad]
+        inputs: tuple[str, ...] | None
         if spec.model.inline:
             inputs = (names[i - 1],) if i else (INPUT,)
         else:
@@ -333,6 +338,7 @@ def _check_loss(spec: Spec, graph: ModelGraph) -> list[Diagnostic]:
         return [_diag("M008", "the model's forward does not return a tensor", _module_loc(spec),
                       f"model.loss ({spec.model.loss}) is applied to the forward's output; return one tensor")]
     _, target = meta_batch(spec)
+    assert graph.output_dtype is not None  # set with output_shape
     output = torch.zeros(graph.output_shape, dtype=getattr(torch, graph.output_dtype), device="meta")
     out, tgt = loss_inputs(spec, output, target)
     what = (f"the model output {list(output.shape)} {graph.output_dtype} and target {list(target.shape)} "
@@ -411,7 +417,7 @@ def _is_library(fname: str) -> bool:
 def _forward_diag(spec: Spec, module: nn.Module, e: ForwardFailed) -> Diagnostic:
     shape = list(spec.model.input.concrete(spec.training.batch_size))
     what = _describe(e.cause, spec)
-    if spec.model.inline:
+    if spec.model.layers is not None:
         layer = next((l for l in spec.model.layers if l.name == e.layer), None)
         if layer is not None:
             return _diag("M006", f"layer {layer.name!r} ({layer.op}) fails on the meta device: {what}", layer.loc,

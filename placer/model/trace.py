@@ -132,7 +132,7 @@ def layer_inputs(gm: fx.GraphModule, layers: set[str]) -> dict[str, tuple[str, .
                 stack += n.all_input_nodes
         prev = out.get(node.target, ())
         # a layer called twice gets the sources of both calls, in graph order
-        out[node.target] = prev + tuple(s for s in dict.fromkeys(sorted(found, key=pos.get)) if s not in prev)
+        out[node.target] = prev + tuple(s for s in dict.fromkeys(sorted(found, key=pos.__getitem__)) if s not in prev)
     return out
 
 

@@ -64,6 +64,7 @@ def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
         how = role(l.op)
         if sliced is not None and how != "follows":  # this layer needs every channel: gather
             a.cuts.add(i)
+            assert l.in_shape is not None  # channel segments have shapes
             a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced,
                                    attrs={"channels": l.in_shape[sliced]}))
             sliced = None
@@ -75,6 +76,7 @@ def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
     if sliced is not None:  # the segment leaves whole outputs on every device
         last = len(info) - 1
         a.cuts.add(last + 1)
+        assert info[-1].out_shape is not None  # channel segments have shapes
         a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
                                    dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}))
 

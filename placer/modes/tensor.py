@@ -70,7 +70,7 @@ def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
 
 def planned_pairs(plan, segment: int) -> list[tuple[str, str]]:
     """The pairs the lowered plan all-reduces for a segment: what the program splits."""
-    seen = {}
+    seen: dict[tuple[str, str], None] = {}  # insertion-ordered set
     for op in plan.unique_ops():
         if op.segment == segment and op.kind == OpKind.ALL_REDUCE and "pair" in op.attrs:
             col, _, row = op.attrs["pair"].partition("..")

@@ -22,12 +22,11 @@ from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.comm import moves
-from placer.modes import channel, tensor
 from placer.model.graph import ModelGraph
-from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_layout, layer_range,
-                            transfer_kind, union)
-from placer.plan.place import layer_geometry
+from placer.modes import channel, tensor
 from placer.plan.attach import Attached
+from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, in_layout, layer_range, transfer_kind, union
+from placer.plan.place import layer_geometry
 from placer.plan.verify import verify
 from placer.spec.types import DEFAULT_PARALLEL, Spec
 from placer.units import MiB
@@ -45,6 +44,11 @@ def _first(ops: list, pred) -> int | None:
 
 def _last(ops: list, pred) -> int | None:
     return next((i for i in range(len(ops) - 1, -1, -1) if pred(ops[i])), None)
+
+
+def _found(i: int | None) -> int:
+    assert i is not None, "a device in a transfer runs the compute it is placed against"
+    return i
 
 
 def boundary_bytes(graph: ModelGraph, seg: PlacedSegment) -> int:
@@ -69,15 +73,15 @@ def _transitions(plan: Plan, graph: ModelGraph, copies: bool) -> Plan:
         for d in fwd.devices:
             lst = ops[d]
             if d in cur.devices:
-                lst.insert(_first(lst, lambda o: _is_compute(o, s, ("fwd",))), fwd)
+                lst.insert(_found(_first(lst, lambda o: _is_compute(o, s, ("fwd",)))), fwd)
             else:
-                lst.insert(_last(lst, lambda o: _is_compute(o, s - 1, ("fwd",))) + 1, fwd)
+                lst.insert(_found(_last(lst, lambda o: _is_compute(o, s - 1, ("fwd",)))) + 1, fwd)
         for d in bwd.devices:
             lst = ops[d]
             if d in prev.devices:
-                lst.insert(_first(lst, lambda o: _is_compute(o, s - 1, BWD)), bwd)
+                lst.insert(_found(_first(lst, lambda o: _is_compute(o, s - 1, BWD))), bwd)
             else:
-                lst.insert(_last(lst, lambda o: _is_compute(o, s, BWD)) + 1, bwd)
+                lst.insert(_found(_last(lst, lambda o: _is_compute(o, s, BWD))) + 1, bwd)
     return plan.with_ops(ops)
 
 
@@ -93,8 +97,8 @@ def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
     bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route).with_(attrs={"loss": True})
     for d in last.devices:
         lst = ops[d]
-        lst.insert(_last(lst, lambda o: _is_compute(o, s, ("fwd",))) + 1, fwd)
-        lst.insert(_first(lst, lambda o: _is_compute(o, s, BWD)), bwd)
+        lst.insert(_found(_last(lst, lambda o: _is_compute(o, s, ("fwd",)))) + 1, fwd)
+        lst.insert(_found(_first(lst, lambda o: _is_compute(o, s, BWD))), bwd)
 
 
 def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
@@ -126,7 +130,8 @@ def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tup
     split; one larger than the cap gets a bucket of its own. Root parameters go with their consumer."""
     sizes = param_bytes(seg, graph)
     cap = bucket_mb * MiB
-    out, cur, size = [], [], 0
+    out, size = [], 0
+    cur: list[str] = []
     for name in reversed(seg.layers):
         b = sizes[name]
         if not b:
@@ -356,7 +361,7 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
                                                ("bwd", (cur, prev), moves(dst, src, n), "grad")):
             for mb in range(m):
                 for a, b, nbytes in mv:
-                    common = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=what, bytes=nbytes,
+                    common: dict = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=what, bytes=nbytes,
                                   microbatch=mb, route=cur.route, src=(a,), dst=(b,))
                     out.setdefault((a, a_seg.index, flow, mb), []).append(
                         (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common)))

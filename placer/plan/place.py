@@ -139,7 +139,7 @@ def place(spec: Spec, graph: ModelGraph, layers: list[list[str]] | None = None) 
 
 def layer_geometry(spec: Spec, name: str) -> dict | None:
     """kernel / stride / padding / dilation per spatial dim of an inline Conv or Pool layer, else None."""
-    if not spec.model.inline:
+    if spec.model.layers is None:
         return None
     layer = next((l for l in spec.model.layers if l.name == name), None)
     w = shapes.window(layer) if layer is not None else None

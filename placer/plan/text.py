@@ -200,7 +200,8 @@ def parse_segment(tokens: list[str], lineno: int) -> PlacedSegment:
 
 def parse_plan(text: str) -> Plan:
     """Read the text form back; PlanTextError (a ValueError) names the first bad line."""
-    head, devices, segments, ops, device = None, (), [], {}, None
+    head, devices, segments, device = None, (), [], None
+    ops: dict[str, list[Op]] = {}
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.rstrip()
         if not line.strip() or line.lstrip().startswith("#"):

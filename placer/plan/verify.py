@@ -173,8 +173,9 @@ def _p2p_key(op: Op) -> tuple:
 
 
 def _pairs(plan: Plan) -> Problem | None:
-    sends, recvs = Counter(), Counter()
-    pos = {}
+    sends: Counter[tuple] = Counter()
+    recvs: Counter[tuple] = Counter()
+    pos: dict[tuple, tuple[str, int]] = {}
     for d in plan.devices:
         for i, op in enumerate(plan.ops.get(d, ())):
             if op.kind in P2P:

@@ -125,6 +125,7 @@ def _group_ops(plan: Plan):
     colls: dict[int, dict] = {}
     ops = plan.unique_ops()  # each op once, though a copy sits in both its devices' lists
     sends = {(o.devices, o.segment, o.phase, o.tensor, o.microbatch) for o in ops if o.kind == OpKind.SEND}
+    key: tuple
     for op in ops:
         if op.kind == OpKind.RECV and (op.devices, op.segment, op.phase, op.tensor, op.microbatch) in sends:
             continue  # the receiving half of a send already drawn
@@ -255,8 +256,8 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
             first[i], last[i] = nodes[0], nodes[-1]
             for k, m in enumerate(colls.get(i, {}).values()):
                 node = f"s{i}_c{k}"
-                j = _anchor(m, seg)
-                anchor = nodes[-1] if j is None else nodes[j]
+                at = _anchor(m, seg)
+                anchor = nodes[-1] if at is None else nodes[at]
                 out.append(f"      {node} [shape=hexagon, style=filled, fillcolor=\"#ffe9a8\", "
                            f"label={_q(*_collective_label(m))}];")
                 out.append(f"      {anchor} -> {node} [style=dashed, arrowhead=none];")

@@ -34,12 +34,14 @@ def D(code, msg, loc, hint=None, severity="error"):
 
 
 def layer_names(spec: Spec) -> list[str] | None:
-    return [l.name for l in spec.model.layers] if spec.model.inline else None
+    return [l.name for l in spec.model.layers] if spec.model.layers is not None else None
 
 
 def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], list[Diagnostic]]:
     """Layer indices per segment, and diagnostics for selectors and coverage."""
-    out, diags, owner = [], [], {}
+    out: list[list[int]] = []
+    diags: list[Diagnostic] = []
+    owner: dict[int, int] = {}  # layer index -> segment index
     for seg in spec.placement:
         idx: list[int] = []
         for sel in seg.selectors:
@@ -164,6 +166,7 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]]) -> list[Diagnostic]:
     `placer.model.build` runs them on a module model's layers as well."""
     diags = []
     layers = spec.model.layers
+    assert layers is not None, "check_layer_kinds reads the layers (a module model's once built)"
     for seg in spec.placement:
         p, n = seg.parallel, len(seg.devices)
         ploc = p.loc
@@ -373,7 +376,7 @@ def _raw_index(spec: Spec, loc: Loc) -> int:
 
 def _check_shapes(spec: Spec, groups) -> list[Diagnostic]:
     m = spec.model
-    if not m.inline or any(d.code.startswith("P05") for d in _check_names(spec)):
+    if m.layers is None or any(d.code.startswith("P05") for d in _check_names(spec)):
         return []
     diags = []
     shape = m.input.concrete(spec.training.batch_size)[1:]
@@ -395,6 +398,7 @@ def _check_shapes(spec: Spec, groups) -> list[Diagnostic]:
 def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
     """Each device's share of the split dim must be whole at every strided layer."""
     diags = []
+    assert spec.model.layers is not None  # called by _check_shapes for inline models only
     shape = spec.model.input.concrete(spec.training.batch_size)[1:]
     shapes_in = {l.name: s for l, s, _ in shapes.chain(spec.model.layers, shape)}
     for seg in spec.placement:
@@ -408,13 +412,15 @@ def _check_spatial(spec: Spec, groups) -> list[Diagnostic]:
             if s is None or shapes.kind(layer) not in ("conv", "pool") or len(s) < 2:
                 continue
             # s has no batch dim: tensor dim k >= 0 is s[k - 1]; negative dims count from the end
-            axis = {"H": len(s) - 2, "W": len(s) - 1}.get(dim, (dim - 1 if dim >= 0 else len(s) + dim)
-                                                            if isinstance(dim, int) else None)
+            named: dict[str | int, int | None] = {"H": len(s) - 2, "W": len(s) - 1}
+            axis = named.get(dim, (dim - 1 if dim >= 0 else len(s) + dim) if isinstance(dim, int) else None)
             if axis is None or not 1 <= axis < len(s):
                 diags.append(D("P029", f"segment {seg.name!r}: split dim {dim!r} is not a spatial dim of "
                                f"{layer.op} input {list(s)}", seg.parallel.loc, "use H or W"))
                 break
-            strides = shapes.window(layer).stride
+            w = shapes.window(layer)
+            assert w is not None  # a conv or pool layer
+            strides = w.stride
             stride, size = strides[axis - 1] if axis <= len(strides) else None, s[axis]
             if isinstance(stride, int) and stride > 0 and (size % d or (size // d) % stride):
                 diags.append(D("P029", f"segment {seg.name!r}: {layer.name!r} has {size} rows along {dim} and stride "
@@ -478,4 +484,5 @@ def _checked(spec: Spec | None, diags: list[Diagnostic]) -> Spec:
     errors = [d for d in diags if d.severity == "error"]
     if errors:
         raise SpecError(errors)
+    assert spec is not None  # validate_document gives no Spec only with errors
     return spec

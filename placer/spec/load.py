@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import yaml
 
@@ -35,7 +36,7 @@ class Document:
     """A loaded spec: plain data plus where each value and key was written."""
 
     file: str
-    data: object
+    data: dict[str, Any]  # load_text refuses a document that is not a mapping
     locs: dict  # path -> Loc of the value
     key_locs: dict  # path -> Loc of the mapping key that names it
     booleans: dict = field(default_factory=dict)  # path -> the text of an unquoted boolean (`no`, `on`)
@@ -55,7 +56,7 @@ def _loc(file: str, mark) -> Loc:
     return Loc(file, mark.line + 1, mark.column + 1)
 
 
-def _fail(code: str, msg: str, loc: Loc, hint: str | None = None):
+def _fail(code: str, msg: str, loc: Loc, hint: str | None = None) -> NoReturn:
     raise SpecError(Diagnostic(code, msg, loc, hint))
 
 

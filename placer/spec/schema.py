@@ -19,12 +19,12 @@ SCHEMA_FILE = "placer-spec.schema.json"
 
 def schema_path() -> str:
     """Where the installed schema file is (inside the package)."""
-    return str(resources.files("placer").joinpath("schemas", SCHEMA_FILE))
+    return str(resources.files("placer").joinpath("schemas").joinpath(SCHEMA_FILE))
 
 
 @lru_cache(maxsize=1)
 def schema() -> dict:
-    return json.loads(resources.files("placer").joinpath("schemas", SCHEMA_FILE).read_text("utf-8"))
+    return json.loads(resources.files("placer").joinpath("schemas").joinpath(SCHEMA_FILE).read_text("utf-8"))
 
 
 @lru_cache(maxsize=None)
@@ -129,6 +129,7 @@ def _diagnose(doc: Document, err) -> list[Diagnostic]:
                 continue
             declared = ruled[0].get("properties", {}) if ruled else {}
             if k in declared:  # a known key that a rule excludes here
+                assert ruled is not None  # declared is empty without a rule
                 why = (f"together with {ruled[1]!r}" if ruled[1]
                        else f"with mode {inst['mode']!r}" if isinstance(inst.get("mode"), str) else "here")
                 out.append(Diagnostic("S008", f"key {k!r} in {at} cannot be used {why}",
@@ -160,10 +161,10 @@ def _diagnose(doc: Document, err) -> list[Diagnostic]:
     if v in ("enum", "const"):
         choices = err.validator_value if v == "enum" else [err.validator_value]
         dym = did_you_mean(inst, choices) if isinstance(inst, str) else None
-        allowed = "allowed: " + ", ".join(json.dumps(c) for c in choices)
+        allowed_values = "allowed: " + ", ".join(json.dumps(c) for c in choices)
         said = hints.for_value(path, inst) or (
             hints.quote_boolean(doc.booleans.get(path), path) if any(isinstance(c, str) for c in choices) else None)
-        hint = f"{said} ({allowed})" if said else (dym + " " if dym else "") + allowed
+        hint = f"{said} ({allowed_values})" if said else (dym + " " if dym else "") + allowed_values
         return [Diagnostic("S004", f"{at} is {json.dumps(inst)}; not an allowed value", doc.loc(path), hint)]
     if v == "type":
         want = err.validator_value if isinstance(err.validator_value, str) else " or ".join(err.validator_value)

@@ -89,6 +89,7 @@ def window(layer: Layer) -> Window | None:
 
 def _spatial(layer: Layer, shape: tuple, channels_out: int | None):
     w, nd = window(layer), int(layer.op[-2])
+    assert w is not None  # every "conv" and "pool" kind is a 1-3d Conv/Pool: it has a window
     if len(shape) != nd + 1:
         return f"{layer.op} expects {nd + 1} dims per sample (C, spatial...), got {list(shape)}"
     if not w.static:
@@ -148,7 +149,7 @@ def infer(layer: Layer, shape: tuple | None):
 
 def chain(layers, input_shape: tuple):
     """Yield (layer, in_shape, out_shape_or_error) along the inline model."""
-    shape = input_shape
+    shape: tuple | None = input_shape
     for layer in layers:
         out = infer(layer, shape)
         yield layer, shape, out

@@ -13,12 +13,12 @@ from placer.estimate.comm import op_moves
 from placer.estimate.memory import held_params
 from placer.model.graph import LayerInfo, ModelGraph
 from placer.plan.ir import TRANSFERS, Op, OpKind, in_layout
-from placer.plan.text import format_plan, parse_plan
-
-ROOT = Path(__file__).resolve().parents[2]
 from placer.plan.lower import PASSES, buckets, insert_copies, insert_splits, lower
 from placer.plan.place import place, segment_params
+from placer.plan.text import format_plan, parse_plan
 from placer.spec.check import load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
 
 N_LAYERS, BATCH = 6, 24
 HEAD = f"""\

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from placer.diagnostics import PlanError
-from placer.estimate.schedule import (action_orders, simulate, simulate_plan, stage_layout, textbook_bubble)
+from placer.estimate.schedule import action_orders, simulate, simulate_plan, stage_layout, textbook_bubble
 from placer.model.graph import LayerInfo, ModelGraph
 from placer.plan.ir import PlacedSegment, Plan
 
