@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
-from placer.estimate.comm import moves
 from placer.modes import tensor
 from placer.model.graph import ModelGraph
 from placer.plan.ir import (Layout, Op, OpKind, Plan, PlacedSegment, in_layout, layer_range,
                             transfer_kind, union)
 from placer.plan.place import layer_geometry
 from placer.plan.attach import Attached
+from placer.plan.layout import moves
 from placer.plan.verify import verify
 from placer.spec.torch_names import NN_MODULE_KINDS
 from placer.spec.types import DEFAULT_PARALLEL, Spec
