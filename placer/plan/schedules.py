@@ -45,8 +45,8 @@ class Schedule:
             return f"microbatches ({m}) >= stages ({n})", f"use at least {n} microbatches"
         rounds = max(1, m // p) if p else 1
         if self.microbatches == "multiple_of_rounds" and m % rounds:
-            return (f"microbatches ({m}) to be a multiple of the rounds ({rounds} = microbatches // {p} device "
-                    "groups)", f"use a multiple of {p} microbatches")
+            need = f"microbatches ({m}) to be a multiple of the rounds ({rounds} = microbatches // {p} device groups)"
+            return need, f"use a multiple of {p} microbatches"
         return None
 
 
@@ -94,11 +94,11 @@ def action_orders(schedule: str, p: int, n_stages: int, m: int) -> list[list[Act
     problem = s.microbatch_problem(m, n_stages, p)
     if problem:
         raise _fail(f"schedule {schedule!r} needs {problem[0]}", problem[1])
-    try:
-        from torch.distributed.pipelining import schedules as ts
+    from torch.distributed.pipelining import schedules as ts  # without torch: the CLI's "needs PyTorch"
 
+    try:
         cls = getattr(ts, s.torch_class)
-    except (ImportError, AttributeError):
+    except AttributeError:
         raise _fail(f"schedule {schedule!r} needs torch.distributed.pipelining with {s.torch_class}",
                     "install a torch release that has it (2.9 or later), or pick another schedule") from None
     gen = object.__new__(cls)
@@ -107,15 +107,44 @@ def action_orders(schedule: str, p: int, n_stages: int, m: int) -> list[list[Act
     gen.pp_group_size, gen._num_stages, gen.num_stages, gen._n_microbatches = p, n_stages, n_stages, m
     gen.n_local_stages, gen._stages = v, [None] * v
     gen.number_of_rounds, gen.microbatches_per_round = rounds, m // rounds
-    if s.layout == "single":
-        raw = gen._get_pipeline_order()
-        ranks = [raw[r] for r in range(p)]
-    else:
-        ranks = [gen._calculate_single_rank_operations(r) for r in range(p)]
+    try:
+        if s.layout == "single":
+            raw = gen._get_pipeline_order()
+            ranks = [raw[r] for r in range(p)]
+        else:
+            ranks = [gen._calculate_single_rank_operations(r) for r in range(p)]
+    except (AttributeError, TypeError, KeyError) as e:  # private API: a torch release may change it
+        raise _broken(schedule, f"torch's {s.torch_class} generator failed ({e})") from None
     orders = [[Action(sub.stage_index, sub.computation_type.value, sub.microbatch_index)
                for a in ops if a is not None for sub in (a.sub_actions or (a,))
                if sub.computation_type.value in KINDS] for ops in ranks]
-    return [_in_microbatch_order(o) for o in orders] if s.layout == "single" else orders
+    if s.layout == "single":
+        orders = [_in_microbatch_order(o) for o in orders]
+    missing = _incomplete(orders, s.stage_groups(p, n_stages), m)
+    if missing:
+        raise _broken(schedule, f"torch's {s.torch_class} order {missing}")
+    return orders
+
+
+def _broken(schedule: str, what: str) -> PlanError:
+    return PlanError(Diagnostic("R011", f"schedule {schedule!r}: {what}", hint="report this as a placer bug, "
+                                "with your torch version"))
+
+
+def _incomplete(orders: list[list[Action]], groups: list[int], m: int) -> str | None:
+    """What is wrong with the orders, or None when every stage runs on its group a forward and a
+    backward (B, or I and W) of every micro-batch, once."""
+    seen: dict[tuple[int, int], list[str]] = {}
+    for g, order in enumerate(orders):
+        for a in order:
+            if not 0 <= a.microbatch < m or groups[a.stage] != g:
+                return f"runs {a} on group {g}"
+            seen.setdefault((a.stage, a.microbatch), []).append(a.kind)
+    for st in range(len(groups)):
+        for i in range(m):
+            if sorted(seen.get((st, i), [])) not in (["B", "F"], ["F", "I", "W"]):
+                return f"runs {sorted(seen.get((st, i), []))} for stage {st}, micro-batch {i}"
+    return None
 
 
 def _in_microbatch_order(order: list[Action]) -> list[Action]:

@@ -4,7 +4,7 @@ generators complete and in micro-batch order."""
 from __future__ import annotations
 
 import json
-from collections import Counter
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ import placer
 from placer.diagnostics import PlanError
 from placer.plan.schedules import SCHEDULES, action_orders
 
+REPO = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((Path(placer.__file__).parent / "schemas" / "placer-spec.schema.json").read_text("utf-8"))
 
 
@@ -30,9 +31,20 @@ def test_schema_enum_is_the_table():
     assert enum == list(SCHEDULES)
 
 
+def test_spec_docs_table_is_the_table():
+    """docs/spec.md's schedule table: same names in order, layouts and micro-batch rules."""
+    rows = re.findall(r"^\| `(\w+)`[^|]*\| ([^|]+) \|[^|]*\| ([^|]+) \|$", (REPO / "docs" / "spec.md").read_text("utf-8"),
+                      re.MULTILINE)
+    layout = {"1": "single", "the same number, at least 2": "loop", "exactly 2": "v"}
+    rule = {"any": None, "at least the number of stages": "at_least_stages"}
+    assert [(name, layout[per], rule.get(m, "multiple_of_rounds" if "multiple of the rounds" in m else m))
+            for name, per, m in rows] == [(s.name, s.layout, s.microbatches) for s in SCHEDULES.values()]
+
+
 def test_runtime_piece_maps_the_table_to_torch():
-    from placer.codegen.runtime import pipeline as rt
     from torch.distributed.pipelining import schedules as ts
+
+    from placer.codegen.runtime import pipeline as rt
 
     assert {k: c.__name__ for k, c in rt.PIPELINE_SCHEDULES.items()} == \
         {k: s.torch_class for k, s in SCHEDULES.items()}
@@ -45,28 +57,26 @@ def test_runtime_piece_maps_the_table_to_torch():
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_every_order_runs_each_action_once_on_its_group(name):
+def test_every_order_is_complete_and_single_stage_ones_in_microbatch_order(name):
     s = SCHEDULES[name]
     for p, n, m in _shapes(s):
-        orders = action_orders(name, p, n, m)
-        groups = s.stage_groups(p, n)
-        seen = Counter((a.stage, a.microbatch, a.kind) for o in orders for a in o)
-        assert set(seen.values()) == {1} and {(st, i) for st, i, _ in seen} == \
-            {(st, i) for st in range(n) for i in range(m)}, (name, p, n, m)
-        for st in range(n):  # a forward, and a full backward or an input and a weight backward
-            for i in range(m):
-                assert {k for t, j, k in seen if (t, j) == (st, i)} in ({"F", "B"}, {"F", "I", "W"}), (name, st, i)
-        assert all(groups[a.stage] == g for g, o in enumerate(orders) for a in o)
-        if s.layout == "single":  # torch's single-stage loops take micro-batches in order
+        orders = action_orders(name, p, n, m)  # R011 unless each action runs once, on its group
+        if s.layout == "single":  # as torch's single-stage loops take them
             for o in orders:
                 for k in ("F", "B"):
                     assert [a.microbatch for a in o if a.kind == k] == list(range(m))
 
 
-def test_1f1b_last_rank_alternates_from_microbatch_0():
+def test_1f1b_last_rank_alternates_from_microbatch_0(monkeypatch):
     """torch 2.13's 1F1B picture numbers the last rank's forwards from 1; its loop runs 0 first."""
     assert [str(a) for a in action_orders("1f1b", 3, 3, 4)[2]] == \
         ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]
+    from placer.plan import schedules
+
+    monkeypatch.setattr(schedules, "_in_microbatch_order", lambda order: order)
+    with pytest.raises(PlanError, match="runs 2F4 on group 2") as e:  # the picture as torch draws it
+        action_orders("1f1b", 3, 3, 4)
+    assert e.value.diagnostics[0].code == "R011"
 
 
 @pytest.mark.parametrize("name,p,n,m,what", [
