@@ -87,14 +87,16 @@ def action_orders(schedule: str, p: int, n_stages: int, m: int) -> list[list[Act
     s = SCHEDULES.get(schedule)
     if s is None:
         raise _fail(f"unknown pipeline schedule {schedule!r}", "schedules are " + ", ".join(SCHEDULES))
-    if s.stage_groups(p, n_stages) is None:
+    groups = s.stage_groups(p, n_stages)
+    if groups is None:
         raise _fail(f"schedule {schedule!r} cannot run {n_stages} stages on {p} device groups",
                     "gpipe/1f1b: one stage per group; interleaved/looped: the same number (at least 2) per "
                     "group; zbv/dualpipev: two per group")
     problem = s.microbatch_problem(m, n_stages, p)
     if problem:
         raise _fail(f"schedule {schedule!r} needs {problem[0]}", problem[1])
-    from torch.distributed.pipelining import schedules as ts  # without torch: the CLI's "needs PyTorch"
+    # lazily: plain `placer validate` never imports torch; without it the CLI says "needs PyTorch"
+    from torch.distributed.pipelining import schedules as ts
 
     try:
         cls = getattr(ts, s.torch_class)
@@ -120,7 +122,7 @@ def action_orders(schedule: str, p: int, n_stages: int, m: int) -> list[list[Act
                if sub.computation_type.value in KINDS] for ops in ranks]
     if s.layout == "single":
         orders = [_in_microbatch_order(o) for o in orders]
-    missing = _incomplete(orders, s.stage_groups(p, n_stages), m)
+    missing = _incomplete(orders, groups, m)
     if missing:
         raise _broken(schedule, f"torch's {s.torch_class} order {missing}")
     return orders
