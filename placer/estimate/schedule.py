@@ -8,31 +8,18 @@ the same micro-batch, a backward the next stage's backward (the last stage's
 the loss, i.e. its own forward), a weight-gradient step (`W`) its own
 input-gradient step (`I`). Idle time over (groups x makespan) is the bubble.
 
-Action kinds, as in torch's `_Action` strings (`2F0`, `3I1`): F forward,
-B full backward, I backward for the input gradient only, W backward for the
-weight gradient (zero-bubble schedules split B into I + W).
+The orders and the action kinds (F forward, B full backward, I input gradient,
+W weight gradient) are the plan's: `placer.plan.schedules`, from torch's own generators.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from placer.diagnostics import Diagnostic, PlanError
+from placer.plan.schedules import SCHEDULES, Action, action_orders
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-             "zbv_zero_bubble", "dualpipev")
-KINDS = ("F", "B", "I", "W")
 _EPS = 1e-9
-
-
-@dataclass(frozen=True)
-class Action:
-    stage: int
-    kind: str
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
 
 
 @dataclass(frozen=True)
@@ -79,116 +66,10 @@ def textbook_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-# ---- action orders, per group -------------------------------------------------------------------
-
-def _single(schedule: str, p: int, m: int, rank: int) -> list[Action]:
-    F = [Action(rank, "F", i) for i in range(m)]
-    B = [Action(rank, "B", i) for i in range(m)]
-    if schedule == "gpipe":
-        return F + B
-    # 1F1B: forwards to fill the pipeline below this stage, then one F one B, then the rest of B.
-    warm = min(m, p - 1 - rank)
-    order = F[:warm]
-    for i in range(m - warm):
-        order += [F[warm + i], B[i]]
-    return order + B[m - warm:]
-
-
-def _looped_bfs(p: int, v: int, m: int, rank: int) -> list[Action]:
-    stages = range(rank, p * v, p)
-    return ([Action(s, "F", i) for s in stages for i in range(m)]
-            + [Action(s, "B", i) for s in reversed(stages) for i in reversed(range(m))])
-
-
-def _interleaved(p: int, v: int, m: int, rank: int, zero_bubble: bool) -> list[Action]:
-    """Port of torch's `_get_1f1b_rank_ops` for ScheduleInterleaved1F1B / ...ZeroBubble (no padding)."""
-    per_round = m // max(1, m // p)
-    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), m * v)
-    total = m * v
-
-    def fwd_stage(step):
-        return ((step // per_round) % v) * p + rank
-
-    def bwd_stage(step):
-        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
-
-    count: dict[tuple[str, int], int] = {}
-    order: list[Action] = []
-    backward_steps: list[int] = []
-    weights = 0
-
-    def add(kind, stage):
-        i = count.get((kind, stage), 0)
-        count[(kind, stage)] = i + 1
-        order.append(Action(stage, kind, i))
-
-    for step in range(warmup + total):
-        if step < total:
-            add("F", fwd_stage(step))
-        if step >= warmup:
-            add("I" if zero_bubble else "B", bwd_stage(step))
-            backward_steps.append(step)
-            if zero_bubble and step - warmup >= rank:  # ZB1P: the first `rank` W are deferred
-                add("W", bwd_stage(backward_steps[weights]))
-                weights += 1
-    while zero_bubble and weights < len(backward_steps):
-        add("W", bwd_stage(backward_steps[weights]))
-        weights += 1
-    return order
-
-
-def _torch_v_orders(schedule: str, p: int, m: int) -> list[list[Action]]:
-    """ZBV / DualPipeV orders from torch's own generators (they need no process group).
-
-    DualPipeV's overlapped F+B pairs are run one after the other here: the
-    simulation does not model compute/communication overlap inside a pair.
-    """
-    try:
-        from torch.distributed.pipelining import schedules as ts
-
-        cls = ts.ScheduleZBVZeroBubble if schedule == "zbv_zero_bubble" else ts.ScheduleDualPipeV
-    except (ImportError, AttributeError):
-        raise _fail(f"schedule {schedule!r} needs torch.distributed.pipelining with that schedule",
-                    "install a torch release that has it (2.9 or later), or pick another schedule") from None
-    gen: Any = object.__new__(cls)  # skips __init__, which wants real stages and a process group
-    gen.pp_group_size, gen.num_stages, gen._n_microbatches = p, 2 * p, m
-    letter = {ts.FORWARD: "F", ts.FULL_BACKWARD: "B", ts.BACKWARD_INPUT: "I", ts.BACKWARD_WEIGHT: "W"}
-    orders = []
-    for rank in range(p):
-        order = []
-        for a in gen._calculate_single_rank_operations(rank):
-            for sub in (a.sub_actions or (a,)) if a is not None else ():
-                order.append(Action(sub.stage_index, letter[sub.computation_type], sub.microbatch_index))
-        orders.append(order)
-    return orders
-
-
-def action_orders(schedule: str, p: int, n_stages: int, m: int) -> list[list[Action]]:
-    """Per group (pipeline rank), the actions it runs in order, as torch's schedule runs them."""
-    v = n_stages // p
-    if schedule in ("gpipe", "1f1b"):
-        return [_single(schedule, p, m, r) for r in range(p)]
-    if schedule == "looped_bfs":
-        return [_looped_bfs(p, v, m, r) for r in range(p)]
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        return [_interleaved(p, v, m, r, schedule == "interleaved_zero_bubble") for r in range(p)]
-    return _torch_v_orders(schedule, p, m)
-
-
 # ---- simulation ------------------------------------------------------------------------------------
 
 def _fail(msg: str, hint: str, code: str = "R010") -> PlanError:
     return PlanError(Diagnostic(code, msg, hint=hint))
-
-
-def _expected_layout(schedule: str, p: int, n: int) -> list[int] | None:
-    if schedule in ("gpipe", "1f1b"):
-        return list(range(p)) if n == p else None
-    if n % p or n == p:
-        return None
-    if schedule in ("zbv_zero_bubble", "dualpipev"):
-        return list(range(p)) + list(reversed(range(p))) if n == 2 * p else None
-    return [s % p for s in range(n)]
 
 
 def _per_stage(values, n: int, default, what: str) -> list[float]:
@@ -218,7 +99,7 @@ def simulate(schedule: str, stage_groups: Sequence[int], microbatches: int, *,
     p = max(stage_groups) + 1 if n else 0
     if n < 1 or m < 1:
         raise _fail(f"cannot simulate {n} stages with {m} micro-batches", "give at least one of each")
-    if list(stage_groups) != _expected_layout(schedule, p, n):
+    if list(stage_groups) != SCHEDULES[schedule].stage_groups(p, n):
         raise _fail(f"schedule {schedule!r} cannot run stages on groups {list(stage_groups)}",
                     "gpipe/1f1b: one stage per group; interleaved/looped: stage s on group s % p; "
                     "zbv/dualpipev: two stages per group in V order")

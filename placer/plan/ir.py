@@ -125,7 +125,7 @@ class Op:
     bytes: int = 0
     """Payload per step in bytes on the global batch (per micro-batch in pipelines): the
     whole tensor for transfers and gathers, the bucket for all-reduce / reduce / broadcast,
-    what one SEND carries. What actually moves between which devices: estimate.comm.moves."""
+    what one SEND carries. What actually moves between which devices: plan.layout.moves."""
     dim: int | None = None
     """Tensor dim of a collective: gathered / scattered dim, or HALO's split dim."""
     route: str | None = None

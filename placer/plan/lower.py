@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
-from placer.estimate.comm import moves
 from placer.model.graph import ModelGraph
 from placer.modes import channel, tensor
 from placer.plan.attach import Attached
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, in_layout, layer_range, transfer_kind, union
+from placer.plan.layout import moves
 from placer.plan.place import layer_geometry
 from placer.plan.verify import verify
 from placer.spec.types import DEFAULT_PARALLEL, Spec

@@ -11,6 +11,7 @@ from __future__ import annotations
 from placer.diagnostics import Diagnostic, PlanError, SpecError
 from placer.model.graph import ModelGraph
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, layer_range
+from placer.plan.schedules import action_orders
 from placer.spec import shapes
 from placer.spec.check import resolve_segments
 from placer.spec.types import Segment, Spec
@@ -101,8 +102,6 @@ def _sequential(segments) -> list[Op]:
 
 def _pipelined(segments, schedule: str, m: int) -> list[Op]:
     """Each device group runs its stages' actions in the order torch's schedule runs them."""
-    from placer.estimate.schedule import action_orders
-
     groups: list[tuple] = []
     for s in segments:
         if s.devices not in groups:

@@ -10,20 +10,10 @@ import os
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
 from placer.modes import channel, tensor
+from placer.plan.schedules import SCHEDULES
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Spec, from_document
 
-# schedule -> (stage layout, rule on microbatches)
-#   layout "single": one stage per device; "loop": stage i on device group i % p; "v": V-shaped, 2 per device
-SCHEDULES = {
-    "gpipe": ("single", None),
-    "1f1b": ("single", "at_least_stages"),
-    "interleaved_1f1b": ("loop", "multiple_of_rounds"),
-    "looped_bfs": ("loop", None),
-    "interleaved_zero_bubble": ("loop", "multiple_of_rounds"),
-    "zbv_zero_bubble": ("v", None),
-    "dualpipev": ("v", "at_least_stages"),
-}
 SPATIAL_KINDS = {"conv", "pool", "elementwise"}
 INT_DTYPES = {"int64", "int32", "bool"}
 MAX_LAYERS = 10_000
@@ -270,7 +260,8 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
             if (B // m) % d:
                 diags.append(D("P042", f"micro-batch of {B // m} is not divisible by the {d} devices of "
                                f"data stage {seg.name!r}", seg.loc, f"make batch_size / microbatches a multiple of {d}"))
-    layout, rule = SCHEDULES[pl.schedule]
+    sched = SCHEDULES[pl.schedule]
+    layout = sched.layout
     turn = len(stages) // 2 if layout == "v" else None  # a V's two middle stages share a group by design
     for i, (a, b) in enumerate(zip(stages, stages[1:])):
         if set(a.devices) & set(b.devices) and i + 1 != turn:
@@ -302,8 +293,7 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
             diags.append(D("P047", f"schedule {pl.schedule!r} needs {want} stages on every device group; "
                            f"{n} stages on {p} groups", loc, "place the same number of stages on each group"))
         else:
-            order = [groups[i % p] for i in range(n)] if layout == "loop" else \
-                [groups[i] if i < p else groups[2 * p - 1 - i] for i in range(n)]
+            order = [groups[sched.owner(i, p)] for i in range(n)]
             for i, (seg, g) in enumerate(zip(stages, order)):
                 if tuple(seg.devices) != g:
                     shape = "round-robin" if layout == "loop" else "V-shaped (0,1,..,p-1,p-1,..,0)"
@@ -316,15 +306,9 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
         diags.append(D("W005", f"{blocker[1]} cannot run under schedule {pl.schedule!r}: placer generates it "
                        "only as gpipe", stages[blocker[0]].loc, "use schedule gpipe, or make every stage one "
                        "device or data parallel with sync allreduce, copied directly", severity="warning"))
-    if rule == "at_least_stages" and m < n:
-        diags.append(D("P049", f"schedule {pl.schedule!r} needs microbatches ({m}) >= stages ({n})", loc,
-                       f"use at least {n} microbatches"))
-    if rule == "multiple_of_rounds":
-        rounds = max(1, m // p)
-        if m % rounds:
-            diags.append(D("P049", f"schedule {pl.schedule!r} needs microbatches ({m}) to be a multiple of "
-                           f"the rounds ({rounds} = microbatches // {p} device groups)", loc,
-                           f"use a multiple of {p} microbatches"))
+    problem = sched.microbatch_problem(m, n, p)
+    if problem:
+        diags.append(D("P049", f"schedule {pl.schedule!r} needs {problem[0]}", loc, problem[1]))
     return diags
 
 

@@ -5,11 +5,12 @@ import textwrap
 
 import pytest
 
-from placer.estimate.comm import moves, op_moves
+from placer.estimate.comm import op_moves
 from placer.estimate.cost import balance, estimate
 from placer.estimate.memory import state_slots
 from placer.model.graph import LayerInfo, ModelGraph
 from placer.plan.ir import Layout, Op, OpKind
+from placer.plan.layout import moves
 from placer.plan.lower import lower
 from placer.plan.place import place
 from placer.spec.check import load_spec

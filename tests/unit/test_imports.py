@@ -1,5 +1,6 @@
-"""Stages depend one way: no module reaches into another's private names, and the plan IR
-imports no other part of placer (its text form, passes and consumers import it)."""
+"""Stages depend one way: no module reaches into another's private names, the plan IR
+imports no other part of placer (its text form, passes and consumers import it), and the
+plan imports none of its consumers (estimate, render, codegen, the CLI)."""
 from __future__ import annotations
 
 import ast
@@ -46,3 +47,12 @@ def test_no_private_names_across_modules():
 def test_plan_ir_imports_nothing_of_placer():
     tree = dict(_modules())["plan/ir.py"]
     assert _placer_imports(tree) == []
+
+
+def test_plan_imports_none_of_its_consumers():
+    downstream = ("placer.estimate", "placer.render", "placer.codegen", "placer.cli")
+    bad = [f"{rel}: {m}" for rel, tree in _modules() if rel.startswith("plan/")
+           for module, names in _placer_imports(tree)
+           for m in [module] + [f"{module}.{n}" for n in names]  # `from placer import estimate` too
+           if m.startswith(downstream)]
+    assert not bad, bad

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 
 from placer.diagnostics import PlanError
-from placer.estimate.schedule import action_orders, simulate, simulate_plan, stage_layout, textbook_bubble
+from placer.estimate.schedule import simulate, simulate_plan, stage_layout, textbook_bubble
 from placer.model.graph import LayerInfo, ModelGraph
 from placer.plan.ir import PlacedSegment, Plan
+from placer.plan.schedules import action_orders
 
 SINGLE = [(2, 1), (2, 4), (3, 2), (4, 4), (4, 8), (4, 1), (8, 16), (5, 7)]
 
@@ -51,6 +52,8 @@ def check_timeline(tl, n_stages):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", SINGLE)
 def test_single_stage_schedules_match_textbook(schedule, p, m):
+    if schedule == "1f1b" and m < p:
+        pytest.skip("torch's 1F1B needs at least as many micro-batches as stages")
     for bwd in (1.0, 2.0, 3.5):  # the formula holds for any B/F ratio when all stages are equal
         tl = simulate(schedule, list(range(p)), m, fwd=1.0, bwd=bwd)
         assert tl.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
@@ -108,23 +111,6 @@ def test_zero_bubble_split_backward_into_input_and_weight():
     tl = simulate("interleaved_zero_bubble", loop(2, 2), 4, fwd=1.0, bwd=2.0, wgt=0.5)
     kinds = {s.kind: s.end - s.start for lane in tl.slots for s in lane if s.kind != "idle"}
     assert kinds == {"F": 1.0, "I": 1.5, "W": 0.5}
-
-
-def test_ported_orders_equal_torch_orders():
-    """Our interleaved / looped orders are the ones torch.distributed.pipelining runs."""
-    from torch.distributed.pipelining import schedules as ts
-
-    classes = {"interleaved_1f1b": ts.ScheduleInterleaved1F1B, "looped_bfs": ts.ScheduleLoopedBFS,
-               "interleaved_zero_bubble": ts.ScheduleInterleavedZeroBubble}
-    for name, cls in classes.items():
-        for p, v, m in [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 2, 3), (3, 3, 6), (4, 2, 10), (2, 3, 5)]:
-            gen = object.__new__(cls)
-            gen.pp_group_size, gen.n_local_stages, gen._n_microbatches = p, v, m
-            gen.number_of_rounds = max(1, m // p)
-            gen.microbatches_per_round = m // gen.number_of_rounds
-            gen._stages = [None] * v
-            theirs = [[str(a) for a in gen._calculate_single_rank_operations(r) if a is not None] for r in range(p)]
-            assert [[str(a) for a in o] for o in action_orders(name, p, p * v, m)] == theirs, (name, p, v, m)
 
 
 def test_uneven_stages_make_a_larger_bubble():

@@ -1,0 +1,62 @@
+"""Layout moves: which bytes of a tensor go from which device to which when it changes layout.
+
+A layout is whole on every device of a group, or cut into equal slices along one dim
+(`plan.ir.Layout`). Lowering and `verify` use `moves` to know which devices a transfer
+connects; the estimate counts its bytes; both see the same slices.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from placer.plan.ir import Layout
+
+Move = tuple[str, str, int]
+
+
+def _piece(layout: Layout, i: int) -> dict:
+    """The part of the tensor device i of the layout holds: {dim: (lo, hi)} fractions."""
+    if layout.dim is None:
+        return {}
+    n = len(layout.devices)
+    return {layout.dim: (Fraction(i, n), Fraction(i + 1, n))}
+
+
+def _overlap(a: dict, b: dict) -> Fraction:
+    frac = Fraction(1)
+    for dim in set(a) | set(b):
+        lo = max(a.get(dim, (0, 1))[0], b.get(dim, (0, 1))[0])
+        hi = min(a.get(dim, (0, 1))[1], b.get(dim, (0, 1))[1])
+        if hi <= lo:
+            return Fraction(0)
+        frac *= hi - lo
+    return frac
+
+
+def _share(nbytes: int, j: int, n: int) -> int:
+    """Bytes of slice j of n: cumulative rounding, so the slices add up to nbytes exactly."""
+    return round(Fraction(nbytes * (j + 1), n)) - round(Fraction(nbytes * j, n))
+
+
+def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
+    """(from, to, bytes) that take a tensor of `nbytes` from layout `src` to layout `dst`.
+
+    Every destination device gets the part of the tensor it holds in `dst`:
+    from each source device that holds a piece of it, from one holder (its
+    own copy if it has one) when the source is whole on several devices.
+    Nothing moves to itself. Pieces are whole bytes that add up exactly."""
+    out = []
+    for j, t in enumerate(dst.devices):
+        want = _piece(dst, j)
+        size = _share(nbytes, j, len(dst.devices)) if dst.dim is not None else nbytes
+        if src.dim is None and len(src.devices) > 1:
+            sources = [(t if t in src.devices else src.devices[j % len(src.devices)], Fraction(1))]
+        else:
+            whole = _overlap({}, want)
+            sources = [(s, _overlap(_piece(src, i), want) / whole) for i, s in enumerate(src.devices)]
+        acc = Fraction(0)
+        for s, f in sources:
+            b = round(size * (acc + f)) - round(size * acc)
+            acc += f
+            if s != t and b:
+                out.append((s, t, b))
+    return out
