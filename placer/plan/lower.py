@@ -22,7 +22,7 @@ from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
-from placer.modes import channel, tensor
+from placer.modes import channel, spatial, tensor
 from placer.plan.attach import Attached
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, in_layout, layer_range, transfer_kind, union
 from placer.plan.layout import moves
@@ -212,18 +212,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     elif seg.mode == "tensor":
         tensor.collectives(a, info, grads, op)
     elif seg.mode == "spatial":
-        axis = seg.options.get("axis", 2)
-        for i, l in enumerate(info):
-            halo = _halo_rows(spec, l, axis)
-            if not halo:
-                continue
-            top, bottom, row = halo
-            a.cuts.add(i)
-            attrs = {"prev_rows": top, "next_rows": bottom, "row_bytes": row}
-            total = (top + bottom) * row * (len(g) - 1)
-            a.add("pre_fwd", i, op(OpKind.HALO, "fwd", "act", total, l.name, dim=axis, attrs=attrs))
-            if grads[i]:
-                a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
+        spatial.collectives(a, info, grads, op, seg.options.get("axis", 2), len(g),
+                            lambda name: layer_geometry(spec, name))
         # every device computes weight gradients from its own rows: sum them like data parallel
         bks = buckets(seg, graph, DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
         a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
@@ -252,24 +242,6 @@ def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
 
 def _channels(l) -> int:
     return l.out_shape[1] if l.out_shape and len(l.out_shape) > 1 else 0
-
-
-def _halo_rows(spec: Spec, l, axis: int) -> tuple[int, int, int] | None:
-    """(rows from the previous device, rows from the next, bytes of one row) a Conv/Pool needs.
-
-    A device holding input rows [lo, hi) computes the outputs whose windows start there; with
-    kernel k, stride s, padding p, dilation d those windows read rows [lo - p, hi - s - p + d(k-1) + 1)."""
-    geo = layer_geometry(spec, l.name)
-    if geo is None or not l.in_shape or axis >= len(l.in_shape):
-        return None
-    j = axis - (len(l.in_shape) - len(geo["kernel"]))
-    if not 0 <= j < len(geo["kernel"]):
-        return None
-    k, s, p, d = (geo[key][j] for key in ("kernel", "stride", "padding", "dilation"))
-    top, bottom = p, max(0, d * (k - 1) + 1 - s - p)
-    if not top and not bottom:
-        return None
-    return top, bottom, l.in_bytes // l.in_shape[axis]
 
 
 def _instantiate(entries, src: Op, m: int, part: str) -> list[Op]:

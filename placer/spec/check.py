@@ -9,12 +9,11 @@ import os
 
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
-from placer.modes import channel, tensor
+from placer.modes import channel, spatial, tensor
 from placer.plan.schedules import SCHEDULES
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Spec, from_document
 
-SPATIAL_KINDS = {"conv", "pool", "elementwise"}
 INT_DTYPES = {"int64", "int32", "bool"}
 MAX_LAYERS = 10_000
 
@@ -173,15 +172,7 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]]) -> list[Diagnostic]:
                            f"normalises over its 1/{n} of the batch, so run --check cannot match one device",
                            norms[0].loc, "set sync_batchnorm: true for statistics of the whole batch", severity="warning"))
         if p.mode == "spatial":
-            bad = [l for l, k in zip(seg_layers, kinds) if k not in SPATIAL_KINDS]
-            option = next(((l, why) for l in seg_layers if (why := _spatial_option(l))), None)
-            if bad:
-                diags.append(D("P026", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
-                               "spatially", bad[0].loc, "spatial segments hold Conv, Pool and elementwise layers only"))
-            elif option:
-                diags.append(D("P026", f"segment {seg.name!r}: layer {option[0].name!r} ({option[0].op}) cannot be "
-                               f"split spatially with {option[1]}", option[0].loc,
-                               "change the layer's option, or put it in a segment of its own"))
+            diags += spatial.check(seg, seg_layers, kinds)
         if p.mode == "channel":
             diags += channel.check(seg, seg_layers, kinds)
         if p.mode == "tensor":
@@ -193,25 +184,6 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]]) -> list[Diagnostic]:
                        "cannot match one device", norms[0].loc, "use LayerNorm, or no pipeline, to check equivalence",
                        severity="warning"))
     return diags
-
-
-def _spatial_option(layer) -> str | None:
-    """An option of a Conv/Pool layer that the spatial split cannot reproduce band by band."""
-    if shapes.kind(layer) not in ("conv", "pool"):
-        return None
-    padding = shapes.param(layer, "padding", 0)
-    if isinstance(padding, str):
-        return f"padding {padding!r} (give the padding as numbers)"
-    if shapes.param(layer, "padding_mode", "zeros") != "zeros":
-        return f"padding_mode {shapes.param(layer, 'padding_mode')!r} (only 'zeros')"
-    if shapes.param(layer, "return_indices", False):
-        return "return_indices: true"
-    if layer.op.startswith("AvgPool"):
-        if shapes.param(layer, "ceil_mode", False):
-            return "ceil_mode: true"
-        if padding and not shapes.param(layer, "count_include_pad", True):
-            return "padding and count_include_pad: false"
-    return None
 
 
 def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
