@@ -16,6 +16,7 @@ import io
 import math
 import os
 import subprocess
+import textwrap
 import tokenize
 from collections import Counter
 from dataclasses import dataclass
@@ -209,15 +210,16 @@ def imports(piece_imports: list[str], checkpoint: bool, cut: bool) -> str:
 
 
 def _comments_above(text: str) -> str:
-    """Trailing comments of lines over 100 columns moved onto a line of their own above, so the
-    formatter need not break the code around them."""
+    """Comments of lines over 100 columns on lines of their own above the code, wrapped at 100
+    columns: the formatter breaks code, not comments."""
     lines = text.splitlines(keepends=True)
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
         row, col = tok.start[0] - 1, tok.start[1]
-        if tok.type == tokenize.COMMENT and len(lines[row].rstrip("\n")) > 100 and lines[row][:col].strip():
+        if tok.type == tokenize.COMMENT and len(lines[row].rstrip("\n")) > 100:
             code = lines[row][:col].rstrip()
-            indent = code[:len(code) - len(code.lstrip())]
-            lines[row] = f"{indent}{tok.string}\n{code}\n"
+            indent = lines[row][:len(lines[row]) - len(lines[row].lstrip())]
+            words = textwrap.wrap(tok.string.lstrip("# "), 100 - len(indent) - 2, break_on_hyphens=False)
+            lines[row] = "".join(f"{indent}# {w}\n" for w in words) + (f"{code}\n" if code.strip() else "")
     return "".join(lines)
 
 
