@@ -219,7 +219,8 @@ class TrainWriter:
         elif seg.shard == "full":
             c(f"seg{k} = fully_shard_segment(stage, {group}, device.type)  # gradients reduce-scattered in backward")
         elif seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
-            c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids)")
+            c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids"
+              + (", resumable=True)" if self.checkpoint else ")"))
             self.uses_device_ids = True
         else:
             c(f"seg{k} = stage")

@@ -25,11 +25,14 @@ def sum_each_hook(group, bucket):
     return done.then(lambda fut: bucket.buffer())
 
 
-def ddp_sum(module, group, bucket_mb=25.0, device_ids=None):
+def ddp_sum(module, group, bucket_mb=25.0, device_ids=None, resumable=False):
     """Wrap module for data parallelism over group (made by dist.new_group). Every
-    parameter is used in every step, so find_unused_parameters stays off."""
+    parameter is used in every step, so find_unused_parameters stays off. `resumable`: the
+    run saves checkpoints and may be resumed bit for bit (see sum_each_hook)."""
     ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group,
                                   bucket_cap_mb=bucket_mb)
-    # two ranks add a + b whatever the layout; more take sum_each_hook (see there)
-    ddp.register_comm_hook(group, sum_hook if dist.get_world_size(group) <= 2 else sum_each_hook)
+    # two ranks add a + b whatever the layout; more, in a run that may resume, take sum_each_hook
+    # (it costs more calls: bench/ddp_hook_cost.py)
+    each = resumable and dist.get_world_size(group) > 2
+    ddp.register_comm_hook(group, sum_each_hook if each else sum_hook)
     return ddp
