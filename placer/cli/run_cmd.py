@@ -29,6 +29,7 @@ class Console:
         self.last = 0.0
         self.step = 0  # the last step reported
         self.said_interrupted = False
+        self.append = False  # a resumed run adds to the run.log it finds
 
     def say(self, line: str = "", err: bool = False) -> None:
         self.log.append(line)
@@ -37,6 +38,12 @@ class Console:
 
     def progress(self, record: dict) -> None:
         """A progress bar on a terminal; otherwise a line per second (and the first and last step)."""
+        if "resumed_from" in record:  # the program says where it continues
+            first = record["resumed_from"]
+            self.step = first
+            self.say(f"resumed from the checkpoint at step {first} of {record.get('steps')}" if first else
+                     "no usable checkpoint: starting at step 0")
+            return
         step, steps = record.get("step", 0), record.get("steps", 0)
         self.step = step
         text = f"step {step}/{steps}  loss {record.get('loss', float('nan')):.6f}  " \
@@ -51,7 +58,8 @@ class Console:
 
     def save(self, run_dir: Path) -> None:
         try:
-            (run_dir / "run.log").write_text("\n".join(self.log) + "\n")
+            with open(run_dir / "run.log", "a" if self.append else "w") as f:
+                f.write("\n".join(self.log) + "\n")
         except OSError:  # a full disk: the error being reported already says so
             pass
 
@@ -61,10 +69,15 @@ def default_run_dir(name: str, node_rank: int) -> str:
     return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
 
 
-def summary_lines(metrics: dict, wall_s: float) -> list[str]:
+def summary_lines(metrics: dict, wall_s: float, attempts: int = 1) -> list[str]:
     steps, sps = metrics.get("steps", 0), metrics.get("steps_per_s") or 0.0
-    lines = [f"trained {steps} steps: {sps:.2f} steps/s, {metrics.get('samples_per_s') or 0:.0f} samples/s "
-             f"({metrics.get('wall_s', 0):.2f} s training, {wall_s:.1f} s with start-up)",
+    first = metrics.get("resumed_from") or 0
+    what = f"trained {steps} steps" if not first else \
+        f"trained steps {first + 1}..{steps} of {steps} (resumed from the checkpoint at step {first})"
+    tries = f", {attempts} attempts" if attempts > 1 else ""
+    lines = [f"{what}: {sps:.2f} steps/s, {metrics.get('samples_per_s') or 0:.0f} samples/s "
+             f"({metrics.get('wall_s', 0):.2f} s training{' in the last attempt' if attempts > 1 else ''}, "
+             f"{wall_s:.1f} s with start-up{tries})",
              f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8}"]
     times = metrics.get("time_s", {})
     for device in metrics.get("devices", []):
@@ -133,10 +146,14 @@ def check_failure(report) -> str:
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="Node 0's address, where the nodes meet (--nnodes > 1).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--max-restarts", type=click.IntRange(min=0),
-              help="Restart a failed run up to N times (same as --set runtime.max_restarts=N).")
+              help="Restart a failed run up to N times (same as --set runtime.max_restarts=N); each "
+                   "restart resumes from the newest complete checkpoint (step 0 without one).")
+@click.option("--resume", "resume_dir", metavar="RUN_DIR", type=click.Path(file_okay=False),
+              help="Continue the run in RUN_DIR from its newest complete checkpoint (training.checkpoint); "
+                   "losses and final parameters are those of a run never interrupted.")
 @set_option
 def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt, max_restarts,
-            overrides):
+            resume_dir, overrides):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
@@ -146,11 +163,15 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
 
     Ctrl-C (SIGINT) or SIGTERM stops the workers, says at which step, keeps the run
     directory and exits 130 or 143; workers also end if `placer run` is killed.
+    `--resume RUN_DIR` then continues it from its newest complete checkpoint; with
+    runtime.max_restarts (--max-restarts) a failed attempt is restarted the same way.
 
     \b
     Examples:
       placer run specs/mlp_group_transitions.yaml --check
       placer run spec.yaml --set training.batch_size=64 --max-restarts 2
+      placer run spec.yaml --set training.checkpoint.every=10 --run-dir runs/a   # interrupted, then:
+      placer run spec.yaml --resume runs/a
       placer run spec.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node 0
       placer run spec.yaml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node 1
     """
@@ -164,13 +185,16 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
         raise click.UsageError(f"--node-rank {node_rank} is not below --nnodes {nnodes}")
     if max_restarts is not None:
         overrides += (f"runtime.max_restarts={max_restarts}",)
+    if resume_dir and (run_dir or overwrite):
+        raise click.UsageError("--resume RUN_DIR continues the run in RUN_DIR: leave out --run-dir and --overwrite")
     from placer.launch.run import Interrupted, interruptible
 
     console = Console(quiet=fmt == "json")
     try:
         with interruptible():
             outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
-                          nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides)
+                          nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides,
+                          resume=resume_dir)
     except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
         if not console.said_interrupted:
             console.say("interrupted before the run started", err=True)
@@ -189,7 +213,7 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
 
 
 def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
-        rdzv_endpoint, overrides=()) -> dict:
+        rdzv_endpoint, overrides=(), resume=None) -> dict:
     from placer.cli.main import load_and_warn
     from placer.codegen.program import generate
     from placer.launch import run as launcher
@@ -198,18 +222,28 @@ def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, 
     if overrides:  # run.log says what differs from RUN_DIR/spec.yaml
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)
-    wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
-    program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
     ckpt = spec.training.checkpoint
-    run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted,
-                                     Path(spec_path).read_bytes(), overwrite=overwrite,
-                                     checkpoint_dir=ckpt.dir if ckpt else None)
-    (run_dir / "program.py").write_text(program.text)
+    if resume:
+        run_dir = launcher.resumable_run_dir(Path(resume), spec)
+        console.append = True
+        console.say(f"resuming the run in {run_dir}")
+        if (run_dir / "spec.yaml").read_bytes() != Path(spec_path).read_bytes():
+            console.say(f"(the spec differs from {run_dir / 'spec.yaml'}; its checkpoint must fit this program)")
+        program = generate(spec, filename="program.py", out_dir=str(run_dir))
+        launcher.write_atomically(run_dir / "program.py", program.text)
+    else:
+        wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
+        program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
+        run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted,
+                                         Path(spec_path).read_bytes(), overwrite=overwrite,
+                                         checkpoint_dir=ckpt.dir if ckpt else None)
+        (run_dir / "program.py").write_text(program.text)
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
                "backend": binding.backend, "world_size": program.world_size}
     try:
         return _launch_and_check(spec, program, binding, run_dir, console, outcome, check=check, steps=steps,
-                                 nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+                                 nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                                 resume=bool(resume))
     except PlacerError as e:
         console.log += [d.format() for d in e.diagnostics]
         raise
@@ -224,7 +258,7 @@ def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, 
 
 
 def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, outcome: dict, *, check, steps,
-                      nnodes, node_rank, rdzv_endpoint) -> dict:
+                      nnodes, node_rank, rdzv_endpoint, resume=False) -> dict:
     from placer.launch import run as launcher
 
     if binding.reason:
@@ -236,12 +270,22 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
                     "(use --nnodes N --node-rank K --rdzv-endpoint HOST:PORT on each machine)")
     args = ["--steps", str(steps)] if steps else []
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    restarts = spec.runtime.max_restarts
+    if restarts:
+        console.say(f"attempt 1 of {restarts + 1}" + ("" if ckpt_of(spec) else
+                    " (no training.checkpoint: a restart starts again at step 0)"))
+
+    def restarting(attempt: int, attempts: int, failures: dict) -> None:
+        for line in restart_lines(spec, program, attempt, attempts, failures, console.step):
+            console.say(line, err=True)
+
     result = launcher.launch(run_dir / "program.py", run_dir, binding, args, node_rank=node_rank,
-                             rdzv_endpoint=rdzv_endpoint, max_restarts=spec.runtime.max_restarts,
-                             on_progress=console.progress)
+                             rdzv_endpoint=rdzv_endpoint, max_restarts=restarts, resume=resume,
+                             on_progress=console.progress, on_restart=restarting)
     outcome["metrics"] = result.metrics
+    outcome["attempts"] = result.attempts
     stopped = _stopped(spec, run_dir)
-    if not result.ok and stopped:  # the program stopped on its input: that is the whole story
+    if stopped:  # the program stopped on its input: that is the whole story
         outcome["stopped"] = stopped.as_dict()
         raise RunError(stopped)
     if not result.ok:
@@ -259,7 +303,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
         console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt")
         outcome["ok"] = True
         return outcome
-    for line in summary_lines(result.metrics, result.wall_s):
+    for line in summary_lines(result.metrics, result.wall_s, result.attempts):
         console.say(line)
     if check:
         report = _check(spec, run_dir, binding, args)
@@ -288,11 +332,35 @@ def _stopped(spec, run_dir: Path) -> Diagnostic | None:
     if info.get("reason") == "non-finite loss":
         return Diagnostic("R024", f"{info.get('message')}; the run stopped there", spec.training.optimizer.loc,
                           "a smaller training.optimizer.lr, or inputs and targets without inf/nan, usually fix it")
+    if info.get("reason") == "checkpoint mismatch":
+        return Diagnostic("R033", f"{info.get('message')}", Loc(spec.file),
+                          "resume with the spec the run was started with (RUN_DIR/spec.yaml), or start a new run")
     if info.get("reason") == "data exhausted":
         data = spec.training.data
         return Diagnostic("R025", f"{info.get('message')}; the run stopped there", getattr(data, "loc", Loc(spec.file)),
                           "make the data function yield at least training.steps batches, or pass fewer --steps")
     return Diagnostic("R020", f"the program stopped at step {step}: {info.get('message')}", Loc(spec.file))
+
+
+def ckpt_of(spec):
+    return spec.training.checkpoint
+
+
+def restart_lines(spec, program, attempt: int, attempts: int, failures: dict, step: int) -> list[str]:
+    """What an attempt that failed and is restarted says: the ranks that failed and how, and
+    where the next attempt continues."""
+    lines = [f"attempt {attempt} of {attempts} failed after step {step}:"]
+    for rank, (code, tail) in failures_in_order(failures):
+        device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
+        if code is not None and code < 0:
+            how = f"was killed by {_signal_name(-code)}"
+        else:
+            last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+            how = f"exited with code {code}" + (f": {last}" if last else "")
+        lines.append(f"  rank {rank} ({device}) {how}")
+    where = "from the newest complete checkpoint" if ckpt_of(spec) else "at step 0 (no training.checkpoint)"
+    lines.append(f"restarting: attempt {attempt + 1} of {attempts}, {where}")
+    return lines
 
 
 def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:

@@ -126,7 +126,7 @@ class PipelineWriter(TrainWriter):
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",
-              f"    save_checkpoint(args.out, step, rank, {self.own}, optimizers)")
+              "    save_checkpoint(args.out, step, rank, modules, optimizers, losses)")
 
     def describe(self, seg: Seg) -> str:
         layers = seg.layers[0] if len(seg.layers) == 1 else f"{seg.layers[0]}..{seg.layers[-1]}"

@@ -203,6 +203,8 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
 def imports(piece_imports: list[str], checkpoint: bool, cut: bool) -> str:
     std = [f"import {m}" for m in STDLIB if m != "shutil" or checkpoint] + ["from datetime import timedelta"]
     third = ["import torch", "import torch.distributed as dist", "import torch.nn as nn"]
+    if checkpoint:  # sharded parameters and optimizer state are saved as their local pieces
+        third.append("from torch.distributed.tensor import DTensor")
     if cut:
         third.append("from torch.distributed.pipelining import SplitPoint, pipeline")
     third += [line for line in piece_imports if line not in third and line not in std]
@@ -360,15 +362,15 @@ def data_source(spec: Spec) -> str:
           '    """Step `step`\'s global batch, the same on every rank: a generator seeded by (SEED, step)."""',
           "    gen = step_generator(SEED, step)",
           f"    return {_tensor_expr(m.input, 'BATCH_SIZE')}, {_tensor_expr(m.target, 'BATCH_SIZE')}", "", "",
-          "def batches(steps):",
-          '    """The global (input, target) batch of each step; every rank keeps its own slice."""',
-          "    return prefetched(make_batch, steps)")
+          "def batches(steps, first=0):",
+          '    """The global (input, target) batch of steps first.. steps - 1; every rank keeps its own slice."""',
+          "    return prefetched(make_batch, steps, first)")
         return c.text()
     c(f"DATA = {data.module!r}  # the spec's training.data.module, called with DATA_KWARGS",
       f"DATA_KWARGS = {literal(data.kwargs)}", "", "",
-      "def batches(steps):",
-      '    """The global (input, target) batch of each step, from DATA; every rank draws the same',
-      '    batches and keeps its own slice."""',
+      "def batches(steps, first=0):",
+      '    """The global (input, target) batch of steps first.. steps - 1, from DATA; every rank',
+      '    draws the same batches and keeps its own slice."""',
       "    source = iter(load_user(DATA)(**DATA_KWARGS))", "",
       "    def make(step):",
       "        x, y = next(source)",
@@ -376,7 +378,9 @@ def data_source(spec: Spec) -> str:
       '            raise ValueError(f"{DATA} gave a batch of {x.shape[0]} rows at step {step}; '
       'training.batch_size is {BATCH_SIZE}")',
       "        return x, y", "",
-      "    return prefetched(make, steps)")
+      "    for step in range(first):  # resumed at step `first`: the batches before it, drawn and dropped",
+      "        batch_of(make, step, steps)",
+      "    return prefetched(make, steps, first)")
     return c.text()
 
 

@@ -123,8 +123,10 @@ class TrainWriter:
         head.indent()('"""One worker (rank) of the placed training run; torchrun starts one per device."""')
         self.setup()
         c("")
-        c("data = batches(args.steps)", "losses = []", "start = time.perf_counter()")
-        c("for step in range(args.steps):").indent()
+        c("first, losses = resume_checkpoint(args, rank, modules, optimizers)  # step 0 unless resuming"
+          if self.checkpoint else "first, losses = 0, []  # no checkpoints: a restart starts at step 0")
+        c("data = batches(args.steps, first)", "start = time.perf_counter()")
+        c("for step in range(first, args.steps):").indent()
         self.step()
         c.dedent()
         self.finish()
@@ -150,7 +152,7 @@ class TrainWriter:
           "    count_sent_bytes()",
           "if rank == 0 and why:",
           '    print(f"simulating {world} devices as CPU workers on gloo: {why}", flush=True)',
-          "if rank == 0 and args.out:  # a restarted run reports its steps afresh",
+          "if rank == 0 and args.out and not resuming(args):  # a resumed or restarted run appends",
           '    open(os.path.join(args.out, "progress.jsonl"), "w").close()',
           )
         self.binding_at = len(c.lines)  # `host` and `device_ids` go here if the step uses them
@@ -218,7 +220,8 @@ class TrainWriter:
         elif seg.shard == "full":
             c(f"seg{k} = fully_shard_segment(stage, {group}, device.type)  # gradients reduce-scattered in backward")
         elif seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
-            c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids)")
+            c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids"
+              + (", resumable=True)" if self.checkpoint else ")"))
             self.uses_device_ids = True
         else:
             c(f"seg{k} = stage")
@@ -271,7 +274,7 @@ class TrainWriter:
           "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:",
-              f"    save_checkpoint(args.out, step, rank, {self.own}, optimizers)")
+              "    save_checkpoint(args.out, step, rank, modules, optimizers, losses)")
 
     def gpipe_step(self) -> None:
         """GPipe on placer's own copies: every micro-batch forward, then every one backward. Each

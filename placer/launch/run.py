@@ -128,6 +128,29 @@ def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, over
     return path
 
 
+def resumable_run_dir(path: Path, spec: Spec) -> Path:
+    """`placer run --resume RUN_DIR`: RUN_DIR must be a run's directory (its spec.yaml) and the
+    spec must save checkpoints to resume from (R032). Which checkpoint is the program's choice:
+    the newest complete one that every rank can read."""
+    if not (path / "spec.yaml").is_file():
+        raise RunError(Diagnostic("R032", f"{path} is not a run directory (it has no spec.yaml)", Loc(str(path)),
+                                  "pass the directory `placer run` printed as 'run dir'"))
+    if spec.training.checkpoint is None:
+        raise RunError(Diagnostic("R032", "--resume needs checkpoints, and the spec saves none", Loc(spec.file),
+                                  "add training.checkpoint (for example --set training.checkpoint.every=10) "
+                                  "to the runs you mean to resume"))
+    return path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _is_file(path: Path) -> bool:
     try:
         return path.exists() and not path.is_dir()
@@ -209,6 +232,8 @@ class RunResult:
     failures: dict = field(default_factory=dict)
     """global rank -> (exit code, tail of its stderr)."""
     wall_s: float = 0.0
+    attempts: int = 1
+    """How many times the workers were started (1 + the restarts that happened)."""
 
 
 def _follow(path: Path, on_progress, stop: threading.Event) -> None:
@@ -232,19 +257,27 @@ def _follow(path: Path, on_progress, stop: threading.Event) -> None:
 
 def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[str] | tuple[str, ...] = (), *,
            node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
-           on_progress=None) -> RunResult:
-    """Run `program` with one worker per device through torch's elastic launcher."""
+           resume: bool = False, on_progress=None, on_restart=None) -> RunResult:
+    """Run `program` with one worker per device through torch's elastic launcher.
+
+    `resume`: the program continues the run in `run_dir` from its newest complete checkpoint
+    (progress.jsonl is appended to). Up to `max_restarts` times, a failed attempt is followed by
+    a new one, which resumes the same way; on_restart(attempt, attempts, failures) is called
+    first, with failures as in RunResult (global rank -> (exit code, tail of its stderr))."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in (PROGRESS, "stopped.json"):  # what the program writes as it goes: this run's only
+    for name in (PROGRESS, "stopped.json") if not resume else ("stopped.json",):  # this run's only
         (run_dir / name).unlink(missing_ok=True)
-    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID")}
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID", SHARED_STORE)}
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
     os.environ["PLACER_LAUNCHER_PID"] = str(os.getpid())  # the workers end with this process (die_with_launcher)
+    # Workers get a store of their own each attempt: the rendezvous store shared with them keeps
+    # the keys of the attempt before, and restarted workers would wait in init_process_group.
+    os.environ[SHARED_STORE] = "1"
     # One node: a private c10d rendezvous on a free port. Several: the static rendezvous, which
     # (unlike c10d's, which orders nodes by arrival) makes node K's workers ranks K*n .. K*n+n-1,
     # so the spec's nodeK/ devices run on the machine started with --node-rank K.
@@ -257,7 +290,8 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
     )
-    args = [str(program), "--out", str(run_dir), "--measure", *program_args] + (["--simulate"] if binding.simulate else [])
+    args = [str(program), "--out", str(run_dir), "--measure", *program_args] + (["--simulate"] if binding.simulate else []) \
+        + (["--resume"] if resume else [])
     stop = threading.Event()
     follower = None
     if on_progress:
@@ -267,7 +301,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     result = RunResult(ok=True, run_dir=run_dir)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with _quiet_launcher():
+        with _quiet_launcher(), _restarts_reported(run_dir, max_restarts, result, on_restart):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except SignalException as e:  # the agent has stopped the workers with the same signal
         raise Interrupted(e.sigval) from None
@@ -298,6 +332,47 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     if metrics.exists():
         result.metrics = json.loads(metrics.read_text())
     return result
+
+
+SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextlib.contextmanager
+def _restarts_reported(run_dir: Path, max_restarts: int, result: RunResult, on_restart):
+    """While the block runs, torch's elastic agent tells us of each attempt that failed before it
+    starts the next (its own log says only "will restart worker group"): the failures it saw
+    go to on_restart, and result.attempts counts the attempts."""
+    try:
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        monitor, restart = LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers
+    except (ImportError, AttributeError):  # another torch: restarts still happen, unreported
+        yield
+        return
+    seen: dict = {}
+
+    def monitored(agent, worker_group):
+        outcome = monitor(agent, worker_group)
+        seen["failures"] = getattr(outcome, "failures", {}) or {}
+        return outcome
+
+    def restarted(agent, worker_group):
+        failures = {rank: (f.exitcode, _stderr_tail(run_dir, f.local_rank))
+                    for rank, f in seen.get("failures", {}).items()}
+        result.attempts += 1
+        if on_restart:
+            with contextlib.suppress(Exception):  # a report must never stop the restart
+                on_restart(result.attempts - 1, max_restarts + 1, failures)
+        return restart(agent, worker_group)
+
+    # patched on the classes for the launch only (setattr: torch's methods, replaced on purpose)
+    setattr(LocalElasticAgent, "_monitor_workers", monitored)
+    setattr(SimpleElasticAgent, "_restart_workers", restarted)
+    try:
+        yield
+    finally:
+        setattr(LocalElasticAgent, "_monitor_workers", monitor)
+        setattr(SimpleElasticAgent, "_restart_workers", restart)
 
 
 @contextlib.contextmanager

@@ -117,8 +117,9 @@ class Optimizer:
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint:
-    dir: str
     every: int
+    dir: str = "ckpt"
+    """Relative paths are under the run directory."""
     keep: int | None = None
     """How many complete checkpoints to keep, newest first; None (the schema's default) keeps all."""
     loc: Loc = field(default_factory=Loc, compare=False)
@@ -263,7 +264,7 @@ def from_document(doc: Document) -> Spec:
             **_given(t, "seed", "prefetch"),
             data=Data(module=data["module"], kwargs=dict(data.get("kwargs", {})), loc=doc.loc(("training", "data")))
             if isinstance(data, dict) else Data(loc=doc.loc(("training", "data"))),
-            checkpoint=Checkpoint(dir=ck["dir"], every=ck["every"], **_given(ck, "keep"),
+            checkpoint=Checkpoint(every=ck["every"], **_given(ck, "dir", "keep"),
                                   loc=doc.loc(("training", "checkpoint"))) if ck else None,
             loc=doc.loc(("training",)),
         ),

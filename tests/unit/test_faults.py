@@ -219,3 +219,40 @@ def test_a_full_disk_is_R028_not_a_traceback(tmp_path, monkeypatch):
     r = run_cli(tmp_path / "spec.yaml", "--run-dir", tmp_path / "run")
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert f"error[R028]: the disk is full: writing {tmp_path}/run/program.py: No space left on device" in r.stderr
+
+
+def test_a_checkpoint_counts_when_complete_and_every_file_is_whole(tmp_path):
+    """What a resume may load: a step with COMPLETE, whose files have the sizes it records and load."""
+    import torch
+
+    ns = template_namespace(CHECKPOINT_KEEP=None)
+    state = {"step": 2, "rank": 0, "world": 1, "modules": [{"w": torch.ones(3)}], "optimizers": [], "losses": [1.0]}
+    for step in (2, 4, 6):
+        path = tmp_path / f"step_{step}"
+        path.mkdir()
+        torch.save(state | {"step": step}, path / "rank0.pt")
+        if step != 4:  # step 4: killed before COMPLETE
+            ns["write_json"](str(path / "COMPLETE"), {"step": step, "files": {"rank0.pt": (path / "rank0.pt").stat().st_size}})
+    whole = (tmp_path / "step_6" / "rank0.pt").read_bytes()
+    (tmp_path / "step_6" / "rank0.pt").write_bytes(whole[:100])  # damaged after COMPLETE was written
+    assert ns["complete_steps"](str(tmp_path), 10) == [6, 2] and ns["complete_steps"](str(tmp_path), 5) == [2]
+    assert ns["complete_steps"](str(tmp_path / "none"), 10) == []
+    loaded, why = ns["read_checkpoint"](str(tmp_path), 6, 0, 1)
+    assert loaded is None and why == f"rank0.pt is 100 bytes, not {len(whole)}"
+    loaded, why = ns["read_checkpoint"](str(tmp_path), 2, 0, 1)
+    assert why is None and loaded["losses"] == [1.0] and torch.equal(loaded["modules"][0]["w"], torch.ones(3))
+    assert ns["read_checkpoint"](str(tmp_path), 2, 1, 2)[1].startswith("rank1.pt: FileNotFoundError")
+    assert ns["read_checkpoint"](str(tmp_path), 2, 0, 2)[1] == "rank0.pt holds step 2 of rank 0 of 1"
+
+
+def test_a_restart_says_which_rank_failed_how_and_which_attempt_follows():
+    from types import SimpleNamespace
+
+    from placer.cli.run_cmd import restart_lines
+
+    spec = SimpleNamespace(training=SimpleNamespace(checkpoint=object()))
+    program = SimpleNamespace(devices=("cpu", "cpu:1"))
+    lines = restart_lines(spec, program, 1, 3, {1: (-9, ""), 0: (1, "Traceback\nRuntimeError: boom\n")}, 5)
+    assert lines == ["attempt 1 of 3 failed after step 5:", "  rank 0 (cpu) exited with code 1: RuntimeError: boom",
+                     "  rank 1 (cpu:1) was killed by SIGKILL",
+                     "restarting: attempt 2 of 3, from the newest complete checkpoint"]

@@ -165,6 +165,7 @@ def _field_default(cls, name: str):
 # schema default stands for when no field holds it.
 PY_DEFAULTS = {
     "#/$defs/copies/properties/route": (types.Spec, "route"),
+    "#/$defs/checkpoint/properties/dir": (types.Checkpoint, "dir"),
     "#/$defs/tensor/properties/dtype": (types.TensorSpec, "dtype"),
     "#/$defs/tensor/properties/low": (types.TensorSpec, "low"),
     "#/$defs/layer/properties/args": (types.Layer, "args"),
@@ -447,8 +448,8 @@ INVALID = {
         ["training", "data"], "additionalProperties", "'modul'",
     ),
     "negative prefetch": (lambda s: s["training"].update(prefetch=-1), ["training", "prefetch"], "minimum", "-1"),
-    "checkpoint without dir": (
-        lambda s: s["training"].update(checkpoint={"every": 2}), ["training", "checkpoint"], "required", "'dir'",
+    "checkpoint without every": (
+        lambda s: s["training"].update(checkpoint={"dir": "ckpt"}), ["training", "checkpoint"], "required", "'every'",
     ),
     "unknown backend": (lambda s: s.update(runtime={"backend": "mpi"}), ["runtime", "backend"], "enum", "'mpi'"),
     "unknown simulate": (lambda s: s.update(runtime={"simulate": "maybe"}), ["runtime", "simulate"], "enum", "'maybe'"),

@@ -1,7 +1,11 @@
-def save_checkpoint(out, step, rank, own, optimizers):
-    """Every rank saves the parameters it owns and its optimizers' state under
-    CHECKPOINT_DIR/step_N/rankR.pt. A step directory counts only once it holds COMPLETE,
-    written after every rank's file is; then old checkpoints are rotated (CHECKPOINT_KEEP)."""
+def save_checkpoint(out, step, rank, modules, optimizers, losses):
+    """Every rank saves what it holds, as plain tensors, to CHECKPOINT_DIR/step_N/rankR.pt:
+    its modules' state (parameters and buffers; DTensor shards of FSDP and tensor parallel as
+    their local pieces, so no device mesh is pickled), its optimizers' state (ZeRO: its own
+    shard's), its random number generator and the losses so far. The world and the placement
+    are fixed by the spec, so rank R's file is read back by rank R. A step directory counts
+    only once it holds COMPLETE (with every file's size), written after every rank's file;
+    then old checkpoints are rotated (CHECKPOINT_KEEP)."""
     root = os.path.join(out or ".", CHECKPOINT_DIR)
     path = os.path.join(root, f"step_{step + 1}")
     first_here = int(os.environ.get("LOCAL_RANK", 0)) == 0  # each machine writes its own run directory
@@ -10,20 +14,43 @@ def save_checkpoint(out, step, rank, own, optimizers):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(path, "COMPLETE"))
     dist.barrier()
-    states = []
-    for opt in optimizers:
-        if hasattr(opt, "consolidate_state_dict"):  # ZeRO: the shards' state, on the group's first rank
-            first = dist.get_process_group_ranks(opt.process_group)[0]
-            opt.consolidate_state_dict(to=first)
-            if rank != first:
-                continue
-        states.append(opt.state_dict())
-    state = {"step": step + 1, "params": {n: p.detach().cpu() for n, p in own.items()}, "optimizers": states}
+    state = {
+        "step": step + 1,
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "modules": [local_tensors(m.state_dict()) for m in modules],
+        "optimizers": [optimizer_state(opt) for opt in optimizers],
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        "losses": list(losses),
+    }
     replace_atomically(os.path.join(path, f"rank{rank}.pt"), lambda tmp: torch.save(state, tmp))
     dist.barrier()  # every rank's file is written: the checkpoint is complete
     if first_here:
-        replace_atomically(os.path.join(path, "COMPLETE"), lambda tmp: write_json(tmp, {"step": step + 1}))
+        files = {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path)) if n.endswith(".pt")}
+        info = {"step": step + 1, "files": files}
+        replace_atomically(os.path.join(path, "COMPLETE"), lambda tmp: write_json(tmp, info))
         rotate_checkpoints(root, step + 1)
+
+
+def local_tensors(state):
+    """{name: tensor} with DTensors as this rank's local piece, copied to the host."""
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        out[name] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+    return out
+
+
+def optimizer_state(opt):
+    """This rank's optimizer state as plain tensors; `sharded` lists the (parameter, key)
+    entries that were DTensor shards (FSDP), made DTensors again when loaded."""
+    inner = opt.optim if hasattr(opt, "consolidate_state_dict") else opt  # ZeRO: this rank's shard
+    sd = inner.state_dict()
+    sharded = [(i, k) for i, entry in sd["state"].items() for k, v in entry.items() if isinstance(v, DTensor)]
+    state = {i: local_tensors(entry) for i, entry in sd["state"].items()}
+    return {"state": state, "param_groups": sd["param_groups"], "sharded": sharded}
 
 
 def rotate_checkpoints(root, newest):
@@ -39,3 +66,115 @@ def rotate_checkpoints(root, newest):
     for s in steps:
         if s not in keep:
             shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
+
+
+def complete_steps(root, last):
+    """The steps up to `last` with a complete checkpoint under root, newest first."""
+    if not os.path.isdir(root):
+        return []
+    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit() and int(n[5:]) <= last]
+    return sorted((int(n[5:]) for n in names if os.path.exists(os.path.join(root, n, "COMPLETE"))), reverse=True)
+
+
+def read_checkpoint(root, step, rank, world):
+    """(state, None), or (None, why) when rank's file of step is missing, of another size than
+    COMPLETE says, unreadable, or not this rank's."""
+    path = os.path.join(root, f"step_{step}")
+    name = f"rank{rank}.pt"
+    try:
+        with open(os.path.join(path, "COMPLETE")) as f:
+            size = json.load(f).get("files", {}).get(name)
+        if size is not None and os.path.getsize(os.path.join(path, name)) != size:
+            return None, f"{name} is {os.path.getsize(os.path.join(path, name))} bytes, not {size}"
+        state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+    except Exception as e:  # missing, truncated or garbled: the checkpoint is not usable
+        return None, f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if state.get("step") != step or state.get("rank") != rank or state.get("world") != world:
+        return None, f"{name} holds step {state.get('step')} of rank {state.get('rank')} of {state.get('world')}"
+    return state, None
+
+
+def fits(state, modules, optimizers):
+    """None if the checkpoint holds what this rank's modules and optimizers hold (names and
+    shapes), else what differs: it was written for another placement or model."""
+    if len(state["modules"]) != len(modules) or len(state["optimizers"]) != len(optimizers):
+        return (f"it holds {len(state['modules'])} module(s) and {len(state['optimizers'])} optimizer(s), "
+                f"this rank {len(modules)} and {len(optimizers)}")
+    for module, saved in zip(modules, state["modules"]):
+        mine = local_tensors(module.state_dict())
+        if set(mine) != set(saved):
+            return f"its names {sorted(set(saved) ^ set(mine))[:4]} differ"
+        for name, value in mine.items():
+            if torch.is_tensor(value) and tuple(value.shape) != tuple(saved[name].shape):
+                return f"{name} is {list(saved[name].shape)} there, {list(value.shape)} here"
+    for opt, saved in zip(optimizers, state["optimizers"]):
+        inner = opt.optim if hasattr(opt, "consolidate_state_dict") else opt
+        sizes = [len(g["params"]) for g in inner.param_groups]
+        if sizes != [len(g["params"]) for g in saved["param_groups"]]:
+            return "its optimizer holds other parameters"
+    return None
+
+
+def load_checkpoint(state, modules, optimizers):
+    """Copy a checkpoint's state into this rank's modules, optimizers and generators."""
+    with torch.no_grad():
+        for module, saved in zip(modules, state["modules"]):
+            for name, value in module.state_dict(keep_vars=True).items():
+                if torch.is_tensor(value):
+                    (value.to_local() if isinstance(value, DTensor) else value).copy_(saved[name])
+    for opt, saved in zip(optimizers, state["optimizers"]):
+        inner = opt.optim if hasattr(opt, "consolidate_state_dict") else opt
+        params = [p for group in inner.param_groups for p in group["params"]]
+        entries = {i: dict(entry) for i, entry in saved["state"].items()}
+        for i, key in saved["sharded"]:  # FSDP: the shard back into a DTensor like its parameter's
+            p = params[i]
+            entries[i][key] = DTensor.from_local(entries[i][key].to(p.device), p.device_mesh, p.placements,
+                                                 run_check=False, shape=p.shape, stride=p.stride())
+        inner.load_state_dict({"state": entries, "param_groups": saved["param_groups"]})
+    torch.set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
+
+
+def resume_checkpoint(args, rank, modules, optimizers):
+    """(first step, losses of the steps before it). A run started with --resume, or restarted
+    by the launcher after a failure, continues from the newest checkpoint that is complete
+    and readable on every rank (step 0 without one); otherwise it starts at step 0. Every rank
+    takes the same decision."""
+    global RESUMED_FROM
+    if not resuming(args):
+        return 0, []
+    with uncounted():  # reading a checkpoint, not training: left out of the bytes sent
+        first, losses = choose_checkpoint(args, rank, modules, optimizers)
+    RESUMED_FROM = first
+    if rank == 0:
+        print(f"resuming from the checkpoint at step {first}" if first else
+              "no usable checkpoint: starting at step 0", flush=True)
+        report_event(args.out, {"resumed_from": first, "steps": args.steps})
+    return first, losses
+
+
+def choose_checkpoint(args, rank, modules, optimizers):
+    """Load the newest checkpoint that is complete and readable on every rank: (its step, the
+    losses before it), or (0, []) without one. One that does not fit this program stops the run."""
+    world = dist.get_world_size()
+    root = os.path.join(args.out or ".", CHECKPOINT_DIR)
+    mine = complete_steps(root, args.steps)
+    every = [None] * world
+    dist.all_gather_object(every, mine)  # several machines: a step complete on all of them
+    for step in [s for s in mine if all(s in other for other in every)]:
+        state, why = read_checkpoint(root, step, rank, world)
+        misfit = fits(state, modules, optimizers) if state is not None else None
+        verdict = torch.tensor([2 if misfit else 0 if state is not None else 1])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # 0: usable on every rank
+        if verdict.item() == 2:
+            where = os.path.join(root, f"step_{step}")
+            detail = f": rank {rank}: {misfit}" if misfit else ""
+            raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} does not fit this program{detail}")
+        if verdict.item() == 0:
+            load_checkpoint(state, modules, optimizers)
+            return step, state["losses"]
+        if why:
+            print(f"rank {rank}: the checkpoint at step {step} is not usable ({why}); trying an older one",
+                  file=sys.stderr, flush=True)
+    return 0, []

@@ -129,13 +129,27 @@ def finite_loss(loss, step):
     return loss
 
 
+RESUMED_FROM = 0  # the step this process started from: its checkpoint's when it resumed
+
+
+def resuming(args):
+    """Whether this process continues a run: --resume, or a restart by the launcher after a
+    failure (torch elastic counts them in TORCHELASTIC_RESTART_COUNT)."""
+    return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def report_step(out, step, steps, loss, start):
     """Rank 0: one line per step on stdout and in OUT/progress.jsonl (what `placer run` shows)."""
     elapsed = time.perf_counter() - start
     record = {"step": step + 1, "steps": steps, "loss": loss,
-              "samples_per_s": (step + 1) * BATCH_SIZE / elapsed, "elapsed_s": elapsed}
+              "samples_per_s": (step + 1 - RESUMED_FROM) * BATCH_SIZE / elapsed, "elapsed_s": elapsed}
     print(f"step {step + 1}/{steps}  loss {loss:.6f}  {record['samples_per_s']:.0f} samples/s",
           flush=True)
+    report_event(out, record)
+
+
+def report_event(out, record):
+    """Append one record to OUT/progress.jsonl (a resumed or restarted run appends to it)."""
     if out:
         with open(os.path.join(out, "progress.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -150,9 +164,11 @@ def named_params(stage, model):
 def write_outputs(out, losses, params, seconds, **facts):
     """OUT/metrics.json (losses, speed, what was measured) and OUT/final_params.pt."""
     steps = len(losses)
+    trained = steps - RESUMED_FROM  # by this process; the losses are those of every step
     metrics = {"spec": SPEC_NAME, "losses": losses, "steps": steps, "batch_size": BATCH_SIZE,
-               "wall_s": seconds, "steps_per_s": steps / seconds if seconds else None,
-               "samples_per_s": steps * BATCH_SIZE / seconds if seconds else None, **facts}
+               "resumed_from": RESUMED_FROM, "steps_trained": trained,
+               "wall_s": seconds, "steps_per_s": trained / seconds if seconds else None,
+               "samples_per_s": trained * BATCH_SIZE / seconds if seconds else None, **facts}
     replace_atomically(os.path.join(out, "metrics.json"), lambda tmp: write_json(tmp, metrics))
     replace_atomically(os.path.join(out, "final_params.pt"), lambda tmp: torch.save(dict(sorted(params.items())), tmp))
 
@@ -207,24 +223,24 @@ def load_user(target):
     return getattr(module, name)
 
 
-def prefetched(make, steps):
-    """Yield make(0), make(1), ... make(steps - 1); with PREFETCH > 0 a background thread
-    makes them up to PREFETCH ahead, so the step loop rarely waits for data."""
+def prefetched(make, steps, first=0):
+    """Yield make(first), make(first + 1), ... make(steps - 1); with PREFETCH > 0 a background
+    thread makes them up to PREFETCH ahead, so the step loop rarely waits for data."""
     if PREFETCH == 0:
-        for step in range(steps):
+        for step in range(first, steps):
             yield batch_of(make, step, steps)
         return
     ready = queue.Queue(maxsize=PREFETCH)
 
     def fill():
         try:
-            for step in range(steps):
+            for step in range(first, steps):
                 ready.put((batch_of(make, step, steps), None))
         except Exception as e:  # hand the error to the step loop, which raises it
             ready.put((None, e))
 
     threading.Thread(target=fill, daemon=True).start()
-    for _ in range(steps):
+    for _ in range(first, steps):
         batch, error = ready.get()
         if error is not None:
             raise error

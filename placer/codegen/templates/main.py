@@ -54,6 +54,8 @@ def main():
     parser.add_argument("--reference", action="store_true",
                         help="train the whole model in this one process instead")
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps to train (default {STEPS})")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its newest complete checkpoint")
     parser.add_argument("--measure", action="store_true",
                         help="count the bytes each rank sends (placer run asks for it)")
     args = parser.parse_args()
@@ -72,7 +74,9 @@ def main():
             if args.out:
                 info = {"reason": e.reason, "step": e.step, "message": str(e)}
                 replace_atomically(os.path.join(args.out, "stopped.json"), lambda tmp: write_json(tmp, info))
-            code = 1
+            # placer run reads stopped.json; exiting 0 keeps torch elastic from restarting a
+            # run that would stop at the same step again
+            code = 0 if os.environ.get("PLACER_LAUNCHER_PID") and args.out else 1
         # Leave without Python's shutdown: gloo's threads may still be freeing the last
         # collective's tensors, and doing that while the interpreter shuts down aborts the
         # process (SIGABRT, about 1 run in 20 on 2 cores). Everything is written by now.

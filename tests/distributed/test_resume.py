@@ -1,0 +1,213 @@
+"""Restarts and `placer run --resume`: a run killed or interrupted continues from its newest
+complete checkpoint and ends bit for bit where a run never interrupted ends (every loss,
+every final parameter, torch.equal). Short runs of the shipped specs and of a tiny 2-rank
+spec; every wait is bounded and only processes a test started are signalled."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+CKPT = ["--set", "training.checkpoint.every=2"]
+
+
+def placer_run(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "placer.cli.main", "run", *args], cwd=cwd or ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Every step's loss and every final parameter equal, bit for bit."""
+    la = json.loads((a / "metrics.json").read_text())["losses"]
+    lb = json.loads((b / "metrics.json").read_text())["losses"]
+    assert la == lb
+    pa, pb = torch.load(a / "final_params.pt"), torch.load(b / "final_params.pt")
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+def interrupted_copy(run: Path, to: Path, keep_upto: int) -> Path:
+    """`run` as a run stopped after step `keep_upto`: later checkpoints and the results gone."""
+    shutil.copytree(run, to)
+    for step_dir in (to / "ckpt").iterdir():
+        if int(step_dir.name.split("_")[1]) > keep_upto:
+            shutil.rmtree(step_dir)
+    for name in ("metrics.json", "final_params.pt"):
+        (to / name).unlink()
+    return to
+
+
+# ---------------------------------------------------------------------------- --resume
+
+MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2
+    "data_overlap": "specs/mlp_data_allreduce.yaml",  # 4 ranks: DDP's bucket layout changes the sums' order
+    "zero": "specs/mlp_data_shard_optimizer.yaml",
+    "fsdp": "specs/mlp_data_shard_full.yaml",
+    "1f1b": "specs/mlp_pipeline_1f1b.yaml",
+}
+
+
+@pytest.fixture(scope="module")
+def whole_runs(tmp_path_factory):
+    """One uninterrupted run per mode, made when first asked for."""
+    made: dict[str, Path] = {}
+
+    def get(mode: str) -> Path:
+        if mode not in made:
+            run = tmp_path_factory.mktemp(mode) / "whole"
+            r = placer_run(MODES[mode], "--steps", "6", *CKPT, "--run-dir", str(run))
+            assert r.returncode == 0, r.stderr
+            made[mode] = run
+        return made[mode]
+    return get
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_is_bit_identical(mode, whole_runs, tmp_path):
+    whole = whole_runs(mode)
+    assert sorted(p.name for p in (whole / "ckpt").iterdir()) == ["step_2", "step_4", "step_6"]
+    run = interrupted_copy(whole, tmp_path / "run", keep_upto=2 if mode == "data_overlap" else 4)
+    r = placer_run(MODES[mode], "--steps", "6", *CKPT, "--resume", str(run))
+    assert r.returncode == 0, r.stderr
+    first = 2 if mode == "data_overlap" else 4
+    assert f"resumed from the checkpoint at step {first} of 6" in r.stdout
+    assert f"trained steps {first + 1}..6 of 6" in r.stdout
+    assert_same_run(whole, run)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["resumed_from"] == first and metrics["steps_trained"] == 6 - first
+    log = (run / "run.log").read_text()
+    assert log.count("run dir") == 2 and "resuming the run in" in log  # appended to, not replaced
+    steps = [json.loads(line).get("step") for line in (run / "progress.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, None] + list(range(first + 1, 7))
+
+
+def test_a_damaged_or_incomplete_checkpoint_is_passed_over(whole_runs, tmp_path):
+    whole = whole_runs("zero")
+    run = interrupted_copy(whole, tmp_path / "run", keep_upto=6)
+    (run / "ckpt" / "step_6" / "COMPLETE").unlink()  # killed while saving step 6
+    damaged = run / "ckpt" / "step_4" / "rank1.pt"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # a truncated file
+    r = placer_run(MODES["zero"], "--steps", "6", *CKPT, "--resume", str(run))
+    assert r.returncode == 0, r.stderr
+    assert "resumed from the checkpoint at step 2 of 6" in r.stdout
+    assert any("rank 1: the checkpoint at step 4 is not usable (rank1.pt is" in p.read_text()
+               for p in (run / "logs").rglob("stderr.log"))
+    assert_same_run(whole, run)
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path):
+    r = placer_run(MODES["zero"], "--resume", str(tmp_path))
+    assert r.returncode == 1 and "error[R032]" in r.stderr and "is not a run directory" in r.stderr
+    (tmp_path / "spec.yaml").write_text("")
+    r = placer_run(MODES["zero"], "--resume", str(tmp_path))
+    assert r.returncode == 1 and "error[R032]: --resume needs checkpoints" in r.stderr
+
+
+# ---------------------------------------------------------------------------- restarts
+
+SLOW_DATA = '''
+import time
+
+import torch
+
+
+def make_batches(seconds=0.4):
+    g = torch.Generator().manual_seed(0)
+    while True:
+        time.sleep(seconds)  # slow enough for the test to kill a rank mid-run
+        yield torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+'''
+
+
+def tiny_spec(tmp_path: Path, shard: str) -> Path:
+    (tmp_path / "data.py").write_text(SLOW_DATA)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"""placer: 1
+name: tiny_restart
+model:
+  layers:
+    - {{name: fc1, op: Linear, args: [16, 8]}}
+    - {{name: act, op: ReLU}}
+    - {{name: head, op: Linear, args: [8, 4]}}
+  input: {{shape: [B, 16]}}
+  target: {{shape: [B], dtype: int64, high: 4}}
+  loss: CrossEntropyLoss
+devices: [cpu, "cpu:1"]
+placement:
+  - {{layers: fc1..head, devices: [cpu, "cpu:1"], parallel: {{mode: data, overlap: true, shard: {shard}}}}}
+training:
+  batch_size: 8
+  steps: 8
+  optimizer: {{op: Adam, lr: 0.01}}
+  prefetch: 0
+  data: {{module: data.py:make_batches}}
+  checkpoint: {{every: 2}}
+runtime: {{timeout_s: 30}}
+""")
+    return spec
+
+
+def worker(program: Path, rank: int) -> int | None:
+    """The pid of rank `rank` of `program` (this test's run directory's, so ours alone)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(program).encode() in (proc / "cmdline").read_bytes() and \
+                        f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    return int(proc.name)
+            except OSError:
+                pass
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, tmp_path):
+    spec = tiny_spec(tmp_path, shard)
+    whole = tmp_path / "whole"
+    r = placer_run(str(spec), "--run-dir", str(whole), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run),
+                             "--max-restarts", "1"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        progress = run / "progress.jsonl"
+        while time.monotonic() < deadline and not (
+                progress.exists() and any(json.loads(line).get("step", 0) >= 3 for line in progress.read_text()
+                                          .splitlines() if line.endswith("}"))):
+            time.sleep(0.1)
+        pid = worker(run / "program.py", 1)
+        assert pid, "rank 1 is not running"
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, err
+    assert "attempt 1 of 2" in out
+    assert "attempt 1 of 2 failed after step " in err and "rank 1 (cpu:1) was killed by SIGKILL" in err
+    assert "restarting: attempt 2 of 2, from the newest complete checkpoint" in err
+    assert "resumed from the checkpoint at step " in out and ", 2 attempts)" in out
+    log = (run / "run.log").read_text()
+    assert "rank 1 (cpu:1) was killed by SIGKILL" in log and "restarting: attempt 2 of 2" in log
+    assert_same_run(whole, run)
