@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from placer.plan.ir import Op
+from placer.plan.ir import Op, layer_range
 
 
 @dataclass
@@ -40,3 +40,12 @@ class Attached:
     def empty(self) -> bool:
         return not (self.pre_fwd or self.post_fwd or self.pre_bwd or self.post_bwd or self.seg_pre_fwd
                     or self.seg_post_bwd or self.step_pre or self.step_post)
+
+
+def bucket_ops(kind, seg, group, phase, tensor, bks, root=None, reverse=False) -> list[Op]:
+    """One op per gradient bucket (bytes, layers), in bucket order or `reverse`d; `root` for a broadcast/reduce."""
+    order = list(enumerate(bks))
+    order = order[::-1] if reverse else order
+    extra = {"root": root} if root else {}
+    return [Op(kind=kind, devices=group, segment=seg.index, phase=phase, tensor=tensor, bytes=b,
+               attrs={"bucket": k, "layers": layer_range(names), **extra}) for k, (b, names) in order]

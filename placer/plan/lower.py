@@ -22,8 +22,8 @@ from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
-from placer.modes import channel, spatial, tensor
-from placer.plan.attach import Attached
+from placer.modes import channel, data, spatial, tensor
+from placer.plan.attach import Attached, bucket_ops
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, in_layout, layer_range, transfer_kind, union
 from placer.plan.layout import moves
 from placer.plan.place import layer_geometry
@@ -146,14 +146,6 @@ def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tup
     return out
 
 
-def _bucket_ops(kind, seg, group, phase, tensor, bks, root=None, reverse=False) -> list[Op]:
-    order = list(enumerate(bks))
-    order = order[::-1] if reverse else order
-    extra = {"root": root} if root else {}
-    return [Op(kind=kind, devices=group, segment=seg.index, phase=phase, tensor=tensor, bytes=b,
-               attrs={"bucket": k, "layers": layer_range(names), **extra}) for k, (b, names) in order]
-
-
 def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> Attached:
     """The collectives a segment's mode needs, by where they run."""
     a = Attached(step_devices=seg.devices)
@@ -167,46 +159,8 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
         return Op(kind=kind, devices=g, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs, **kw)
 
     if seg.mode == "data":
-        o = seg.options
-        bks = buckets(seg, graph, o.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb))
-        sync, shard = o.get("sync", DEFAULT_PARALLEL.sync), o.get("shard", DEFAULT_PARALLEL.shard)
-        if sync == "parameter_server":
-            server = o["server"]
-            group = g if server in g else g + (server,)
-            a.step_devices = group
-            a.step_pre = _bucket_ops(OpKind.REDUCE, seg, group, "step", "grads", bks, root=server)
-            a.step_post = _bucket_ops(OpKind.BROADCAST, seg, group, "step", "params", bks, root=server, reverse=True)
-        elif sync == "broadcast":
-            a.seg_pre_fwd = _bucket_ops(OpKind.BROADCAST, seg, g, "fwd", "params", bks, root=g[0], reverse=True)
-            a.step_pre = _bucket_ops(OpKind.REDUCE, seg, g, "step", "grads", bks, root=g[0])
-        elif shard == "full":  # FSDP: gather each layer's parameters around its use, scatter its gradients
-            sizes = param_bytes(seg, graph)
-            for i, l in enumerate(info):
-                pb = sizes[l.name]
-                if not pb:
-                    continue
-                a.cuts |= {i, i + 1}
-                a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name), scale=False)
-                a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name), scale=False)
-                a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name), scale=False,
-                      weight=True)
-        elif shard == "optimizer":  # ZeRO-1 as torch's ZeroRedundancyOptimizer runs it: gradients
-            # all-reduced (DDP), then each device steps its ~1/d of the parameters and broadcasts them
-            a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
-            total = sum(b for b, _ in bks)
-            a.step_post = [Op(kind=OpKind.BROADCAST, devices=g, segment=i0, phase="step", tensor="params",
-                              bytes=total // len(g) + (k < total % len(g)), attrs={"root": root, "shard": k})
-                           for k, root in enumerate(g)]
-        else:
-            a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
-        if o.get("sync_batchnorm"):
-            for i, l in enumerate(info):
-                if l.op.startswith("BatchNorm"):
-                    c = _channels(l)
-                    a.cuts |= {i, i + 1}
-                    # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
-                    a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
-                    a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
+        bks = buckets(seg, graph, seg.options.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb))
+        data.collectives(a, seg, info, op, param_bytes(seg, graph), bks)
     elif seg.mode == "channel":
         channel.collectives(a, info, grads, op)
     elif seg.mode == "tensor":
@@ -216,7 +170,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
                             lambda name: layer_geometry(spec, name))
         # every device computes weight gradients from its own rows: sum them like data parallel
         bks = buckets(seg, graph, DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
-        a.seg_post_bwd = _bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
+        a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
     return a
 
 
@@ -238,10 +192,6 @@ def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
         if r.trainable and r.consumer in out:
             out[r.consumer] += r.bytes
     return out
-
-
-def _channels(l) -> int:
-    return l.out_shape[1] if l.out_shape and len(l.out_shape) > 1 else 0
 
 
 def _instantiate(entries, src: Op, m: int, part: str) -> list[Op]:

@@ -1,0 +1,63 @@
+"""`data`: every device of the group runs the segment's layers on its rows of the batch.
+
+What each `sync` and `shard` option costs in the plan, as torch runs it: DDP's bucketed
+all-reduce of the gradients (`allreduce`); gradients reduced to a server that steps and
+broadcasts the weights (`parameter_server`); the first device's weights broadcast before the
+forward and the gradients reduced to it (`broadcast`); ZeroRedundancyOptimizer (`shard:
+optimizer`: the all-reduce, then each device broadcasts the ~1/d of the parameters it
+stepped); FSDP2 (`shard: full`: each layer's parameters gathered around its forward and
+backward, its gradients reduce-scattered); and SyncBatchNorm's statistics.
+"""
+from __future__ import annotations
+
+from placer.plan.attach import Attached, bucket_ops
+from placer.plan.ir import Op, OpKind, PlacedSegment
+from placer.spec.types import DEFAULT_PARALLEL
+
+
+def channels(l) -> int:
+    """The channels of a BatchNorm's output (its statistics' length)."""
+    return l.out_shape[1] if l.out_shape and len(l.out_shape) > 1 else 0
+
+
+def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: list) -> None:
+    """The plan's gradient sync, sharding and BatchNorm statistics for a data segment (`sizes`:
+    layer -> parameter bytes; `bks`: DDP-like gradient buckets, see plan.lower.buckets)."""
+    o, g, i0 = seg.options, seg.devices, seg.index
+    sync, shard = o.get("sync", DEFAULT_PARALLEL.sync), o.get("shard", DEFAULT_PARALLEL.shard)
+    if sync == "parameter_server":
+        server = o["server"]
+        group = g if server in g else g + (server,)
+        a.step_devices = group
+        a.step_pre = bucket_ops(OpKind.REDUCE, seg, group, "step", "grads", bks, root=server)
+        a.step_post = bucket_ops(OpKind.BROADCAST, seg, group, "step", "params", bks, root=server, reverse=True)
+    elif sync == "broadcast":
+        a.seg_pre_fwd = bucket_ops(OpKind.BROADCAST, seg, g, "fwd", "params", bks, root=g[0], reverse=True)
+        a.step_pre = bucket_ops(OpKind.REDUCE, seg, g, "step", "grads", bks, root=g[0])
+    elif shard == "full":  # FSDP: gather each layer's parameters around its use, scatter its gradients
+        for i, l in enumerate(info):
+            pb = sizes[l.name]
+            if not pb:
+                continue
+            a.cuts |= {i, i + 1}
+            a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name), scale=False)
+            a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name), scale=False)
+            a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name), scale=False,
+                  weight=True)
+    elif shard == "optimizer":  # ZeRO-1 as torch's ZeroRedundancyOptimizer runs it: gradients
+        # all-reduced (DDP), then each device steps its ~1/d of the parameters and broadcasts them
+        a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
+        total = sum(b for b, _ in bks)
+        a.step_post = [Op(kind=OpKind.BROADCAST, devices=g, segment=i0, phase="step", tensor="params",
+                          bytes=total // len(g) + (k < total % len(g)), attrs={"root": root, "shard": k})
+                       for k, root in enumerate(g)]
+    else:
+        a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
+    if o.get("sync_batchnorm"):
+        for i, l in enumerate(info):
+            if l.op.startswith("BatchNorm"):
+                c = channels(l)
+                a.cuts |= {i, i + 1}
+                # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
+                a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
+                a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
