@@ -16,6 +16,7 @@ cannot run is this same step inside micro-batch loops (`gpipe_step`).
 from __future__ import annotations
 
 from placer.codegen.segments import Seg
+from placer.modes import channel, data, spatial, tensor
 
 
 class Code:
@@ -211,22 +212,19 @@ class TrainWriter:
         if seg.sync_batchnorm:
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
-        ranks = list(seg.ranks)
         if seg.replicated:
             self.split_stage(seg)
         elif seg.mode == "spatial":
             assert seg.axis is not None and seg.in_shape is not None  # set for every spatial segment
-            c(f"seg{k} = SpatialSplit(stage, {group}, {ranks}, dim={seg.axis}, size={seg.in_shape[seg.axis]})")
-        elif seg.shard == "full":
-            c(f"seg{k} = fully_shard_segment(stage, {group}, device.type)  # gradients reduce-scattered in backward")
-        elif seg.mode == "data" and seg.sync == "allreduce" and seg.overlap and seg.has_params:
-            c(f"seg{k} = ddp_sum(stage, {group}, bucket_mb={seg.bucket_mb!r}, device_ids=device_ids"
-              + (", resumable=True)" if self.checkpoint else ")"))
-            self.uses_device_ids = True
+            c(*spatial.emit_stage(k, seg.ranks, seg.axis, seg.in_shape[seg.axis]))
+        elif seg.mode == "data":
+            ddp = seg.sync == "allreduce" and seg.overlap and seg.has_params and seg.shard != "full"
+            c(*data.emit_stage(k, seg.shard, ddp, seg.bucket_mb, self.checkpoint))
+            self.uses_device_ids |= ddp
         else:
             c(f"seg{k} = stage")
         if seg.has_params and seg.shard == "optimizer":
-            c(f"opt{k} = zero_optimizer(seg{k}.parameters(), {group}, {self.zero_args})  # each rank steps 1/{len(ranks)}")
+            c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
         elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
                 c(f"if rank == {seg.owner}:  # it alone keeps the optimizer")
@@ -238,13 +236,8 @@ class TrainWriter:
 
     def split_stage(self, seg: Seg) -> None:
         """seg{k}: `stage` split by channels or into tensor-parallel pairs over group g{k}."""
-        k = seg.k
-        if seg.mode == "channel":
-            self.c(f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
-                   f"seg{k} = ChannelSplit(stage, g{k}, {list(seg.ranks)})")
-        else:
-            self.c(f"tensor_parallelize(stage, g{k}, {list(seg.pairs)!r}, device.type)  # (column, row) Linear pairs",
-                   f"seg{k} = stage")
+        self.c(*(channel.emit_stage(seg.k, seg.ranks) if seg.mode == "channel" else
+                 tensor.emit_stage(seg.k, seg.pairs)))
 
     def step(self) -> None:
         c, segs = self.c, self.segs

@@ -83,3 +83,9 @@ def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
 def held(l) -> bool:
     """Whether a device holds only its slice of the layer's parameters and buffers."""
     return l.op == "Linear" or l.op.startswith(("Conv", "BatchNorm"))
+
+
+def emit_stage(k: int, ranks) -> list[str]:
+    """The program's lines that split segment k's `stage` by channels over group g{k}."""
+    return [f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
+            f"seg{k} = ChannelSplit(stage, g{k}, {list(ranks)})"]

@@ -61,3 +61,19 @@ def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: lis
                 # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
                 a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
                 a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
+
+
+def emit_stage(k: int, shard: str, ddp: bool, bucket_mb: float, resumable: bool) -> list[str]:
+    """The program's line that wraps segment k's `stage` for its group g{k}: FSDP2 for `shard: full`,
+    DDP summing gradients (`ddp`: allreduce with overlap), else the stage itself."""
+    if shard == "full":
+        return [f"seg{k} = fully_shard_segment(stage, g{k}, device.type)  # gradients reduce-scattered in backward"]
+    if ddp:
+        return [f"seg{k} = ddp_sum(stage, g{k}, bucket_mb={bucket_mb!r}, device_ids=device_ids"
+                + (", resumable=True)" if resumable else ")")]
+    return [f"seg{k} = stage"]
+
+
+def emit_optimizer(k: int, n: int, zero_args: str) -> list[str]:
+    """ZeroRedundancyOptimizer for `shard: optimizer` over group g{k} of n devices."""
+    return [f"opt{k} = zero_optimizer(seg{k}.parameters(), g{k}, {zero_args})  # each rank steps 1/{n}"]

@@ -82,3 +82,8 @@ def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int,
         a.add("pre_fwd", i, op(OpKind.HALO, "fwd", "act", total, l.name, dim=axis, attrs=attrs))
         if grads[i]:
             a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
+
+
+def emit_stage(k: int, ranks, axis: int, size: int) -> list[str]:
+    """The program's line that cuts segment k's `stage` into bands of dim `axis` over group g{k}."""
+    return [f"seg{k} = SpatialSplit(stage, g{k}, {list(ranks)}, dim={axis}, size={size})"]

@@ -97,3 +97,8 @@ def emit_pairs(layers: Sequence[str], planned: Sequence[tuple[str, str]]) -> lis
     index = {name: str(i) for i, name in enumerate(layers)}
     return [(index[c], index[r]) for c, r in planned]
 
+
+def emit_stage(k: int, pairs) -> list[str]:
+    """The program's lines that split segment k's `stage` into the plan's pairs over group g{k}."""
+    return [f"tensor_parallelize(stage, g{k}, {list(pairs)!r}, device.type)  # (column, row) Linear pairs",
+            f"seg{k} = stage"]
