@@ -383,29 +383,16 @@ class TrainWriter:
         self.when(prev.ranks, f"torch.autograd.backward(h{k - 1}, d{k - 1}){note}")
 
     def sync(self, seg: Seg) -> None:
-        k = seg.k
+        """The gradient sync and optimizer step after backward, as the segment's mode writes them."""
         if not seg.has_params:
             return
-        if seg.sync == "parameter_server":
-            outside = seg.server not in seg.ranks
-            extra = (f", buffers=list(seg{k}.buffers()), buffers_from={seg.ranks[0]}" if outside else "")
-            self.when(seg.holders, '# gradients up to the server, new weights back', 'with timer("comm"):',
-                      f"    param_server_step(seg{k}.parameters(), opt{k}, g{k}, server={seg.server}, "
-                      f"bucket_mb={seg.bucket_mb!r}{extra})")
-        elif seg.sync == "broadcast":
-            self.when(seg.ranks, '# gradients summed on the root, which steps', 'with timer("comm"):',
-                      f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, g{k}, "
-                      f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        elif seg.mode == "spatial":
-            self.when(seg.ranks, '# each rank\'s weight gradients cover its bands only', 'with timer("comm"):',
-                      f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={seg.bucket_mb!r})",
-                      f"opt{k}.step()")
-        elif seg.sync == "allreduce" and not seg.overlap and seg.shard != "full":
-            self.when(seg.ranks, 'with timer("comm"):',
-                      f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={seg.bucket_mb!r})",
-                      f"opt{k}.step()")
+        if seg.mode == "spatial":
+            ranks, lines = seg.ranks, spatial.emit_sync(seg.k, seg.bucket_mb)
+        elif seg.mode == "data":
+            ranks, lines = data.emit_sync(seg)
         else:
-            self.when(seg.ranks, f"opt{k}.step()")
+            ranks, lines = seg.ranks, [f"opt{seg.k}.step()"]
+        self.when(ranks, *lines)
 
     def finish(self) -> None:
         c = self.c

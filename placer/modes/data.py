@@ -10,9 +10,26 @@ backward, its gradients reduce-scattered); and SyncBatchNorm's statistics.
 """
 from __future__ import annotations
 
+from placer.diagnostics import Diagnostic
 from placer.plan.attach import Attached, bucket_ops
 from placer.plan.ir import Op, OpKind, PlacedSegment
 from placer.spec.types import DEFAULT_PARALLEL
+
+
+def check(seg, seg_layers, pipelined: bool) -> list[Diagnostic]:
+    """W002 for sync_batchnorm without a BatchNorm; W006 for a BatchNorm whose statistics cover
+    one device's rows only (a pipeline's W006 is the spec's, over every stage)."""
+    p, n = seg.parallel, len(seg.devices)
+    norms = [l for l in seg_layers if l.op.startswith("BatchNorm")]
+    if p.sync_batchnorm and not norms:
+        return [Diagnostic("W002", f"segment {seg.name!r}: sync_batchnorm is set but it has no BatchNorm layer",
+                           p.loc, "remove sync_batchnorm", severity="warning")]
+    if norms and not p.sync_batchnorm and not pipelined:
+        return [Diagnostic("W006", f"layer {norms[0].name!r} is a BatchNorm in data segment {seg.name!r}: each "
+                           f"device normalises over its 1/{n} of the batch, so run --check cannot match one device",
+                           norms[0].loc, "set sync_batchnorm: true for statistics of the whole batch",
+                           severity="warning")]
+    return []
 
 
 def channels(l) -> int:
@@ -77,3 +94,24 @@ def emit_stage(k: int, shard: str, ddp: bool, bucket_mb: float, resumable: bool)
 def emit_optimizer(k: int, n: int, zero_args: str) -> list[str]:
     """ZeroRedundancyOptimizer for `shard: optimizer` over group g{k} of n devices."""
     return [f"opt{k} = zero_optimizer(seg{k}.parameters(), g{k}, {zero_args})  # each rank steps 1/{n}"]
+
+
+def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
+    """(ranks that run them, lines): the gradient sync and step after backward of a data segment
+    (a codegen Seg: ranks, server, holders, sync, overlap, shard, bucket_mb). DDP (overlap) and
+    FSDP2 have synced during backward: they only step."""
+    k, mb = seg.k, seg.bucket_mb
+    if seg.sync == "parameter_server":
+        extra = (f", buffers=list(seg{k}.buffers()), buffers_from={seg.ranks[0]}"
+                 if seg.server not in seg.ranks else "")
+        return seg.holders, ["# gradients up to the server, new weights back", 'with timer("comm"):',
+                             f"    param_server_step(seg{k}.parameters(), opt{k}, g{k}, server={seg.server}, "
+                             f"bucket_mb={mb!r}{extra})"]
+    if seg.sync == "broadcast":
+        return seg.ranks, ["# gradients summed on the root, which steps", 'with timer("comm"):',
+                           f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, g{k}, "
+                           f"root={seg.ranks[0]}, bucket_mb={mb!r})"]
+    if seg.sync == "allreduce" and not seg.overlap and seg.shard != "full":
+        return seg.ranks, ['with timer("comm"):', f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={mb!r})",
+                           f"opt{k}.step()"]
+    return seg.ranks, [f"opt{k}.step()"]

@@ -87,3 +87,9 @@ def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int,
 def emit_stage(k: int, ranks, axis: int, size: int) -> list[str]:
     """The program's line that cuts segment k's `stage` into bands of dim `axis` over group g{k}."""
     return [f"seg{k} = SpatialSplit(stage, g{k}, {list(ranks)}, dim={axis}, size={size})"]
+
+
+def emit_sync(k: int, bucket_mb: float) -> list[str]:
+    """After backward: every device's weight gradients (from its bands only) summed, then the step."""
+    return ["# each rank's weight gradients cover its bands only", 'with timer("comm"):',
+            f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", f"opt{k}.step()"]

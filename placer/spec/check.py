@@ -9,7 +9,7 @@ import os
 
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
-from placer.modes import channel, spatial, tensor
+from placer.modes import channel, data, spatial, tensor
 from placer.plan.schedules import SCHEDULES
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Spec, from_document
@@ -157,20 +157,13 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]]) -> list[Diagnostic]:
     layers = spec.model.layers
     assert layers is not None, "check_layer_kinds reads the layers (a module model's once built)"
     for seg in spec.placement:
-        p, n = seg.parallel, len(seg.devices)
-        ploc = p.loc
+        p = seg.parallel
         if p.mode == "none":
             continue
         kinds = [shapes.kind(layers[i]) for i in groups[seg.index]]
         seg_layers = [layers[i] for i in groups[seg.index]]
-        norms = [l for l in seg_layers if l.op.startswith("BatchNorm")]
-        if p.mode == "data" and p.sync_batchnorm and not norms:
-            diags.append(D("W002", f"segment {seg.name!r}: sync_batchnorm is set but it has no BatchNorm layer",
-                           ploc, "remove sync_batchnorm", severity="warning"))
-        if p.mode == "data" and norms and not p.sync_batchnorm and not spec.pipeline:
-            diags.append(D("W006", f"layer {norms[0].name!r} is a BatchNorm in data segment {seg.name!r}: each device "
-                           f"normalises over its 1/{n} of the batch, so run --check cannot match one device",
-                           norms[0].loc, "set sync_batchnorm: true for statistics of the whole batch", severity="warning"))
+        if p.mode == "data":
+            diags += data.check(seg, seg_layers, pipelined=spec.pipeline is not None)
         if p.mode == "spatial":
             diags += spatial.check(seg, seg_layers, kinds)
         if p.mode == "channel":
