@@ -131,11 +131,13 @@ class TrainWriter:
         self.step()
         c.dedent()
         self.finish()
-        binding = ["    " + line for line in (
-            ["# gloo moves host tensors only: a GPU rank on gloo stages its copies through host memory",
-             'host = backend == "gloo" and device.type == "cuda"'] * self.uses_host
-            + ['device_ids = [device.index] if device.type == "cuda" else None'] * self.uses_device_ids)]
-        c.lines[self.binding_at:self.binding_at] = binding
+        binding = []
+        if self.uses_host:
+            binding += ["# gloo moves host tensors only: a GPU rank on gloo stages its copies through host memory",
+                        'host = backend == "gloo" and device.type == "cuda"']
+        if self.uses_device_ids:
+            binding.append('device_ids = [device.index] if device.type == "cuda" else None')
+        c.lines[self.binding_at:self.binding_at] = ["    " + line for line in binding]
         return head.text() + c.text()
 
     def setup(self) -> None:
@@ -218,7 +220,7 @@ class TrainWriter:
             assert seg.axis is not None and seg.in_shape is not None  # set for every spatial segment
             c(*spatial.emit_stage(k, seg.ranks, seg.axis, seg.in_shape[seg.axis]))
         elif seg.mode == "data":
-            ddp = seg.sync == "allreduce" and seg.overlap and seg.has_params and seg.shard != "full"
+            ddp = data.uses_ddp(seg)
             c(*data.emit_stage(k, seg.shard, ddp, seg.bucket_mb, self.checkpoint))
             self.uses_device_ids |= ddp
         else:
@@ -379,7 +381,7 @@ class TrainWriter:
               f"                           {list(seg.in_shape)}, {self.dtype_arg(seg)}route={self.route(seg)}, "
               "device=device)")
         note = "  # DDP sums the gradients over the group meanwhile" if (
-            prev.sync == "allreduce" and prev.overlap and prev.has_params) else ""
+            prev.mode == "data" and data.uses_ddp(prev)) else ""
         self.when(prev.ranks, f"torch.autograd.backward(h{k - 1}, d{k - 1}){note}")
 
     def sync(self, seg: Seg) -> None:

@@ -15,7 +15,6 @@ from placer.diagnostics import Diagnostic
 from placer.plan.attach import Attached
 from placer.plan.ir import OpKind
 from placer.spec import shapes
-from placer.spec.torch_names import NN_MODULE_KINDS
 
 KINDS = {"linear", "conv", "pool", "elementwise", "batchnorm"}
 """Layer kinds a channel segment may hold (and InstanceNorm, `NORMS`)."""
@@ -25,9 +24,9 @@ NORMS = {"InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"}
 
 def role(op: str) -> str:
     """How a layer class runs on channel slices: `split`, `follows` or `whole` (see the module doc)."""
-    if NN_MODULE_KINDS.get(op) in ("linear", "conv"):  # not ConvTranspose
+    if shapes.op_kind(op) in ("linear", "conv"):  # not ConvTranspose
         return "split"
-    if NN_MODULE_KINDS.get(op) in ("pool", "elementwise") or any(
+    if shapes.op_kind(op) in ("pool", "elementwise") or any(
             k in op for k in ("BatchNorm", "AdaptiveAvgPool", "AdaptiveMaxPool")):  # Lazy, Sync ones too
         return "follows"
     return "whole"

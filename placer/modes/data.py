@@ -80,6 +80,12 @@ def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: lis
                 a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
 
 
+def uses_ddp(seg) -> bool:
+    """Whether the program wraps a (codegen) data segment in DDP: all-reduce overlapped with
+    backward, parameters to sync, and not FSDP2."""
+    return seg.sync == "allreduce" and seg.overlap and seg.has_params and seg.shard != "full"
+
+
 def emit_stage(k: int, shard: str, ddp: bool, bucket_mb: float, resumable: bool) -> list[str]:
     """The program's line that wraps segment k's `stage` for its group g{k}: FSDP2 for `shard: full`,
     DDP summing gradients (`ddp`: allreduce with overlap), else the stage itself."""

@@ -15,15 +15,10 @@ from collections.abc import Sequence
 from placer.diagnostics import Diagnostic
 from placer.plan.attach import Attached
 from placer.plan.ir import OpKind
-from placer.spec.torch_names import NN_MODULE_KINDS
+from placer.spec.shapes import op_kind
 
 BETWEEN = frozenset({"elementwise", "dropout"})
 """Layer kinds that may sit between the two Linears of a pair (they act on each feature alone)."""
-
-
-def kind(op: str) -> str:
-    """`linear`, `elementwise`, `dropout`, ... (torch_names' kinds) of a layer's class name."""
-    return NN_MODULE_KINDS.get(op, "other")
 
 
 def pairs(kinds: Sequence[str]) -> list[tuple[int, int]]:
@@ -58,7 +53,7 @@ def check(seg, seg_layers, kinds: Sequence[str]) -> list[Diagnostic]:
 
 def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
     """The plan's all-reduces of each pair, hung on the pair's layers (`op` makes a group op)."""
-    for col, row in pairs([kind(l.op) for l in info]):
+    for col, row in pairs([op_kind(l.op) for l in info]):
         a.cuts |= {col, row + 1}
         pair = f"{info[col].name}..{info[row].name}"  # the plan text's layer-range form
         a.add("post_fwd", col, op(OpKind.ALL_REDUCE, "fwd", "act", info[row].out_bytes, info[row].name,
@@ -88,7 +83,7 @@ def held(l, row: bool, d: int, r: int, share) -> int:
 
 def split_layers(info) -> tuple[set[str], set[str]]:
     """(every Linear of a pair, the row halves) of a segment's layers."""
-    ps = pairs([kind(l.op) for l in info])
+    ps = pairs([op_kind(l.op) for l in info])
     return {info[i].name for p in ps for i in p}, {info[r].name for _, r in ps}
 
 

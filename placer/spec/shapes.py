@@ -27,8 +27,13 @@ def _tup(v, n: int) -> tuple:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
 
 
+def op_kind(op: str) -> str:
+    """`linear`, `conv`, `elementwise`, `dropout`, ... of a torch.nn class name; `other` if unlisted."""
+    return NN_MODULE_KINDS.get(op, "other")
+
+
 def kind(layer: Layer) -> str:
-    return NN_MODULE_KINDS.get(layer.op, "other")
+    return op_kind(layer.op)
 
 
 # torch's positional order of the constructor arguments that placer reads, per layer family

@@ -39,9 +39,10 @@ BASE_PIECES = ["batch", "transfer"]  # what run_program and global_batch always 
 def module_pairs(module) -> list[tuple[str, str]]:
     """The (column, row) Linear pairs among module's children, by placer's one rule."""
     from placer.modes import tensor
+    from placer.spec.shapes import op_kind
 
     names = [n for n, _ in module.named_children()]
-    kinds = [tensor.kind(type(m).__name__) for _, m in module.named_children()]
+    kinds = [op_kind(type(m).__name__) for _, m in module.named_children()]
     return [(names[c], names[r]) for c, r in tensor.pairs(kinds)]
 
 
