@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -198,7 +199,11 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
     except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
         if not console.said_interrupted:
             console.say("interrupted before the run started", err=True)
-        sys.exit(128 + e.signum)
+        # everything is said and saved: leave without interpreter shutdown, where a second Ctrl-C
+        # or a dying thread's finalizer printed "Exception ignored in: ..." after our one line
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + e.signum)
     except PlacerError as e:
         fail(e, fmt)
     except OSError as e:  # writing the run's own files (a full disk); the workers' are reported as R028 too
