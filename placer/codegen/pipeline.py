@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from placer.codegen.segments import Seg
 from placer.codegen.train import TrainWriter
+from placer.modes import MODES
 
 
 def pipelines(segs: list[Seg]) -> list[list[int]]:
@@ -50,8 +51,7 @@ class PipelineWriter(TrainWriter):
         c(f"seg{k} = opt{k} = None")
         self.c(f"if {self.cond(seg.ranks)}:").indent()
         if self.replicated:
-            c(f"stage = {seg.func}(model).to(device)")
-            self.split_stage(seg)
+            c(f"stage = {seg.func}(model).to(device)", *MODES[seg.mode].emit_stage(seg, self.checkpoint))
             if seg.has_params:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
             c.dedent()

@@ -29,6 +29,7 @@ from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, program_segme
 from placer.codegen.train import Code, TrainWriter, train_source
 from placer.device import Device
 from placer.diagnostics import Diagnostic, SpecError
+from placer.modes import MODES
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -101,20 +102,11 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
-    pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else [])
-    for name, used in (("ddp_sum", not pl and any(s.sync == "allreduce" and s.overlap for s in segs)),
-                       ("buckets", any(s.sync == "allreduce" and (not s.overlap or pl) or s.mode == "spatial" for s in segs)),
-                       ("param_server", any(s.sync == "parameter_server" for s in segs)),
-                       ("broadcast_sync", any(s.sync == "broadcast" for s in segs)),
-                       ("syncbn", any(s.sync_batchnorm for s in segs)),
-                       ("channel", any(s.mode == "channel" for s in segs)),
-                       ("tensor", any(s.mode == "tensor" or s.shard == "full" for s in segs)),
-                       ("spatial", any(s.mode == "spatial" for s in segs)),
-                       ("sharding", any(s.shard != "none" for s in segs)),
-                       ("replicate", not pl and (segs[-1].mode == "spatial" or any(
-                           TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))))):
-        if used:
-            pieces.append(name)
+    used = set().union(*(MODES[s.mode].runtime(s, bool(pl)) for s in segs))
+    used |= {"replicate"} if not pl and (segs[-1].loss_gather or any(
+        TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
+    pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
+        name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
     module_model = not spec.model.inline
     cut = module_model and len(segs) > 1
@@ -187,7 +179,7 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
         for s in segs:
             if r in s.ranks:
                 what = f"{s.name} ({s.layers[0]}{'..' + s.layers[-1] if len(s.layers) > 1 else ''})"
-                if s.mode == "data":
+                if MODES[s.mode].data_degree(len(s.ranks)) > 1:
                     what += f" 1/{len(s.ranks)} of the batch"
                 elif s.mode != "none":
                     what += f" {s.mode} split 1/{len(s.ranks)}"
@@ -417,7 +409,7 @@ def _member(spec: Spec, names: tuple[str, ...]) -> str:
 
 def _stage_doc(seg: Seg, devices) -> str:
     where = ", ".join(f"{devices[r]} (rank {r})" for r in seg.ranks)
-    mode = f", data parallel ({seg.sync}), {seg.rows} rows each" if seg.mode == "data" else (
+    mode = f", data parallel ({seg.sync}), {seg.rows} rows each" if seg.sync else (
         f", {seg.mode} split" if seg.mode != "none" else "")
     shown = ", ".join(seg.layers) if len(seg.layers) <= 6 else f"{seg.layers[0]} .. {seg.layers[-1]}"
     return f'"""Segment {seg.k} {seg.name!r}: {shown} on {where}{mode}."""'

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
-from placer.modes import tensor
+from placer.modes import MODES, tensor
 from placer.plan.ir import Plan
+from placer.plan.layout import in_layout
 from placer.plan.place import segment_params
 from placer.spec.check import torch_pipeline_blocker
 from placer.spec.types import DEFAULT_PARALLEL, Spec
@@ -59,23 +60,24 @@ class Seg:
     """Whether a gradient flows back out of this segment's input (to the previous segment)."""
     shard: str = "none"
     """data: none | optimizer (ZeRO-1) | full (FSDP2)."""
-    axis: int | None = None
-    """spatial: the activation dim split into bands."""
+    dim: int | None = None
+    """The activation dim the group's ranks hold slices of, from the plan's layout (0: rows of a
+    data group; a spatial group's bands); None: whole on each rank."""
+    loss_gather: bool = False
+    """The plan gathers this (last) segment's output on its first rank for the loss (a spatial
+    group's bands: the loss takes rows)."""
     pairs: tuple = ()
     """tensor: the Linear pairs the plan all-reduces, as (column, row) child names of the stage."""
 
     @property
     def replicated(self) -> bool:
-        """channel / tensor: every rank holds the whole input and output activation."""
-        return self.mode in ("channel", "tensor")
+        """Every rank of the group holds the whole input and output activation (channel, tensor)."""
+        return len(self.ranks) > 1 and self.dim is None
 
     @property
     def split_dim(self) -> int:
-        """The activation dim the group's ranks hold slices of (rows for data, bands for spatial)."""
-        if self.mode != "spatial":
-            return 0
-        assert self.axis is not None  # set for every spatial segment
-        return self.axis
+        """The activation dim the group's ranks hold slices of (0, rows, when whole)."""
+        return self.dim or 0
 
     @property
     def layout(self) -> tuple:
@@ -154,12 +156,12 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
         return (shape[0] // m, *shape[1:]) if shape else ()
     out: list[Seg] = []
     any_params = False
+    gathered = {op.segment for op in plan.unique_ops() if op.attrs.get("loss")}
     for placed in plan.segments:
         k = placed.index
         opts = placed.options
-        # channel / tensor / spatial over one device is that device computing the layers whole
-        mode = placed.mode if placed.mode in ("none", "data") or len(placed.devices) > 1 else "none"
-        if mode in ("channel", "tensor", "spatial") and not spec.model.inline:
+        mode = placed.mode if len(placed.devices) > 1 else "none"  # a mode over one device: the layers whole
+        if not MODES[mode].module_models and not spec.model.inline:
             raise _unsupported(spec, k, f"mode {mode!r} of a module model (`model.module`)",
                                "give the model as inline `layers`, or use mode data / none here")
         ranks = tuple(devices.index(d) for d in placed.devices)
@@ -176,22 +178,23 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
                                            "is unknown", spec.placement[k].loc,
                                            "make the model trace with torch.fx (`placer validate --deep` shows why)"))
         n_params = segment_params(placed, graph)[0]
-        data = placed.mode == "data"
+        dim = in_layout(placed).dim if mode != "none" else None  # options below: data's (absent elsewhere)
         out.append(Seg(
             k=k, name=placed.name, layers=tuple(placed.layers), ranks=ranks, mode=mode,
-            sync=opts.get("sync") if data else None,
-            server=devices.index(opts["server"]) if data and opts.get("sync") == "parameter_server" else None,
+            sync=opts.get("sync"),
+            server=devices.index(opts["server"]) if opts.get("sync") == "parameter_server" else None,
             bucket_mb=float(opts.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb)),
             overlap=bool(opts.get("overlap", DEFAULT_PARALLEL.overlap)) and not loops,
             sync_batchnorm=bool(opts.get("sync_batchnorm", DEFAULT_PARALLEL.sync_batchnorm)), route=placed.route,
             has_params=n_params > 0, in_shape=per_step(shape), in_dtype=dtype,
             out_shape=per_step(graph.layer(placed.layers[-1]).out_shape or ()),
             out_dtype=graph.layer(placed.layers[-1]).out_dtype,
-            rows=spec.training.batch_size // m // (len(ranks) if data else 1),
+            rows=spec.training.batch_size // m // MODES[mode].data_degree(len(ranks)),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
-            shard=opts.get("shard", DEFAULT_PARALLEL.shard) if data else "none",
-            axis=opts["axis"] % len(shape) if mode == "spatial" else None,  # -1 is W of NCHW: 3
-            pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))) if mode == "tensor" else (),
+            shard=opts.get("shard", "none"),
+            dim=None if dim is None else dim % len(shape),  # -1 is W of NCHW: 3
+            loss_gather=k in gathered,
+            pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),  # () but in tensor
         ))
         any_params |= n_params > 0
     return out

@@ -16,7 +16,7 @@ cannot run is this same step inside micro-batch loops (`gpipe_step`).
 from __future__ import annotations
 
 from placer.codegen.segments import Seg
-from placer.modes import channel, data, spatial, tensor
+from placer.modes import MODES, data
 
 
 class Code:
@@ -96,26 +96,8 @@ class TrainWriter:
         where = ", ".join(f"{self.devices[r]}" for r in seg.ranks)
         layers = seg.layers[0] if len(seg.layers) == 1 else f"{seg.layers[0]}..{seg.layers[-1]}"
         text = f"segment {seg.k} {seg.name!r} ({layers}) on {where}"
-        d = len(seg.ranks)
-        if seg.mode == "channel":
-            text += f": channel split, 1/{d} of every Linear/Conv's output channels each, gathered after"
-        elif seg.mode == "tensor":
-            text += f": tensor parallel, Linear pairs split by columns then rows over {d} ranks"
-        elif seg.mode == "spatial":
-            text += f": spatial split, 1/{d} of dim {seg.axis} each, halo rows exchanged before every Conv/Pool"
-        if seg.mode == "data":
-            if seg.sync == "parameter_server":
-                how = f"parameter server rank {seg.server} ({self.devices[seg.server]})"
-            elif seg.sync == "broadcast":
-                how = f"parameters broadcast from rank {seg.ranks[0]}"
-            elif seg.shard == "full":
-                how = "parameters, gradients and optimizer state sharded (FSDP)"
-            else:
-                how = f"gradients all-reduced {'by DDP during backward' if seg.overlap else 'after backward'}"
-            if seg.shard == "optimizer":
-                how += ", optimizer state sharded (ZeRO)"
-            text += f": data parallel, {seg.rows} rows each, {how}"
-        return text
+        how = MODES[seg.mode].describe(seg, self.devices)
+        return f"{text}: {how}" if how else text
 
     # -- the function -----------------------------------------------------------------------------
     def write(self) -> str:
@@ -178,11 +160,7 @@ class TrainWriter:
           'first: every rank of their group takes part."""', "params = dict(own)")
         c("with uncounted():  # saving, not training: the gathers are left out of the bytes sent").indent()
         for seg in self.gathered:
-            if seg.mode == "channel":
-                body = [f"channel_unshard(seg{seg.k})  # segment {seg.k}: the channel slices back into the full layers",
-                        f"whole = named_params(full{seg.k}, model)"]
-            else:
-                body = [f"whole = whole_params(named_params(seg{seg.k}, model))  # segment {seg.k}: DTensors gathered"]
+            body = MODES[seg.mode].emit_gather(seg)
             self.when(seg.ranks, *body, f"if rank == {seg.owner}:", "    params.update(whole)")
         c.dedent()
         c("return params").dedent()
@@ -214,17 +192,8 @@ class TrainWriter:
         if seg.sync_batchnorm:
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
-        if seg.replicated:
-            self.split_stage(seg)
-        elif seg.mode == "spatial":
-            assert seg.axis is not None and seg.in_shape is not None  # set for every spatial segment
-            c(*spatial.emit_stage(k, seg.ranks, seg.axis, seg.in_shape[seg.axis]))
-        elif seg.mode == "data":
-            ddp = data.uses_ddp(seg)
-            c(*data.emit_stage(k, seg.shard, ddp, seg.bucket_mb, self.checkpoint))
-            self.uses_device_ids |= ddp
-        else:
-            c(f"seg{k} = stage")
+        c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
+        self.uses_device_ids |= data.uses_ddp(seg)
         if seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
         elif seg.has_params:
@@ -235,11 +204,6 @@ class TrainWriter:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
         if cond:
             c.dedent()
-
-    def split_stage(self, seg: Seg) -> None:
-        """seg{k}: `stage` split by channels or into tensor-parallel pairs over group g{k}."""
-        self.c(*(channel.emit_stage(seg.k, seg.ranks) if seg.mode == "channel" else
-                 tensor.emit_stage(seg.k, seg.pairs)))
 
     def step(self) -> None:
         c, segs = self.c, self.segs
@@ -279,7 +243,7 @@ class TrainWriter:
         c, segs, m = self.c, self.segs, self.microbatches
         last = segs[-1]
         saved = [f"a{s.k}" for s in segs[1:]] + [f"h{s.k}" for s in segs] + (
-            ["out"] if last.mode == "spatial" else []) + ["loss"]
+            ["out"] if last.loss_gather else []) + ["loss"]
         c("", f"# GPipe: every micro-batch forward, then every one backward; {m} micro-batches of "
               f"{segs[0].in_shape[0]} rows",
           f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []",
@@ -301,7 +265,7 @@ class TrainWriter:
         """The loss on the last group (and, with backward, its backward)."""
         c, last = self.c, self.segs[-1]
         out, whole = f"h{last.k}", f"Replicate({list(last.ranks[:1])})"
-        if last.mode == "spatial":
+        if last.loss_gather:
             out = "out"
             c("", f"# the loss needs the whole output: the bands go to rank {last.ranks[0]}",
               f"# {self.layout_text(last)} -> rank {last.ranks[0]}, {list(last.out_shape)}", 'with timer("comm"):',
@@ -313,7 +277,7 @@ class TrainWriter:
         if last.replicated:
             c("# every rank of the last group holds the whole output: each backpropagates the whole loss")
             c("# (reaching its own slices of the parameters); it counts once, on the first")
-        whole_y = len(last.ranks) == 1 or last.replicated or last.mode == "spatial"
+        whole_y = len(last.ranks) == 1 or last.replicated or last.loss_gather
         y = "y" if whole_y else f"local_slice(y, {list(last.ranks)}, rank)"
         self.when(last.ranks[:1] if out == "out" else last.ranks,
                   f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)",
@@ -329,7 +293,7 @@ class TrainWriter:
             c("if loss is not None:", "    loss.backward()")
         if last.replicated:
             c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
-        if last.mode == "spatial":
+        if last.loss_gather:
             c("# the output's gradient back to the bands", 'with timer("comm"):',
               f"    d{last.k} = relayout_grad(out.grad if rank == {last.ranks[0]} else None, {self.layout_arg(last)}, "
               f"{whole},", f"                       {list(last.out_shape)}, route={self.route(last)}, device=device)")
@@ -380,20 +344,14 @@ class TrainWriter:
             c(f"    d{k - 1} = redistribute_grad({grad}, {list(prev.ranks)}, {list(seg.ranks)},",
               f"                           {list(seg.in_shape)}, {self.dtype_arg(seg)}route={self.route(seg)}, "
               "device=device)")
-        note = "  # DDP sums the gradients over the group meanwhile" if (
-            prev.mode == "data" and data.uses_ddp(prev)) else ""
+        note = "  # DDP sums the gradients over the group meanwhile" if data.uses_ddp(prev) else ""
         self.when(prev.ranks, f"torch.autograd.backward(h{k - 1}, d{k - 1}){note}")
 
     def sync(self, seg: Seg) -> None:
         """The gradient sync and optimizer step after backward, as the segment's mode writes them."""
         if not seg.has_params:
             return
-        if seg.mode == "spatial":
-            ranks, lines = seg.ranks, spatial.emit_sync(seg.k, seg.bucket_mb)
-        elif seg.mode == "data":
-            ranks, lines = data.emit_sync(seg)
-        else:
-            ranks, lines = seg.ranks, [f"opt{seg.k}.step()"]
+        ranks, lines = MODES[seg.mode].emit_sync(seg)
         self.when(ranks, *lines)
 
     def finish(self) -> None:

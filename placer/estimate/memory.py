@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from placer.model.graph import ModelGraph
-from placer.modes import channel, tensor
-from placer.plan.ir import OpKind, PlacedSegment, Plan, in_layout
+from placer.modes import MODES
+from placer.plan.ir import OpKind, PlacedSegment, Plan
+from placer.plan.layout import in_layout
 from placer.plan.place import steppers
-from placer.spec.types import DEFAULT_PARALLEL, Optimizer
+from placer.spec.types import Optimizer
 
 KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
                "Adagrad": 1, "ASGD": 1}
@@ -79,30 +80,17 @@ def _roots(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int, int]:
     return n, b, buf
 
 
-def _held(seg: PlacedSegment, l, rows: dict, d: int, r: int) -> tuple[int, int]:
-    """(parameter elements, buffer bytes) of one layer that rank r of the group holds.
-    `rows`: in a tensor segment, {paired Linear: whether it is the row half}."""
-    if seg.mode == "channel" and channel.held(l):
-        return _share(l.params, d, r), _share(l.buffer_bytes, d, r)  # its slice of output channels
-    if rows and l.name in rows:
-        return tensor.held(l, rows[l.name], d, r, _share), l.buffer_bytes
-    return l.params, l.buffer_bytes
-
-
 def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int, int, int]:
     """(parameter elements, parameter bytes, buffer bytes) of a segment that `device` holds."""
     d = len(seg.devices)
     r = seg.devices.index(device) if device in seg.devices else 0
     info = [graph.layer(x) for x in seg.layers]
-    split, row_halves = tensor.split_layers(info) if seg.mode == "tensor" else (set(), set())
-    rows = {name: name in row_halves for name in split}
     n = b = buf = 0
-    for l in info:
-        k, kb = _held(seg, l, rows, d, r)
+    for l, (k, kb) in zip(info, MODES[seg.mode].held(seg, info, d, r, _share)):
         n, b, buf = n + k, b + (k * l.param_bytes // l.params if l.params else 0), buf + kb
     rn, rb, rbuf = _roots(seg, graph)
     n, b, buf = n + rn, b + rb, buf + rbuf
-    if seg.mode == "data" and seg.options.get("shard") == "full":
+    if seg.options.get("shard") == "full":
         n, b = _share(n, d, r), _share(b, d, r)
     return n, b, buf
 
@@ -116,7 +104,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> dict[str, Dev
         server = seg.server
         holders = seg.devices + ((server,) if server and server not in seg.devices else ())
         stepping = steppers(seg)
-        shard = seg.options.get("shard", DEFAULT_PARALLEL.shard) if seg.mode == "data" else "none"
+        shard = seg.options.get("shard", "none")  # (only data has the option)
         for dev in holders:
             n, b, buf = held_params(seg, graph, dev)
             a = acc[dev]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placer.diagnostics import Diagnostic
+from placer.modes.base import Mode
 from placer.plan.attach import Attached
 from placer.plan.ir import OpKind
 from placer.spec import shapes
@@ -88,3 +89,49 @@ def emit_stage(k: int, ranks) -> list[str]:
     """The program's lines that split segment k's `stage` by channels over group g{k}."""
     return [f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
             f"seg{k} = ChannelSplit(stage, g{k}, {list(ranks)})"]
+
+
+def out_axis(layers, graph) -> int:
+    """The channel dim of a channel segment's output: that of its last Linear / Conv."""
+    for name in reversed(layers):
+        info = graph.layer(name)
+        if info.op == "Linear":
+            return len(info.out_shape) - 1 if info.out_shape else 1
+        if info.op.startswith("Conv"):
+            return 1
+    return 1
+
+
+class Channel(Mode):
+    name = "channel"
+    whole_on_each = True
+    module_models = False
+
+    def check(self, seg, seg_layers, kinds, pipelined):
+        return check(seg, seg_layers, kinds)
+
+    def options(self, p, layers, graph):
+        return {"axis": out_axis(layers, graph)}
+
+    def collectives(self, a, seg, info, grads, op, ctx):
+        collectives(a, info, grads, op)
+
+    def held(self, seg, info, d, r, share):  # a sliced layer: its part of the output channels
+        return [(share(l.params, d, r), share(l.buffer_bytes, d, r)) if held(l) else (l.params, l.buffer_bytes)
+                for l in info]
+
+    def describe(self, seg, devices):
+        return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
+
+    def runtime(self, seg, torch_pipeline):
+        return {"channel"}
+
+    def emit_stage(self, seg, resumable):
+        return emit_stage(seg.k, seg.ranks)
+
+    def emit_gather(self, seg):
+        return [f"channel_unshard(seg{seg.k})  # segment {seg.k}: the channel slices back into the full layers",
+                f"whole = named_params(full{seg.k}, model)"]
+
+
+MODE = Channel()

@@ -10,7 +10,8 @@ backward, its gradients reduce-scattered); and SyncBatchNorm's statistics.
 """
 from __future__ import annotations
 
-from placer.diagnostics import Diagnostic
+from placer.diagnostics import Diagnostic, name_hint
+from placer.modes.base import Mode
 from placer.plan.attach import Attached, bucket_ops
 from placer.plan.ir import Op, OpKind, PlacedSegment
 from placer.spec.types import DEFAULT_PARALLEL
@@ -121,3 +122,83 @@ def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
         return seg.ranks, ['with timer("comm"):', f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={mb!r})",
                            f"opt{k}.step()"]
     return seg.ranks, [f"opt{k}.step()"]
+
+
+class Data(Mode):
+    name = "data"
+
+    def check_options(self, spec, seg):
+        # (sync parameter_server without a server, or a server without it: the schema's S002 / S004)
+        p, n, diags = seg.parallel, len(seg.devices), []
+        if p.server and p.server not in spec.devices:
+            diags.append(Diagnostic("P012", f"segment {seg.name!r}: server {p.server!r} is not a listed device",
+                                    spec.doc.loc(("placement", seg.index, "parallel", "server")),
+                                    name_hint("devices", p.server, spec.devices)))
+        if p.shard != "none" and p.sync != "allreduce":
+            diags.append(Diagnostic("P025", f"segment {seg.name!r}: shard {p.shard!r} needs sync 'allreduce', not "
+                                    f"{p.sync!r}", p.loc, "sharding splits what all-reduce replicas hold"))
+        if spec.training.batch_size % n and not spec.pipeline:
+            diags.append(Diagnostic("P030", f"batch_size {spec.training.batch_size} is not divisible by the {n} "
+                                    f"devices of data segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
+                                    f"use a multiple of {n}"))
+        return diags
+
+    def check(self, seg, seg_layers, kinds, pipelined):
+        return check(seg, seg_layers, pipelined)
+
+    def data_degree(self, n):
+        return n
+
+    def torch_pipeline_blocker(self, p):
+        if p.sync == "allreduce" and p.shard == "none" and not p.sync_batchnorm:
+            return None
+        what = f"sync {p.sync!r}" if p.sync != "allreduce" else (
+            f"shard {p.shard!r}" if p.shard != "none" else "sync_batchnorm")
+        return f"a data-parallel pipeline stage with {what}"
+
+    def options(self, p, layers, graph):
+        opts = {"sync": p.sync, "bucket_mb": float(p.bucket_mb), "overlap": p.overlap, "shard": p.shard,
+                "sync_batchnorm": p.sync_batchnorm}
+        if p.sync == "parameter_server":
+            opts["server"] = p.server
+        return opts
+
+    def layout_dim(self, seg):
+        return 0
+
+    def steppers(self, seg):
+        sync = seg.options.get("sync")
+        return (seg.options["server"],) if sync == "parameter_server" else seg.devices[:1] if sync == "broadcast" \
+            else seg.devices
+
+    def collectives(self, a, seg, info, grads, op, ctx):
+        collectives(a, seg, info, op, ctx.sizes, ctx.buckets(seg.options.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb)))
+
+    def describe(self, seg, devices):
+        if seg.sync == "parameter_server":
+            how = f"parameter server rank {seg.server} ({devices[seg.server]})"
+        elif seg.sync == "broadcast":
+            how = f"parameters broadcast from rank {seg.ranks[0]}"
+        elif seg.shard == "full":
+            how = "parameters, gradients and optimizer state sharded (FSDP)"
+        else:
+            how = f"gradients all-reduced {'by DDP during backward' if seg.overlap else 'after backward'}"
+        if seg.shard == "optimizer":
+            how += ", optimizer state sharded (ZeRO)"
+        return f"data parallel, {seg.rows} rows each, {how}"
+
+    def runtime(self, seg, torch_pipeline):
+        used = {"ddp_sum": not torch_pipeline and seg.sync == "allreduce" and seg.overlap,
+                "buckets": seg.sync == "allreduce" and (not seg.overlap or torch_pipeline),
+                "param_server": seg.sync == "parameter_server", "broadcast_sync": seg.sync == "broadcast",
+                "syncbn": seg.sync_batchnorm, "tensor": seg.shard == "full", "sharding": seg.shard != "none"}
+        return {piece for piece, on in used.items() if on}
+
+    def emit_stage(self, seg, resumable):
+        return emit_stage(seg.k, seg.shard, uses_ddp(seg), seg.bucket_mb, resumable)
+
+    def emit_sync(self, seg):
+        return emit_sync(seg)
+
+
+MODE = Data()

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from placer.diagnostics import Diagnostic
-from placer.plan.attach import Attached
+from placer.modes.base import Mode
+from placer.plan.attach import Attached, bucket_ops
 from placer.plan.ir import OpKind
 from placer.spec import shapes
+from placer.spec.types import DEFAULT_PARALLEL
 
 KINDS = {"conv", "pool", "elementwise"}
 
@@ -93,3 +95,69 @@ def emit_sync(k: int, bucket_mb: float) -> list[str]:
     """After backward: every device's weight gradients (from its bands only) summed, then the step."""
     return ["# each rank's weight gradients cover its bands only", 'with timer("comm"):',
             f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", f"opt{k}.step()"]
+
+
+def axis_of(dim, in_shape) -> int:
+    """The tensor dim `dim` names (H, W or an index) in an activation of `in_shape` (NCHW by default)."""
+    nd = len(in_shape) if in_shape else 4
+    if isinstance(dim, int):
+        return dim
+    return nd - 2 if dim in (None, "H") else nd - 1
+
+
+class Spatial(Mode):
+    name = "spatial"
+    module_models = False
+
+    def check(self, seg, seg_layers, kinds, pipelined):
+        return check(seg, seg_layers, kinds)
+
+    def check_shapes(self, seg, seg_layers, shapes_in) -> list[Diagnostic]:
+        """P029: each device's share of the split dim must be whole at every strided layer."""
+        d, dim = len(seg.devices), seg.parallel.dim
+        for layer in seg_layers:
+            s = shapes_in.get(layer.name)
+            if s is None or shapes.kind(layer) not in ("conv", "pool") or len(s) < 2:
+                continue
+            # s has no batch dim: tensor dim k >= 0 is s[k - 1]; negative dims count from the end
+            named: dict[str | int, int | None] = {"H": len(s) - 2, "W": len(s) - 1}
+            axis = named.get(dim, (dim - 1 if dim >= 0 else len(s) + dim) if isinstance(dim, int) else None)
+            if axis is None or not 1 <= axis < len(s):
+                return [Diagnostic("P029", f"segment {seg.name!r}: split dim {dim!r} is not a spatial dim of "
+                                   f"{layer.op} input {list(s)}", seg.parallel.loc, "use H or W")]
+            w = shapes.window(layer)
+            assert w is not None  # a conv or pool layer
+            stride, size = w.stride[axis - 1] if axis <= len(w.stride) else None, s[axis]
+            if isinstance(stride, int) and stride > 0 and (size % d or (size // d) % stride):
+                return [Diagnostic("P029", f"segment {seg.name!r}: {layer.name!r} has {size} rows along {dim} and "
+                                   f"stride {stride}; {d} devices cannot each take a whole multiple of the stride",
+                                   layer.loc, f"make the input size along {dim} a multiple of {d * stride}")]
+        return []
+
+    def options(self, p, layers, graph):
+        return {"dim": p.dim, "axis": axis_of(p.dim, graph.layer(layers[0]).in_shape if layers else None)}
+
+    def layout_dim(self, seg):
+        return seg.options.get("axis", 2)
+
+    def collectives(self, a, seg, info, grads, op, ctx):
+        collectives(a, info, grads, op, self.layout_dim(seg), len(seg.devices), ctx.geometry)
+        # every device computes weight gradients from its own rows: sum them like data parallel
+        bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
+        a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, seg.devices, "bwd", "grads", bks)
+
+    def describe(self, seg, devices):
+        return f"spatial split, 1/{len(seg.ranks)} of dim {seg.dim} each, halo rows exchanged before every Conv/Pool"
+
+    def runtime(self, seg, torch_pipeline):
+        return {"spatial", "buckets"}
+
+    def emit_stage(self, seg, resumable):
+        assert seg.dim is not None and seg.in_shape is not None  # set for every spatial segment
+        return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim])
+
+    def emit_sync(self, seg):
+        return seg.ranks, emit_sync(seg.k, seg.bucket_mb)
+
+
+MODE = Spatial()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placer.diagnostics import Diagnostic
+from placer.modes.base import Mode
 from placer.plan.attach import Attached
 from placer.plan.ir import OpKind
 from placer.spec.shapes import op_kind
@@ -97,3 +98,32 @@ def emit_stage(k: int, pairs) -> list[str]:
     """The program's lines that split segment k's `stage` into the plan's pairs over group g{k}."""
     return [f"tensor_parallelize(stage, g{k}, {list(pairs)!r}, device.type)  # (column, row) Linear pairs",
             f"seg{k} = stage"]
+
+
+class Tensor(Mode):
+    name = "tensor"
+    whole_on_each = True
+    module_models = False
+
+    def check(self, seg, seg_layers, kinds, pipelined):
+        return check(seg, seg_layers, kinds)
+
+    def collectives(self, a, seg, info, grads, op, ctx):
+        collectives(a, info, grads, op)
+
+    def held(self, seg, info, d, r, share):
+        split, rows = split_layers(info)
+        return [(held(l, l.name in rows, d, r, share) if l.name in split else l.params, l.buffer_bytes)
+                for l in info]
+
+    def describe(self, seg, devices):
+        return f"tensor parallel, Linear pairs split by columns then rows over {len(seg.ranks)} ranks"
+
+    def runtime(self, seg, torch_pipeline):
+        return {"tensor"}
+
+    def emit_stage(self, seg, resumable):
+        return emit_stage(seg.k, seg.pairs)
+
+
+MODE = Tensor()

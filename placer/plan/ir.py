@@ -41,7 +41,6 @@ COLLECTIVES = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GA
                          OpKind.REDUCE, OpKind.HALO})
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
 """bwd_input / bwd_weight: the two halves of a backward in zero-bubble pipeline schedules."""
-PARALLEL_MODES = ("data", "channel", "tensor", "spatial")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +65,7 @@ class PlacedSegment:
     @property
     def degree(self) -> int:
         """How many devices share the segment's work (1 without a parallel mode)."""
-        return len(self.devices) if self.mode in PARALLEL_MODES else 1
+        return len(self.devices) if self.mode != "none" else 1
 
     @property
     def server(self) -> str | None:
@@ -79,17 +78,6 @@ class Layout:
 
     devices: tuple[str, ...]
     dim: int | None = None
-
-
-def in_layout(seg: PlacedSegment) -> Layout:
-    """Layout a segment reads its input in, leaves its output in, and takes and gives back
-    their gradients in. Channel and tensor groups end whole on every device: the program
-    gathers the slices and all-reduces the input gradient inside the group."""
-    if seg.mode == "data":
-        return Layout(seg.devices, 0)
-    if seg.mode == "spatial":
-        return Layout(seg.devices, seg.options.get("axis", 2))
-    return Layout(seg.devices)  # one device, or the whole input on each (channel, tensor)
 
 
 def transfer_kind(src: tuple, dst: tuple) -> OpKind:

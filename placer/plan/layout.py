@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from placer.plan.ir import Layout
+from placer.modes import MODES
+from placer.plan.ir import Layout, PlacedSegment
 
 Move = tuple[str, str, int]
+
+
+def in_layout(seg: PlacedSegment) -> Layout:
+    """Layout a segment reads its input in, leaves its output in, and takes and gives back
+    their gradients in: slices of the mode's `layout_dim` over the group, or whole on each
+    device (one device; channel and tensor groups, which gather their slices and all-reduce
+    the input gradient inside the group)."""
+    return Layout(seg.devices, MODES[seg.mode].layout_dim(seg))
 
 
 def _piece(layout: Layout, i: int) -> dict:

@@ -22,20 +22,22 @@ from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
-from placer.modes import channel, data, spatial, tensor
-from placer.plan.attach import Attached, bucket_ops
-from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, in_layout, layer_range, transfer_kind, union
-from placer.plan.layout import moves
+from placer.modes import MODES, Lowering
+from placer.plan.attach import Attached
+from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, layer_range, transfer_kind, union
+from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
 from placer.plan.verify import verify
-from placer.spec.types import DEFAULT_PARALLEL, Spec
+from placer.spec.types import Spec
 from placer.units import MiB
 
 BWD = ("bwd", "bwd_input", "bwd_weight")
 
 
-def _is_compute(op: Op, seg: int, phases) -> bool:
-    return op.kind == OpKind.COMPUTE and op.segment == seg and op.phase in phases
+def _is_compute(op: Op, seg: int, phases, microbatch: int | None = None) -> bool:
+    """A COMPUTE op of segment `seg` in one of `phases` (and, given one, of that micro-batch)."""
+    return op.kind == OpKind.COMPUTE and op.segment == seg and op.phase in phases and (
+        microbatch is None or op.microbatch == microbatch)
 
 
 def _first(ops: list, pred) -> int | None:
@@ -86,19 +88,22 @@ def _transitions(plan: Plan, graph: ModelGraph, copies: bool) -> Plan:
 
 
 def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
-    """A spatial last segment's bands meet on its first device for the loss (the program's
-    `out = relayout(...)`), and the output's gradient goes back to the bands."""
+    """The loss takes rows: a last segment whose output is cut along another dim (a spatial
+    group's bands) gathers it on its first device for the loss (the program's
+    `out = relayout(...)`), and the output's gradient goes back to the slices."""
     last = plan.segments[-1]
-    if plan.schedule or last.mode != "spatial" or len(last.devices) < 2:
+    src = in_layout(last)
+    if not src.dim or len(last.devices) < 2:
         return
-    src, dst, s = in_layout(last), Layout(last.devices[:1]), last.index
-    n = boundary_bytes(graph, last)
-    fwd = _transfer(src, dst, s, "fwd", "act", n, last.route).with_(attrs={"loss": True})
-    bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route).with_(attrs={"loss": True})
-    for d in last.devices:
-        lst = ops[d]
-        lst.insert(_found(_last(lst, lambda o: _is_compute(o, s, ("fwd",)))) + 1, fwd)
-        lst.insert(_found(_first(lst, lambda o: _is_compute(o, s, BWD))), bwd)
+    dst, s = Layout(last.devices[:1]), last.index
+    n = boundary_bytes(graph, last) // plan.microbatches
+    for mb in range(plan.microbatches) if plan.schedule else (None,):  # a pipeline's: every micro-batch's
+        fwd = _transfer(src, dst, s, "fwd", "act", n, last.route).with_(attrs={"loss": True}, microbatch=mb)
+        bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route).with_(attrs={"loss": True}, microbatch=mb)
+        for d in last.devices:
+            lst = ops[d]
+            lst.insert(_found(_last(lst, lambda o: _is_compute(o, s, ("fwd",), mb))) + 1, fwd)
+            lst.insert(_found(_first(lst, lambda o: _is_compute(o, s, BWD, mb))), bwd)
 
 
 def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
@@ -158,19 +163,9 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
         attrs.update(kw.pop("attrs", {}))
         return Op(kind=kind, devices=g, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs, **kw)
 
-    if seg.mode == "data":
-        bks = buckets(seg, graph, seg.options.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb))
-        data.collectives(a, seg, info, op, param_bytes(seg, graph), bks)
-    elif seg.mode == "channel":
-        channel.collectives(a, info, grads, op)
-    elif seg.mode == "tensor":
-        tensor.collectives(a, info, grads, op)
-    elif seg.mode == "spatial":
-        spatial.collectives(a, info, grads, op, seg.options.get("axis", 2), len(g),
-                            lambda name: layer_geometry(spec, name))
-        # every device computes weight gradients from its own rows: sum them like data parallel
-        bks = buckets(seg, graph, DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
-        a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
+    ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb),
+                   geometry=lambda name: layer_geometry(spec, name))
+    MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
 
 

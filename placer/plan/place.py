@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from placer.diagnostics import Diagnostic, PlanError, SpecError
 from placer.model.graph import ModelGraph
+from placer.modes import MODES
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, layer_range
 from placer.plan.schedules import action_orders
 from placer.spec import shapes
 from placer.spec.check import resolve_segments
-from placer.spec.types import Segment, Spec
+from placer.spec.types import Spec
 
 PHASE_OF_ACTION = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
 
@@ -32,44 +33,7 @@ def segment_params(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int]:
 
 def steppers(seg: PlacedSegment) -> tuple[str, ...]:
     """Devices that run the optimizer step for a segment's parameters."""
-    if seg.mode == "data" and seg.options.get("sync") == "parameter_server":
-        return (seg.options["server"],)
-    if seg.mode == "data" and seg.options.get("sync") == "broadcast":
-        return seg.devices[:1]
-    return seg.devices
-
-
-def _spatial_axis(dim, in_shape) -> int:
-    nd = len(in_shape) if in_shape else 4
-    if isinstance(dim, int):
-        return dim
-    return nd - 2 if dim in (None, "H") else nd - 1
-
-
-def _channel_axis(layers, graph: ModelGraph) -> int:
-    """Channel dim of a channel segment's output: that of its last Linear / Conv."""
-    for name in reversed(layers):
-        info = graph.layer(name)
-        if info.op == "Linear":
-            return len(info.out_shape) - 1 if info.out_shape else 1
-        if info.op.startswith("Conv"):
-            return 1
-    return 1
-
-
-def _options(seg: Segment, layers, graph: ModelGraph) -> dict:
-    p = seg.parallel
-    if p.mode == "data":
-        opts = {"sync": p.sync, "bucket_mb": float(p.bucket_mb), "overlap": p.overlap, "shard": p.shard,
-                "sync_batchnorm": p.sync_batchnorm}
-        if p.sync == "parameter_server":
-            opts["server"] = p.server
-        return opts
-    if p.mode == "spatial":
-        return {"dim": p.dim, "axis": _spatial_axis(p.dim, graph.layer(layers[0]).in_shape if layers else None)}
-    if p.mode == "channel":
-        return {"axis": _channel_axis(layers, graph)}
-    return {}
+    return MODES[seg.mode].steppers(seg)
 
 
 def _layers_per_segment(spec: Spec, graph: ModelGraph) -> list[list[str]]:
@@ -84,7 +48,8 @@ def placed_segments(spec: Spec, graph: ModelGraph, layers: list[list[str]] | Non
     layers = _layers_per_segment(spec, graph) if layers is None else layers
     return tuple(
         PlacedSegment(index=seg.index, name=seg.name, layers=tuple(names), devices=tuple(seg.devices),
-                      mode=seg.mode, options=_options(seg, names, graph), route=seg.route or spec.route,
+                      mode=seg.mode, options=MODES[seg.mode].options(seg.parallel, names, graph),
+                      route=seg.route or spec.route,
                       stage=seg.index if spec.pipeline else None)
         for seg, names in zip(spec.placement, layers))
 

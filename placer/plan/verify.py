@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import Counter
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
-from placer.plan.ir import P2P, TRANSFERS, Op, OpKind, Plan, in_layout
-from placer.plan.layout import moves
+from placer.plan.ir import P2P, TRANSFERS, Op, OpKind, Plan
+from placer.plan.layout import in_layout, moves
 from placer.plan.text import format_plan
 
 Problem = tuple[str, str, list]  # (code, message, marks)

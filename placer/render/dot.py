@@ -73,7 +73,7 @@ def _mode_line(seg) -> str | None:
         return None
     opts = seg.options or {}
     extra = [f"{k} {opts[k]}" for k in ("sync", "server", "shard", "dim")
-             if opts.get(k) not in (None, "none") and not (k == "sync" and seg.mode != "data")]
+             if opts.get(k) not in (None, "none")]
     return f"{seg.mode} x{len(seg.devices)}" + (f" ({', '.join(extra)})" if extra else "")
 
 

@@ -12,7 +12,8 @@ from placer.diagnostics import PlanError
 from placer.estimate.comm import op_moves
 from placer.estimate.memory import held_params
 from placer.model.graph import LayerInfo, ModelGraph
-from placer.plan.ir import TRANSFERS, Op, OpKind, in_layout
+from placer.plan.ir import TRANSFERS, Op, OpKind
+from placer.plan.layout import in_layout
 from placer.plan.lower import PASSES, buckets, insert_copies, insert_splits, lower
 from placer.plan.place import place, segment_params
 from placer.plan.text import format_plan, parse_plan

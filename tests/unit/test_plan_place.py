@@ -6,7 +6,8 @@ import textwrap
 import pytest
 
 from placer.model.graph import LayerInfo, ModelGraph
-from placer.plan.ir import OpKind, in_layout
+from placer.plan.ir import OpKind
+from placer.plan.layout import in_layout
 from placer.plan.place import place
 from placer.spec.check import load_spec
 

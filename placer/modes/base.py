@@ -1,0 +1,98 @@
+"""What every parallel mode answers: the `Mode` interface and its defaults.
+
+Each mode file (`single`, `data`, `channel`, `tensor`, `spatial`) defines one subclass and
+registers it in `placer.modes.MODES`; validate, plan, estimate and codegen ask the mode of a
+segment instead of testing its name. The defaults are those of a segment that runs whole on
+one device (`single`). `seg` is a spec Segment in the checks, a plan PlacedSegment in
+lowering and memory, and a codegen Seg in emission.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from placer.diagnostics import Diagnostic
+from placer.plan.attach import Attached
+
+
+class Lowering(NamedTuple):
+    """What a mode's lowering reads besides the segment: layer -> trainable parameter bytes,
+    DDP-like gradient buckets for a bucket size in MB, and a Conv/Pool layer's geometry."""
+
+    sizes: dict
+    buckets: Callable[[float], list]
+    geometry: Callable[[str], dict | None]
+
+
+class Mode:
+    name = "none"
+    whole_on_each = False
+    """Every device of the group holds the whole input and output activation (channel, tensor)."""
+    module_models = True
+    """Whether the program can split a module model's (`model.module`) segment this way."""
+
+    # -- validate -----------------------------------------------------------------------------------
+    def check_options(self, spec, seg) -> list[Diagnostic]:
+        """The mode's options against the spec (devices, batch), before layers are known."""
+        return []
+
+    def check(self, seg, seg_layers, kinds: Sequence[str], pipelined: bool) -> list[Diagnostic]:
+        """The mode's rules on the segment's layers (spec Layers and their kinds)."""
+        return []
+
+    def check_shapes(self, seg, seg_layers, shapes_in: dict) -> list[Diagnostic]:
+        """The mode's rules on an inline model's layer input shapes (name -> shape without batch)."""
+        return []
+
+    def data_degree(self, n: int) -> int:
+        """Into how many parts the segment's group cuts the batch."""
+        return 1
+
+    def torch_pipeline_blocker(self, p) -> str | None:
+        """Why torch's pipeline schedules cannot run a stage of this mode over several devices
+        (`p`: its Parallel options), or None. (Stages that all hold the whole activation on as
+        many devices, `whole_on_each`, run as one pipeline per rank: the caller's rule.)"""
+        return f"a pipeline stage of mode {self.name!r} beside stages of other modes or sizes"
+
+    # -- plan ---------------------------------------------------------------------------------------
+    def options(self, p, layers, graph) -> dict:
+        """The plan's options of a segment (defaults filled), from its spec Parallel options."""
+        return {}
+
+    def layout_dim(self, seg) -> int | None:
+        """The activation dim the group's devices hold slices of; None: whole on each device."""
+        return None
+
+    def steppers(self, seg) -> tuple[str, ...]:
+        """Devices that run the optimizer step for the segment's parameters."""
+        return seg.devices
+
+    def collectives(self, a: Attached, seg, info, grads: Sequence[bool], op, ctx: Lowering) -> None:
+        """The collectives the mode adds in and around the segment (`op` makes a group op)."""
+
+    # -- estimate -----------------------------------------------------------------------------------
+    def held(self, seg, info, d: int, r: int, share) -> list[tuple[int, int]]:
+        """(parameter elements, buffer bytes) of each layer that rank r of the d devices holds
+        (`share(n, d, r)`: its part of n split d ways)."""
+        return [(l.params, l.buffer_bytes) for l in info]
+
+    # -- the program --------------------------------------------------------------------------------
+    def describe(self, seg, devices) -> str:
+        """What the group does, for the program's comments ('' for one device)."""
+        return ""
+
+    def runtime(self, seg, torch_pipeline: bool) -> set[str]:
+        """The runtime pieces the program pastes for this segment."""
+        return set()
+
+    def emit_stage(self, seg, resumable: bool) -> list[str]:
+        """The lines that make seg{k} from the segment's `stage` over its group g{k}."""
+        return [f"seg{seg.k} = stage"]
+
+    def emit_sync(self, seg) -> tuple[tuple[int, ...], list[str]]:
+        """(ranks that run them, lines): the gradient sync and optimizer step after backward."""
+        return seg.ranks, [f"opt{seg.k}.step()"]
+
+    def emit_gather(self, seg) -> list[str]:
+        """Lines that set `whole` to the segment's whole parameters (by name) when they are split."""
+        return [f"whole = whole_params(named_params(seg{seg.k}, model))  # segment {seg.k}: DTensors gathered"]
