@@ -16,7 +16,7 @@ from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
 from placer.modes import MODES, tensor
-from placer.plan.ir import Plan
+from placer.plan.ir import TRANSFERS, OpKind, Plan
 from placer.plan.layout import in_layout
 from placer.plan.place import segment_params
 from placer.spec.check import torch_pipeline_blocker
@@ -63,6 +63,9 @@ class Seg:
     dim: int | None = None
     """The activation dim the group's ranks hold slices of, from the plan's layout (0: rows of a
     data group; a spatial group's bands); None: whole on each rank."""
+    moved_in: bool = False
+    """The plan moves the previous segment's output into this one (a transfer op, or a
+    pipeline's sends); otherwise both hold it alike and the program copies nothing."""
     loss_gather: bool = False
     """The plan gathers this (last) segment's output on its first rank for the loss (a spatial
     group's bands: the loss takes rows)."""
@@ -157,6 +160,8 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
     out: list[Seg] = []
     any_params = False
     gathered = {op.segment for op in plan.unique_ops() if op.attrs.get("loss")}
+    moved = {op.segment for op in plan.unique_ops() if op.phase == "fwd" and not op.attrs.get("loss") and (
+        op.kind in TRANSFERS or op.kind == OpKind.SEND)}
     for placed in plan.segments:
         k = placed.index
         opts = placed.options
@@ -193,10 +198,12 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
             shard=opts.get("shard", "none"),
             dim=None if dim is None else dim % len(shape),  # -1 is W of NCHW: 3
-            loss_gather=k in gathered,
+            moved_in=k in moved, loss_gather=k in gathered,
             pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),  # () but in tensor
         ))
         any_params |= n_params > 0
+        # the plan moves what the program copies: a move exactly where the layouts differ
+        assert k == 0 or out[-1].moved_in == (out[-2].layout != out[-1].layout), (placed.name, out[-1].moved_in)
     return out
 
 

@@ -313,7 +313,7 @@ class TrainWriter:
               f"              {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
                 self.when(seg.ranks, f"a{k}.requires_grad_()")
-        elif prev.layout == seg.layout:
+        elif not seg.moved_in:
             c(f"# segment {k} reads segment {k - 1}'s output on the same rank(s): no copy")
             leaf = f"h{k - 1}.detach()" + (".requires_grad_()" if seg.grad_in else "")
             c(f"a{k} = {self.guarded(leaf, seg.ranks)}")
@@ -337,7 +337,7 @@ class TrainWriter:
             c(f"    d{k - 1} = relayout_grad({grad}, {self.layout_arg(prev)}, {self.layout_arg(seg)},",
               f"                       {list(seg.in_shape)}, {self.dtype_arg(seg)}"
               f"route={self.route(seg)}, device=device)")
-        elif prev.layout == seg.layout:
+        elif not seg.moved_in:
             c(f"d{k - 1} = {grad}")
         else:
             c(f"# {self.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)", 'with timer("comm"):')
@@ -367,7 +367,7 @@ class TrainWriter:
     def relaid(prev: Seg, seg: Seg) -> bool:
         """Whether the copy between two segments needs `relayout` (a replicated group, or a split
         along something other than rows) rather than the plain row-wise `redistribute`."""
-        return prev.layout != seg.layout and any(s.replicated or s.split_dim for s in (prev, seg))
+        return seg.moved_in and any(s.replicated or s.split_dim for s in (prev, seg))
 
     @staticmethod
     def layout_arg(seg: Seg) -> str:

@@ -95,8 +95,10 @@ def _ring_gather_uneven(devices, channels: int, nbytes: int) -> list[Move]:
 def _halo(op: Op) -> list[Move]:
     """Forward: device r+1 gets `prev_rows` rows from r, r gets `next_rows` from r+1;
     backward sends the gradients of those rows back the other way."""
-    row = op.attrs.get("row_bytes", 0)
-    down, up = op.attrs.get("prev_rows", 0) * row, op.attrs.get("next_rows", 0) * row
+    top, bottom, n = op.attrs.get("prev_rows", 0), op.attrs.get("next_rows", 0), len(op.devices)
+    # one row's bytes from the op's (a pipeline's micro-batch has 1/m of the batch's rows' bytes)
+    row = op.bytes // ((top + bottom) * (n - 1)) if top + bottom and n > 1 else 0
+    down, up = top * row, bottom * row
     if op.phase != "fwd":
         down, up = up, down
     out = []

@@ -26,6 +26,9 @@ class Lowering(NamedTuple):
 
 class Mode:
     name = "none"
+    options_keys: tuple[str, ...] = ()
+    """The `parallel` options the mode takes (fields of spec.types.Parallel; the JSON Schema's
+    per-mode properties are tested equal to them)."""
     whole_on_each = False
     """Every device of the group holds the whole input and output activation (channel, tensor)."""
     module_models = True

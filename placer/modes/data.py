@@ -126,6 +126,7 @@ def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
 
 class Data(Mode):
     name = "data"
+    options_keys = ("sync", "server", "bucket_mb", "overlap", "shard", "sync_batchnorm")
 
     def check_options(self, spec, seg):
         # (sync parameter_server without a server, or a server without it: the schema's S002 / S004)

@@ -107,6 +107,7 @@ def axis_of(dim, in_shape) -> int:
 
 class Spatial(Mode):
     name = "spatial"
+    options_keys = ("dim",)
     module_models = False
 
     def check(self, seg, seg_layers, kinds, pipelined):

@@ -202,3 +202,16 @@ def test_every_example_runs_and_matches_one_device(example, tmp_path):
     assert check["ok"] and len(check["steps"]) == 2
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert_sends_what_the_plan_says(example, ROOT / "examples" / example / "spec.yaml", metrics)
+
+
+def test_a_spatial_last_stage_gathers_every_micro_batch_as_the_plan_says(tmp_path):
+    """GPipe as placer's micro-batch loops with a spatially split last stage: each micro-batch's
+    bands meet on the stage's first device for the loss; the plan has those gathers (one per
+    micro-batch, and the gradients back), so the run sends exactly what the plan says."""
+    spec = ROOT / "tests/cases/valid/pipeline_spatial_last/spec.yaml"
+    run_dir = tmp_path / "run"
+    result = run_check(str(spec.relative_to(ROOT)), run_dir)
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert json.loads((run_dir / "check.json").read_text())["ok"]
+    assert_sends_what_the_plan_says("pipeline_spatial_last", spec,
+                                    json.loads((run_dir / "metrics.json").read_text()))

@@ -155,11 +155,14 @@ def test_collective_formulas():
     assert op_moves(_op(OpKind.REDUCE, g, 10, attrs={"root": "c"})) == [("a", "c", 10), ("b", "c", 10),
                                                                         ("d", "c", 10)]
     assert op_moves(_op(OpKind.ALL_REDUCE, ("a",), 1000)) == []
+    # rows of 10 B: 3 rows cross each of the 2 boundaries (60 B in all)
     halo = dict(attrs={"prev_rows": 2, "next_rows": 1, "row_bytes": 10}, phase="fwd")
-    assert op_moves(_op(OpKind.HALO, ("a", "b", "c"), 0, **halo)) == [
+    assert op_moves(_op(OpKind.HALO, ("a", "b", "c"), 60, **halo)) == [
         ("a", "b", 20), ("b", "a", 10), ("b", "c", 20), ("c", "b", 10)]
     halo["phase"] = "bwd"  # the halo rows' gradients go back
-    assert op_moves(_op(OpKind.HALO, ("a", "b"), 0, **halo)) == [("a", "b", 10), ("b", "a", 20)]
+    assert op_moves(_op(OpKind.HALO, ("a", "b"), 30, **halo)) == [("a", "b", 10), ("b", "a", 20)]
+    # a pipeline's micro-batch op carries 1/m of the bytes: its rows are 1/m as long (row_bytes is the batch's)
+    assert op_moves(_op(OpKind.HALO, ("a", "b"), 15, **halo)) == [("a", "b", 5), ("b", "a", 10)]
 
 
 def test_via_host_goes_through_the_senders_cpu():
