@@ -125,7 +125,8 @@ def _check_modes(spec: Spec, groups: list[list[int]] | None) -> list[Diagnostic]
         ploc = p.loc
         if p.mode == "none" and n > 1:
             diags.append(D("P020", f"segment {seg.name!r} lists {n} devices but no parallel mode", seg.loc,
-                           "add 'parallel: data' (or channel, tensor, spatial), or use 'device:' for one device"))
+                           f"add 'parallel: data' (or {', '.join(m for m in MODES if m not in ('none', 'data'))}), "
+                           "or use 'device:' for one device"))
         mode = MODES[p.mode]
         if not mode.module_models and n > 1 and not spec.model.inline:
             diags.append(D("W007", f"segment {seg.name!r}: mode {p.mode!r} of a module model (`model.module`) is not "
