@@ -3,7 +3,6 @@ SIGTERM. Tiny 2-rank CPU runs; every wait is bounded and only the processes a te
 are signalled."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -34,34 +33,12 @@ def make_batches(n=10**9, nan_at=None):
 '''
 
 
-def tiny_spec(tmp_path: Path, steps: int = 4, **data_kwargs) -> Path:
-    (tmp_path / "data.py").write_text(DATA)
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(f"""placer: 1
-name: tiny2
-model:
-  layers:
-    - {{name: fc1, op: Linear, args: [16, 8]}}
-    - {{name: head, op: Linear, args: [8, 4]}}
-  input: {{shape: [B, 16]}}
-  target: {{shape: [B], dtype: int64, high: 4}}
-  loss: CrossEntropyLoss
-devices: [cpu, "cpu:1"]
-placement:
-  - {{layers: fc1, device: cpu}}
-  - {{layers: head, device: "cpu:1"}}
-training:
-  batch_size: 8
-  steps: {steps}
-  optimizer: {{op: SGD, lr: 0.1}}
-  data: {{module: data.py:make_batches, kwargs: {json.dumps(data_kwargs)}}}
-runtime: {{timeout_s: 20}}
-""")
-    return spec
+def tiny_spec(two_cpu_spec, steps: int = 4, **data_kwargs) -> Path:
+    return two_cpu_spec("tiny2", DATA, steps=steps, timeout_s=20, data_kwargs=data_kwargs)
 
 
-def test_a_non_finite_loss_stops_the_run_at_its_step(tmp_path):
-    spec = tiny_spec(tmp_path, nan_at=1)
+def test_a_non_finite_loss_stops_the_run_at_its_step(tmp_path, two_cpu_spec):
+    spec = tiny_spec(two_cpu_spec, nan_at=1)
     r = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 1, r.output
     line = "spec.yaml:17:14: error[R024]: the loss is nan at step 2; the run stopped there"
@@ -70,8 +47,8 @@ def test_a_non_finite_loss_stops_the_run_at_its_step(tmp_path):
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
-def test_data_that_runs_out_is_named_with_the_step(tmp_path):
-    spec = tiny_spec(tmp_path, n=2)
+def test_data_that_runs_out_is_named_with_the_step(tmp_path, two_cpu_spec):
+    spec = tiny_spec(two_cpu_spec, n=2)
     r = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 1, r.output
     assert ("error[R025]: the data iterator is exhausted at step 3: it gave 2 batches, training needs 4; "
@@ -103,10 +80,10 @@ def wait_until(condition, timeout: float) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)])
-def test_a_signalled_run_ends_its_workers(tmp_path, sig, code):
+def test_a_signalled_run_ends_its_workers(tmp_path, two_cpu_spec, sig, code):
     """Ctrl-C / SIGTERM: one line, run.log says it, exit 130 / 143. SIGKILL: placer cannot stop its
     workers itself; the kernel does (PR_SET_PDEATHSIG). No worker outlives the run in any case."""
-    spec = tiny_spec(tmp_path, steps=100000)
+    spec = tiny_spec(two_cpu_spec, steps=100000)
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run_dir)],

@@ -105,8 +105,7 @@ def test_a_device_missing_here_is_simulated_with_a_notice(tmp_path):
     assert (tmp_path / "run" / "run.log").read_text().splitlines()[0] == lines[0]
 
 
-def _failing_spec(tmp_path: Path, **data_kwargs) -> Path:
-    (tmp_path / "flaky_data.py").write_text('''
+FLAKY_DATA = '''
 import os
 import time
 
@@ -125,34 +124,15 @@ def make_batches(fail_rank=1, fail_step=1, hang=False, skew=False):
             else:
                 raise RuntimeError(f"the data source ran dry at step {step}")
         yield x, y
-''')
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(f"""placer: 1
-name: flaky
-model:
-  layers:
-    - {{name: fc1, op: Linear, args: [16, 8]}}
-    - {{name: head, op: Linear, args: [8, 4]}}
-  input: {{shape: [B, 16]}}
-  target: {{shape: [B], dtype: int64, high: 4}}
-  loss: CrossEntropyLoss
-devices: [cpu, "cpu:1"]
-placement:
-  - {{layers: fc1, device: cpu}}
-  - {{layers: head, device: "cpu:1"}}
-training:
-  batch_size: 8
-  steps: 3
-  optimizer: {{op: SGD, lr: 0.1}}
-  prefetch: 0
-  data: {{module: flaky_data.py:make_batches, kwargs: {json.dumps(data_kwargs)}}}
-runtime: {{timeout_s: 3}}
-""")
-    return spec
+'''
 
 
-def test_a_failing_worker_is_named_with_its_error(tmp_path):
-    spec = _failing_spec(tmp_path, fail_rank=1)
+def _failing_spec(two_cpu_spec, **data_kwargs) -> Path:
+    return two_cpu_spec("flaky", FLAKY_DATA, steps=3, timeout_s=3, data_kwargs=data_kwargs, training="  prefetch: 0\n")
+
+
+def test_a_failing_worker_is_named_with_its_error(tmp_path, two_cpu_spec):
+    spec = _failing_spec(two_cpu_spec, fail_rank=1)
     r = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
     first = r.stderr.split("error[R020]: ", 1)[1]
@@ -165,9 +145,9 @@ def test_a_failing_worker_is_named_with_its_error(tmp_path):
     assert "error[R020]" in (tmp_path / "run" / "run.log").read_text()
 
 
-def test_runtime_timeout_bounds_a_copy_that_waits(tmp_path):
+def test_runtime_timeout_bounds_a_copy_that_waits(tmp_path, two_cpu_spec):
     """Rank 1 hangs making its batch; rank 0's copy to it gives up after timeout_s (3 s)."""
-    spec = _failing_spec(tmp_path, fail_rank=1, hang=True)
+    spec = _failing_spec(two_cpu_spec, fail_rank=1, hang=True)
     r = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 1
     first = r.stderr.split("error[R020]: ", 1)[1]
@@ -215,9 +195,9 @@ def test_two_launches_meet_as_two_nodes_on_localhost(tmp_path):
     assert metrics["bytes_by_call"]["node1/cuda:0"]["isend"] > metrics["bytes_by_call"]["node0/cuda:0"]["isend"]
 
 
-def test_check_names_the_step_and_parameter_where_a_mismatch_starts(tmp_path):
+def test_check_names_the_step_and_parameter_where_a_mismatch_starts(tmp_path, two_cpu_spec):
     """Rank 1 (the head) trains on other targets from step index 1 on: the second step differs."""
-    spec = _failing_spec(tmp_path, fail_rank=1, fail_step=1, skew=True)
+    spec = _failing_spec(two_cpu_spec, fail_rank=1, fail_step=1, skew=True)
     r = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 1, r.output
     table = r.stdout.split("check: ", 1)[1]

@@ -133,32 +133,10 @@ def make_batches(seconds=0.4):
 '''
 
 
-def tiny_spec(tmp_path: Path, shard: str) -> Path:
-    (tmp_path / "data.py").write_text(SLOW_DATA)
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(f"""placer: 1
-name: tiny_restart
-model:
-  layers:
-    - {{name: fc1, op: Linear, args: [16, 8]}}
-    - {{name: act, op: ReLU}}
-    - {{name: head, op: Linear, args: [8, 4]}}
-  input: {{shape: [B, 16]}}
-  target: {{shape: [B], dtype: int64, high: 4}}
-  loss: CrossEntropyLoss
-devices: [cpu, "cpu:1"]
-placement:
-  - {{layers: fc1..head, devices: [cpu, "cpu:1"], parallel: {{mode: data, overlap: true, shard: {shard}}}}}
-training:
-  batch_size: 8
-  steps: 8
-  optimizer: {{op: Adam, lr: 0.01}}
-  prefetch: 0
-  data: {{module: data.py:make_batches}}
-  checkpoint: {{every: 2}}
-runtime: {{timeout_s: 30}}
-""")
-    return spec
+def tiny_spec(two_cpu_spec, shard: str) -> Path:
+    group = f'  - {{layers: fc1..head, devices: [cpu, "cpu:1"], parallel: {{mode: data, overlap: true, shard: {shard}}}}}'
+    return two_cpu_spec("tiny_restart", SLOW_DATA, steps=8, timeout_s=30, relu=True, placement=group,
+                        optimizer="{op: Adam, lr: 0.01}", training="  prefetch: 0\n  checkpoint: {every: 2}\n")
 
 
 def worker(program: Path, rank: int) -> int | None:
@@ -176,8 +154,8 @@ def worker(program: Path, rank: int) -> int | None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("shard", ["none", "optimizer"])
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, tmp_path):
-    spec = tiny_spec(tmp_path, shard)
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, tmp_path, two_cpu_spec):
+    spec = tiny_spec(two_cpu_spec, shard)
     whole = tmp_path / "whole"
     r = placer_run(str(spec), "--run-dir", str(whole), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
