@@ -54,7 +54,9 @@ def test_real_model_matches_the_one_device_reference(name, shard, what, tmp_path
     metrics = json.loads((run_dir / "metrics.json").read_text())
     steps = len(metrics["losses"])
     handshakes = 16 if name == "nested_layerwise" else 0  # torch's two stages' first-step handshakes
-    slack = 0.01 if shard == "optimizer" else 0  # ZeRO partitions whole parameters, the plan even shares
+    # ZeRO partitions whole parameters, the plan counts even shares; FSDP2 pads a parameter's dim 0
+    # to a multiple of the group (TinyGPT's pos is [1, seq, d]), the plan counts unpadded halves
+    slack = {"optimizer": 0.01, None: 0.02 if name == "tinygpt_fsdp" else 0}.get(shard, 0)
     for device, payload in plan_payloads(spec, overrides).items():
         want = (payload + 4) * steps  # and the loss's all-reduce
         assert abs(metrics["bytes_sent"][device] - want) <= max(handshakes, slack * want), (device, payload)

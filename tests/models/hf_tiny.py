@@ -58,3 +58,14 @@ class Wrapped(nn.Module):
 
     def forward(self, idx):
         return {"logits": self.net(idx)}
+
+
+class WrappedGPT2(nn.Module):
+    """`self.gpt = GPT2LMHeadModel(cfg)`, as users wrap HF models: layers `gpt.transformer.h.0` .."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.gpt = make_gpt2(**kwargs)
+
+    def forward(self, idx):
+        return self.gpt(idx).logits
