@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import os
 import re
 import sys
@@ -64,15 +63,17 @@ def build_module(spec: Spec, device: str | torch.device = "meta") -> nn.Module:
     if spec.model.inline:
         return _build_inline(spec, device)
     cls = load_model_class(spec)
+    assert spec.model.module is not None  # a module model
+    name = spec.model.module.rpartition(":")[2]
     with _import_path(spec), torch.device(device):
         try:
             model = cls(**spec.model.kwargs)
         except Exception as e:
-            raise SpecError(_diag("M004", f"{spec.model.module}: {cls.__name__}(**kwargs) raised "
+            raise SpecError(_diag("M004", f"{spec.model.module}: {name}(**kwargs) raised "
                                   f"{_describe(e, spec)}", _module_loc(spec),
                                   "check model.kwargs against the class's constructor")) from None
     if not isinstance(model, nn.Module):  # a factory function (SPEC.md allows one) that returned something else
-        raise SpecError(_diag("M004", f"{spec.model.module}: {cls.__name__}(**kwargs) returned a value of type "
+        raise SpecError(_diag("M004", f"{spec.model.module}: {name}(**kwargs) returned a value of type "
                               f"{type(model).__name__}, not an nn.Module", _module_loc(spec),
                               "model.module names a class or a function that returns an nn.Module"))
     return model
@@ -102,7 +103,8 @@ def _build_inline(spec: Spec, device) -> nn.Module:
 
 def load_model_class(spec: Spec):
     """Import what `model.module` names (a file relative to the spec, or `pkg.mod`): an nn.Module
-    class, or a function that returns an nn.Module (`torchvision.models:resnet18`)."""
+    class, or any other callable that returns an nn.Module (`torchvision.models:resnet18`, a
+    `functools.partial`)."""
     assert spec.model.module is not None  # a module model
     target, _, cls_name = spec.model.module.rpartition(":")
     loc = _module_loc(spec)
@@ -125,7 +127,7 @@ def load_model_class(spec: Spec):
         names = [n for n, v in vars(mod).items() if isinstance(v, type) and issubclass(v, nn.Module)]
         raise SpecError(_diag("M003", f"{target} has no class {cls_name!r}", loc,
                               name_hint("its nn.Module classes", cls_name, names) if names else None))
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module) or inspect.isfunction(cls)):
+    if isinstance(cls, type) and not issubclass(cls, nn.Module) or not callable(cls):
         raise SpecError(_diag("M003", f"{spec.model.module} is not an nn.Module subclass or a function "
                               f"({type(cls).__name__})", loc,
                               "name a class that derives from torch.nn.Module, or a function that returns one"))

@@ -141,3 +141,13 @@ def test_the_program_returns_the_output_field_by_a_hook(tmp_path):
                                      kwargs="{vocab: 64, d_model: 16, n_layers: 2, seq: 8, n_heads: 2}"),
                              out_dir=str(tmp_path)).text
     assert "OUTPUT" not in plain and "    return load_user(MODEL)(**MODEL_KWARGS)" in plain
+
+
+def test_any_callable_returning_a_module_is_a_model(tmp_path):
+    (tmp_path / "factories.py").write_text("import functools\nfrom hf_tiny import Wrapped\n"
+                                           "make = functools.partial(Wrapped, n_layers=2)\nnot_callable = 3\n")
+    spec = spec_of(tmp_path, "  - {layers: net, device: cpu}", cls="factories.py:make", kwargs="{d: 8}")
+    assert build.build_graph(spec).total_params == 64 * 8 + 2 * (2 * 8 + 8 * 8 + 8) + 8 * 64 + 64
+    with pytest.raises(SpecError) as e:
+        build.build_module(spec_of(tmp_path, "  - {layers: net, device: cpu}", cls="factories.py:not_callable"))
+    assert e.value.diagnostics[0].code == "M003"
