@@ -345,7 +345,8 @@ def _output_diag(spec: Spec, output) -> None:
         raise SpecError(_diag("M011", f"the model's forward returns {kind}, which has no tensor field "
                               f"{spec.model.output!r} (its tensor fields: {listed})", loc,
                               name_hint("fields", spec.model.output, fields) if fields else
-                              "model.output names a key or field of what forward returns"))
+                              "forward returns a tensor: remove model.output" if isinstance(output, torch.Tensor)
+                              else "model.output names a key or field of what forward returns"))
     if fields:
         raise SpecError(_diag("M008", f"the model's forward returns {kind}, not a tensor (its tensor fields: "
                               f"{listed})", loc, f"set model.output to the field the loss takes "

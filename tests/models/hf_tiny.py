@@ -34,7 +34,7 @@ class Block(nn.Module):
 
 
 class Inner(nn.Module):
-    """A model with a parent's glue: the embedding plus a position parameter summed in forward."""
+    """A model with a parent's glue: a constant added to the embedding in forward (no layer owns it)."""
 
     def __init__(self, vocab: int, d: int, n_layers: int, seq: int):
         super().__init__()

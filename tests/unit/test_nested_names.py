@@ -112,6 +112,10 @@ def test_a_missing_output_field_lists_the_fields(tmp_path):
     spec = spec_of(tmp_path, "  - {layers: net, device: cpu}", output=None)
     (d,) = deep_errors(spec)
     assert d.code == "M008" and "logits" in d.message and d.hint.endswith("(output: logits)")
+    spec = spec_of(tmp_path, "  - {layers: [embed, blocks.*, ln_f, lm_head], device: cpu}", cls="tinygpt.py:TinyGPT",
+                   kwargs="{vocab: 64, d_model: 16, n_layers: 2, seq: 8, n_heads: 2}")
+    (d,) = deep_errors(spec)
+    assert d.code == "M011" and "returns Tensor" in d.message and d.hint == "forward returns a tensor: remove model.output"
 
 
 def test_a_factory_returning_a_model_output_takes_its_logits(tmp_path):
