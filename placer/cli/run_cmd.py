@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -360,7 +361,7 @@ def restart_lines(spec, program, attempt: int, attempts: int, failures: dict, st
         if code is not None and code < 0:
             how = f"was killed by {_signal_name(-code)}"
         else:
-            last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+            last = next((line.strip() for line in excerpt(tail, 1)), "")
             how = f"exited with code {code}" + (f": {last}" if last else "")
         lines.append(f"  rank {rank} ({device}) {how}")
     where = "from the newest complete checkpoint" if ckpt_of(spec) else "at step 0 (no training.checkpoint)"
@@ -381,8 +382,7 @@ def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple
 
 def _failure(spec, program, run_dir: Path, rank: int, code: int | None, tail: str, after: int | None) -> Diagnostic:
     device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
-    last = [line for line in tail.splitlines() if line.strip()][-8:]
-    shown = "\n".join("    " + line for line in last)
+    shown = "\n".join("    " + line for line in excerpt(tail))
     if code is not None and code < 0:
         how = f"was stopped by {_signal_name(-code)}" + (f" after rank {after} failed" if after is not None else "")
         if code == -signal.SIGTERM or not shown:
@@ -391,6 +391,27 @@ def _failure(spec, program, run_dir: Path, rank: int, code: int | None, tail: st
                           f"its whole output is under {run_dir / 'logs'}")
     return Diagnostic("R020", f"rank {rank} ({device}) exited with code {code}" + (f":\n{shown}" if shown else ""),
                       Loc(spec.file), f"its whole output is under {run_dir / 'logs'}")
+
+
+_FRAME = re.compile(r'\s*File ".*", line \d+')
+
+
+def excerpt(tail: str, most: int = 8) -> list[str]:
+    """The lines of a rank's output that say why it failed: from a traceback, its exception line
+    (`ValueError: ...`) and what follows it, cut to `most` lines, since a message that holds a
+    module's repr would otherwise show only the repr's tail; else the last `most` lines."""
+    lines = [line for line in tail.splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    if frames:
+        i = frames[-1] + 1
+        while i < len(lines) and lines[i].startswith("    "):  # the frame's source line and its ^^^ marks
+            i += 1
+        if i < len(lines):
+            shown = lines[i:i + most]
+            if len(lines) - i > most > 1:
+                shown[-1] = f"... ({len(lines) - i - most + 1} more lines)"
+            return shown
+    return lines[-most:]
 
 
 def _signal_name(number: int) -> str:

@@ -269,10 +269,20 @@ def model_source(spec: Spec, graph) -> str:
     else:
         # the user's names stay in the strings: none can collide with the program's globals
         c(f"MODEL = {spec.model.module!r}  # the spec's model.module, called with MODEL_KWARGS",
-          f"MODEL_KWARGS = {literal(spec.model.kwargs)}", "", "",
-          "def build_model():",
+          f"MODEL_KWARGS = {literal(spec.model.kwargs)}")
+        if spec.model.output is not None:
+            c(f"OUTPUT = {spec.model.output!r}  # the spec's model.output: the field of forward's output the loss takes",
+              "", "", "def output_field(module, args, output):",
+              '    """A forward hook: the model returns its OUTPUT field (a mapping\'s or a ModelOutput\'s)."""',
+              "    return output[OUTPUT] if isinstance(output, dict) else getattr(output, OUTPUT)")
+        c("", "", "def build_model():",
           '    """The whole model, initialised from the seed (identically on every rank)."""',
-          "    torch.manual_seed(SEED)", "    return load_user(MODEL)(**MODEL_KWARGS)")
+          "    torch.manual_seed(SEED)")
+        if spec.model.output is None:
+            c("    return load_user(MODEL)(**MODEL_KWARGS)")
+        else:
+            c("    model = load_user(MODEL)(**MODEL_KWARGS)", "    model.register_forward_hook(output_field)",
+              "    return model")
     opt = spec.training.optimizer
     _dotted(opt.op, "optimizer", opt.loc)
     kwargs = optimizer_kwargs(spec)

@@ -390,7 +390,8 @@ def _quiet_launcher():
             lg.setLevel(level)
 
 
-def _stderr_tail(run_dir: Path, local_rank: int, lines: int = 15) -> str:
+def _stderr_tail(run_dir: Path, local_rank: int, lines: int = 80) -> str:
+    # enough to reach a traceback's exception line above a long message (a module's repr)
     logs = sorted((run_dir / "logs").glob(f"*/attempt_*/{local_rank}/stderr.log"), key=os.path.getmtime)
     if not logs:
         return ""

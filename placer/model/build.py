@@ -18,12 +18,12 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import os
 import re
 import sys
 import traceback
 import warnings
+from collections.abc import Mapping
 from typing import cast
 
 import torch
@@ -63,15 +63,17 @@ def build_module(spec: Spec, device: str | torch.device = "meta") -> nn.Module:
     if spec.model.inline:
         return _build_inline(spec, device)
     cls = load_model_class(spec)
+    assert spec.model.module is not None  # a module model
+    name = spec.model.module.rpartition(":")[2]
     with _import_path(spec), torch.device(device):
         try:
             model = cls(**spec.model.kwargs)
         except Exception as e:
-            raise SpecError(_diag("M004", f"{spec.model.module}: {cls.__name__}(**kwargs) raised "
+            raise SpecError(_diag("M004", f"{spec.model.module}: {name}(**kwargs) raised "
                                   f"{_describe(e, spec)}", _module_loc(spec),
                                   "check model.kwargs against the class's constructor")) from None
     if not isinstance(model, nn.Module):  # a factory function (SPEC.md allows one) that returned something else
-        raise SpecError(_diag("M004", f"{spec.model.module}: {cls.__name__}(**kwargs) returned a value of type "
+        raise SpecError(_diag("M004", f"{spec.model.module}: {name}(**kwargs) returned a value of type "
                               f"{type(model).__name__}, not an nn.Module", _module_loc(spec),
                               "model.module names a class or a function that returns an nn.Module"))
     return model
@@ -101,7 +103,8 @@ def _build_inline(spec: Spec, device) -> nn.Module:
 
 def load_model_class(spec: Spec):
     """Import what `model.module` names (a file relative to the spec, or `pkg.mod`): an nn.Module
-    class, or a function that returns an nn.Module (`torchvision.models:resnet18`)."""
+    class, or any other callable that returns an nn.Module (`torchvision.models:resnet18`, a
+    `functools.partial`)."""
     assert spec.model.module is not None  # a module model
     target, _, cls_name = spec.model.module.rpartition(":")
     loc = _module_loc(spec)
@@ -124,7 +127,7 @@ def load_model_class(spec: Spec):
         names = [n for n, v in vars(mod).items() if isinstance(v, type) and issubclass(v, nn.Module)]
         raise SpecError(_diag("M003", f"{target} has no class {cls_name!r}", loc,
                               name_hint("its nn.Module classes", cls_name, names) if names else None))
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module) or inspect.isfunction(cls)):
+    if isinstance(cls, type) and not issubclass(cls, nn.Module) or not callable(cls):
         raise SpecError(_diag("M003", f"{spec.model.module} is not an nn.Module subclass or a function "
                               f"({type(cls).__name__})", loc,
                               "name a class that derives from torch.nn.Module, or a function that returns one"))
@@ -187,30 +190,62 @@ def _is_container(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 
-def placeable_layers(module: nn.Module, order: list[str] | None = None) -> list[str]:
-    """Names a spec can place: top-level children, containers expanded recursively.
+def placeable_layers(module: nn.Module, order: list[str] | None = None, selectors=()) -> list[str]:
+    """Names a spec can place: top-level children, containers expanded recursively, and deeper
+    where a selector names a path inside one (`gpt.transformer.h.0` expands `gpt`, then
+    `gpt.transformer`, into their children: the spec chooses the depth).
 
     In definition order, or, given `order` (first-call order from a trace), in
     that order with layers never called last. ParameterList/Dict are not layers:
-    their parameters are root parameters.
+    their parameters are root parameters, as are an expanded parent's own.
     """
-    names: list[str] = []
-
-    def walk(m: nn.Module, prefix: str):
-        for n, child in m.named_children():
-            if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
-                continue
-            if _is_container(child):
-                walk(child, f"{prefix}{n}.")
-            else:
-                names.append(prefix + n)
-
-    walk(module, "")
+    names = _children(module, "")
+    for text in selectors:
+        for path in selector_paths(text):
+            names = _expand_to(module, names, path)
     if order is None:
         return names
     known = set(names)
     ran = [n for n in order if n in known]
     return ran + [n for n in names if n not in set(ran)]
+
+
+def _children(m: nn.Module, prefix: str) -> list[str]:
+    names: list[str] = []
+    for n, child in m.named_children():
+        if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+            continue
+        names += _children(child, f"{prefix}{n}.") if _is_container(child) else [prefix + n]
+    return names
+
+
+def selector_paths(text: str) -> list[str]:
+    """The module paths a selector names: a range's two ends, a glob's fixed dotted prefix, a name."""
+    from placer.spec import select
+    if select.is_range(text):
+        return [p for p in text.partition("..")[::2] if p]
+    if select.is_glob(text):
+        stem = re.split(r"[*?\[]", text, maxsplit=1)[0]
+        return [stem.rpartition(".")[0]] if "." in stem else []
+    return [text]
+
+
+def _expand_to(module: nn.Module, names: list[str], path: str) -> list[str]:
+    """`names` with the layer that holds `path` (strictly inside it) replaced by its children,
+    again until `path` is a layer, a container's prefix, or no module's path."""
+    while True:
+        holder = next((n for n in names if path.startswith(n + ".")), None)
+        if holder is None:
+            return names
+        kids = _children(module.get_submodule(holder), holder + ".")
+        if not kids:  # a leaf module: `path` names nothing inside it (P001 says so)
+            return names
+        i = names.index(holder)
+        names = names[:i] + kids + names[i + 1:]
+
+
+def selector_texts(spec: Spec) -> list[str]:
+    return [sel.text for seg in spec.placement for sel in seg.selectors]
 
 
 # -- the graph --------------------------------------------------------------------------------------
@@ -226,7 +261,7 @@ def meta_batch(spec: Spec, batch: int | None = None, device="meta") -> tuple[tor
 def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
     """Trace the spec's model (built on meta unless given) into a ModelGraph on the global batch."""
     module = build_module(spec) if module is None else module
-    layers = placeable_layers(module)
+    layers = placeable_layers(module, selectors=selector_texts(spec))
     if not layers:
         raise SpecError(_diag("M009", f"model {type(module).__name__} has no child modules to place", _module_loc(spec),
                               "layers are the model's child modules (ModuleList/Sequential/ModuleDict are "
@@ -238,7 +273,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             tr = trace_module(module, layers, (x,), use_fx=not spec.model.inline)
     except ForwardFailed as e:
         raise SpecError(_forward_diag(spec, module, e)) from None
-    names = placeable_layers(module, tr.order)
+    names = placeable_layers(module, tr.order, selector_texts(spec))
     counted: set[int] = set()
     infos = []
     for i, name in enumerate(names):
@@ -266,13 +301,56 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,
                   consumer=tr.root_consumers.get(n))
         for n, p in list(module.named_parameters()) + list(module.named_buffers()) if id(p) not in counted)
-    out = tr.output if isinstance(tr.output, torch.Tensor) else None
+    out = model_output(spec, tr.output)
+    if not isinstance(out, torch.Tensor):
+        _output_diag(spec, tr.output)
+        out = None
     return ModelGraph(
         layers=tuple(infos), batch_size=spec.training.batch_size, input_shape=tuple(x.shape),
         input_dtype=dtype_name(x.dtype), traced_with="inline" if spec.model.inline else tr.traced_with,
         output_shape=tuple(out.shape) if out is not None else None,
         output_dtype=dtype_name(out.dtype) if out is not None else None, root_params=roots,
     )
+
+
+def model_output(spec: Spec, output):
+    """What the loss takes: the forward's output, or its `model.output` field (a mapping's key, a
+    `ModelOutput`'s field, an attribute); None when there is no such field."""
+    name = spec.model.output
+    if name is None:
+        return output
+    if isinstance(output, Mapping):  # a Hugging Face ModelOutput is an OrderedDict
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def _fields(output) -> list[str]:
+    """The tensor fields of a forward's output that `model.output` could name."""
+    if isinstance(output, Mapping):
+        items = list(output.items())
+    elif hasattr(output, "_fields"):  # a namedtuple
+        items = [(f, getattr(output, f)) for f in output._fields]
+    else:
+        items = list(getattr(output, "__dict__", {}).items())
+    return [str(k) for k, v in items if isinstance(v, torch.Tensor)]
+
+
+def _output_diag(spec: Spec, output) -> None:
+    """M011 when `model.output` names no tensor field; M008 (with the fields) for a mapping or an
+    object with tensor fields but no `model.output`. A plain non-tensor output is M008 in deep_check."""
+    fields, kind = _fields(output), type(output).__name__
+    loc = spec.doc.loc(("model", "output")) if spec.model.output else _module_loc(spec)
+    listed = ", ".join(fields) if fields else "none"
+    if spec.model.output:
+        raise SpecError(_diag("M011", f"the model's forward returns {kind}, which has no tensor field "
+                              f"{spec.model.output!r} (its tensor fields: {listed})", loc,
+                              name_hint("fields", spec.model.output, fields) if fields else
+                              "forward returns a tensor: remove model.output" if isinstance(output, torch.Tensor)
+                              else "model.output names a key or field of what forward returns"))
+    if fields:
+        raise SpecError(_diag("M008", f"the model's forward returns {kind}, not a tensor (its tensor fields: "
+                              f"{listed})", loc, f"set model.output to the field the loss takes "
+                              f"(output: {fields[0]})"))
 
 
 def _bytes(t: torch.Tensor) -> int:

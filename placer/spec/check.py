@@ -31,6 +31,7 @@ def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], lis
     out: list[list[int]] = []
     diags: list[Diagnostic] = []
     owner: dict[int, int] = {}  # layer index -> segment index
+    chosen_by: dict[int, str] = {}  # layer index -> the first selector that selects it
     for seg in spec.placement:
         idx: list[int] = []
         for sel in seg.selectors:
@@ -43,7 +44,8 @@ def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], lis
                     where = ("twice in segment " if i in idx else "also in segment ") + \
                         repr(seg.name if i in idx else spec.placement[owner[i]].name)
                     diags.append(D("P002", f"layer {names[i]!r} is {where}", sel.loc,
-                                   "every layer belongs to exactly one segment"))
+                                   _overlap_hint(names[i], (chosen_by.get(i, ""), sel.text))))
+                chosen_by.setdefault(i, sel.text)
             idx += hits
         for i in idx:
             owner.setdefault(i, seg.index)
@@ -67,6 +69,31 @@ def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], lis
     return out, diags
 
 
+def _overlap_hint(name: str, texts: tuple[str, str]) -> str:
+    """P002's hint: where one selector names a parent module of the other's layer, say so."""
+    parent = next((t for t in texts if name.startswith(t + ".") and not select.is_range(t)
+                   and not select.is_glob(t)), None)
+    if parent:
+        return f"{parent!r} is the parent of {name!r}: place its children, or the parent whole, not both"
+    return "every layer belongs to exactly one segment"
+
+
+def _nested_hint(text: str, names: list[str]) -> str | None:
+    """For a dotted name that selects nothing: the layers under its nearest existing parent, or
+    that a layer it lies inside has no submodules to place."""
+    parts = text.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:k])
+        if parent in names:
+            return f"{parent!r} is a layer with no submodules to place: name it whole"
+        under = [n for n in names if n.startswith(parent + ".")]
+        if under:
+            shown = ", ".join(under[:8]) + (f", ... ({len(under)} in all)" if len(under) > 8 else "")
+            dym = closest(text, under)
+            return f"the layers under {parent!r} are {shown}" + (f" (did you mean {dym!r}?)" if dym else "")
+    return None
+
+
 def _selector_hint(text: str, names: list[str]) -> str:
     """Hint for a selector that selects nothing: the closest layer or subtree name."""
     if select.is_range(text):
@@ -80,7 +107,7 @@ def _selector_hint(text: str, names: list[str]) -> str:
         stem = text.split("*")[0].split("?")[0].split("[")[0].rstrip(".")
         best = closest(stem, prefixes)
         return f"did you mean {best + text[len(stem):]!r}?" if best else name_hint("layers", text, names)
-    return name_hint("layers", text, names)
+    return _nested_hint(text, names) or name_hint("layers", text, names)
 
 
 def _check_devices(spec: Spec) -> list[Diagnostic]:

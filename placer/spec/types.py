@@ -47,6 +47,8 @@ class Model:
     module: str | None = None
     """`path/to/file.py:Class` (relative to the spec) or `pkg.mod:Class`."""
     kwargs: dict = field(default_factory=dict)
+    output: str | None = None
+    """The field of a mapping or `ModelOutput` the loss takes (`logits`); None: the output itself."""
     input: TensorSpec
     target: TensorSpec
     loss: str
@@ -213,6 +215,7 @@ def from_document(doc: Document) -> Spec:
         layers=_expand_layers(doc, m["layers"]) if "layers" in m else None,
         module=m.get("module"),
         kwargs=dict(m.get("kwargs", {})),
+        output=m.get("output"),
         input=_tensor(doc, ("model", "input"), m["input"]),
         target=_tensor(doc, ("model", "target"), m["target"]),
         loss=m["loss"],

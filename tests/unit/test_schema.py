@@ -116,7 +116,7 @@ def _allowed(conditional: dict) -> set[str]:
 def test_exclusive_key_lists_stay_in_sync_with_properties():
     defs = SCHEMA["$defs"]
     model = defs["model"]
-    assert _allowed(model["dependentSchemas"]["layers"]) == set(model["properties"]) - {"module", "kwargs"}
+    assert _allowed(model["dependentSchemas"]["layers"]) == set(model["properties"]) - {"module", "kwargs", "output"}
     segment = defs["segment"]
     assert _allowed(segment["dependentSchemas"]["device"]) == set(segment["properties"]) - {"devices"}
     parallel = defs["parallel"]

@@ -10,6 +10,7 @@
 #   SUM reductions (gloo has no PREMUL_SUM, which the factor would otherwise use). Works on
 #   CPU with gloo, no offload policy needed. Parameters are DTensor shards: save with
 #   tensor.unsharded_state_dict (a collective over the group).
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard
@@ -23,14 +24,35 @@ def zero_optimizer(params, group, optimizer_class, **defaults):
                                    process_group=group, **defaults)
 
 
+def fsdp_units(module, prefix=""):
+    """The submodules FSDP2 shards one by one before the whole segment, as torch's recipes do:
+    each ModuleList/ModuleDict element (a transformer block), and every other child with
+    parameters; a child holding such a container is opened instead (a wrapper's blocks get one
+    unit each). fully_shard refuses a bare ModuleList: it has no forward. (path, module) pairs."""
+    units = []
+    for name, child in module.named_children():
+        path = prefix + name
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units += [(f"{path}.{n}", m) for n, m in child.named_children() if _has_params(m)]
+        elif any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in child.modules()):
+            units += fsdp_units(child, path + ".")
+        elif _has_params(child):
+            units.append((path, child))
+    return units
+
+
+def _has_params(module):
+    return any(True for _ in module.parameters())
+
+
 def fully_shard_segment(module, group, device_type="cpu", reshard_after_forward=True):
-    """FSDP2 over group, in place: one FSDP unit per child that has parameters, then the
-    segment itself; gradients SUMMED over group. Returns module (now an FSDPModule); make
-    its optimizer afterwards, from module.parameters(). Every rank of the group calls it."""
+    """FSDP2 over group, in place: one FSDP unit per block and per other child that has
+    parameters (fsdp_units), then the segment itself; gradients SUMMED over group. Returns
+    module (now an FSDPModule); make its optimizer afterwards, from module.parameters().
+    Every rank of the group calls it."""
     mesh = DeviceMesh.from_group(group, device_type)
-    for child in module.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for _, unit in fsdp_units(module):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for m in module.modules():
         if isinstance(m, FSDPModule):  # the factor is per FSDP unit, not inherited

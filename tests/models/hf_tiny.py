@@ -1,0 +1,71 @@
+"""Tiny Hugging Face models for placer's tests: configs built here, random init, never a download.
+
+Dropout is off (a placed run must match one device exactly). GPT-2's embeddings are untied
+(`tie_word_embeddings=False`): tied weights across segments are another test's subject.
+"""
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def make_gpt2(vocab: int = 128, d_model: int = 32, n_layers: int = 2, seq: int = 16, n_heads: int = 2):
+    """GPT2LMHeadModel: `transformer.wte`, `transformer.h.0` .., `lm_head`; returns a ModelOutput."""
+    cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=d_model, n_layer=n_layers, n_head=n_heads,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def make_llama(vocab: int = 128, d_model: int = 32, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2):
+    """LlamaForCausalLM with rotary embeddings and grouped-query attention (heads > kv heads)."""
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model,
+                      num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
+                      max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Inner(nn.Module):
+    """A model with a parent's glue: a constant added to the embedding in forward (no layer owns it)."""
+
+    def __init__(self, vocab: int, d: int, n_layers: int, seq: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n_layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx) + 0.5
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Wrapped(nn.Module):
+    """`self.net = Inner(...)`: every placeable layer is nested (`net.blocks.0`), as in an HF wrapper."""
+
+    def __init__(self, vocab: int = 64, d: int = 16, n_layers: int = 4, seq: int = 8):
+        super().__init__()
+        self.net = Inner(vocab, d, n_layers, seq)
+
+    def forward(self, idx):
+        return {"logits": self.net(idx)}
+
+
+class WrappedGPT2(nn.Module):
+    """`self.gpt = GPT2LMHeadModel(cfg)`, as users wrap HF models: layers `gpt.transformer.h.0` .."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.gpt = make_gpt2(**kwargs)
+
+    def forward(self, idx):
+        return self.gpt(idx).logits
