@@ -88,13 +88,13 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     it finds the spec's files relative to itself. SpecError / PlanError for what cannot be
     generated."""
     from placer.model.build import build_graph
-    from placer.model.trace import deferred_dynamo
+    from placer.model.deferred import defer_compile_imports
     from placer.plan.lower import lower
     from placer.plan.place import place
 
     graph = build_graph(spec)
     plan = lower(place(spec, graph), spec, graph)
-    with deferred_dynamo():  # torch.optim's constructors are wrapped as meta kernels are
+    with defer_compile_imports():  # torch.optim's constructors are wrapped as meta kernels are
         preflight.check_optimizer(spec)
     devices = rank_order(spec.devices)
     pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops

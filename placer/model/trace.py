@@ -14,10 +14,6 @@ whose segment consumes it (SPEC.md); work after the last layer counts for it.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
-import sys
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -91,64 +87,6 @@ def _storage_key(t: torch.Tensor):
         return t.untyped_storage()._cdata
     except Exception:  # tensor subclasses without a plain storage
         return ("id", id(t))
-
-
-class _DeferredDynamo(types.ModuleType):
-    """Stands in for `torch._dynamo` while placer builds and traces a model on meta.
-
-    torch wraps its Python kernels (the meta device's linear, gelu, layer_norm, normal_, ...)
-    and every dispatch mode (FlopCounterMode) in `torch._disable_dynamo`, whose first call
-    imports torch._dynamo (sympy, FSDP, DTensor: 1.5-2 s of every `generate` and `run`) only
-    to get `torch._dynamo.disable(fn)`, a wrapper that matters while torch.compile traces
-    (torch.optim's step likewise calls `graph_break()`). Nothing compiles here, so `disable`
-    gives `fn` itself and `graph_break` does nothing; anything else asked of this module loads
-    the real one.
-    """
-
-    def __init__(self):
-        super().__init__("torch._dynamo")
-        self.given: list = []
-
-    def disable(self, fn=None, recursive=True, **kwargs):
-        if fn is None:  # the decorator form
-            return self.real().disable(fn, recursive, **kwargs)
-        self.given.append(fn)
-        return fn
-
-    def graph_break(self, *args, **kwargs):  # torch.optim's step asks for one; a no-op outside a compile
-        pass
-
-    def real(self) -> types.ModuleType:
-        if sys.modules.get("torch._dynamo") is self:
-            del sys.modules["torch._dynamo"]
-        return importlib.import_module("torch._dynamo")
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") and name != "__path__":  # module probes (__file__, ...): no reason to load
-            raise AttributeError(name)
-        return getattr(self.real(), name)
-
-
-@contextlib.contextmanager
-def deferred_dynamo():
-    """Build and trace without importing torch._dynamo (see _DeferredDynamo). On exit the
-    functions that got themselves as their `disable` wrapper forget it, so a later call
-    (under torch.compile in the user's own process, say) gets torch's real wrapper."""
-    if "torch._dynamo" in sys.modules:  # paid already
-        yield
-        return
-    stand_in = _DeferredDynamo()
-    sys.modules["torch._dynamo"] = stand_in
-    try:
-        yield
-    finally:
-        if sys.modules.get("torch._dynamo") is stand_in:
-            del sys.modules["torch._dynamo"]
-        if torch.__dict__.get("_dynamo") is stand_in:
-            delattr(torch, "_dynamo")
-        for fn in stand_in.given:
-            if getattr(fn, "__dynamo_disable", None) is fn:
-                del fn.__dynamo_disable
 
 
 class _LayerTracer(fx.Tracer):

@@ -1,0 +1,96 @@
+"""Start-up: `placer run SPEC` against `torchrun` on the same generated program, and `placer
+generate` against a bare `import torch`. Wall time of whole commands (subprocess + time only),
+interleaved: each repetition runs every command once, in turn, so load on the machine hits them
+alike; medians over the repetitions, then differences and ratios.
+
+    python bench/startup.py                      # specs/mlp_layerwise_direct.yaml, 5 steps, 5 repetitions
+    python bench/startup.py --spec specs/tinygpt.yaml --steps 5 -n 7
+
+Commands, per repetition (the program is generated once, before, with `placer generate`):
+    placer run SPEC --steps S --run-dir D1                 generate + launch + train + results
+    torchrun --nproc-per-node K P --steps S --out D2 --measure    P: the same program, the same
+    python P --steps S --out D3 --measure                  flags as `placer run` gives it
+    placer generate SPEC -o P2
+    python -c "import torch"
+
+Measured on the 2-core development machine (shared with other work, so spread is wide;
+mlp_layerwise_direct, 2 simulated CPU workers, 5 steps, n=5):
+    placer run 6.36 s, torchrun 5.71 s: +0.65 s (1.11x);  python program.py 5.95 s: +0.24 s (1.04x)
+    placer generate 2.79 s, import torch 1.83 s: +0.96 s (1.52x)
+Before (main at fad0115, same machine and spec): placer run +1.95 s (1.44x) and python
+program.py 1.36x torchrun (issue 15), placer generate 2.1x import torch.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def placer(*args: str) -> list[str]:
+    return [sys.executable, "-m", "placer.cli.main", *args]
+
+
+def timed(cmd: list[str], cwd: Path) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--spec", default=str(ROOT / "specs" / "mlp_layerwise_direct.yaml"))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("-n", "--repeat", type=int, default=5, help="repetitions (default 5)")
+    args = ap.parse_args()
+    spec = str(Path(args.spec).resolve())
+    with tempfile.TemporaryDirectory(prefix="placer-startup-") as tmp:
+        work = Path(tmp)
+        program = work / "program.py"
+        timed(placer("generate", spec, "-o", str(program)), ROOT)
+        text = program.read_text()
+        nproc = next(line.split("--nproc-per-node")[1].split()[0] for line in text.splitlines()
+                     if "torchrun --nproc-per-node" in line)
+        steps = ["--steps", str(args.steps)]
+        commands = {
+            "placer run": lambda i: placer("run", spec, *steps, "--run-dir", str(work / f"run{i}")),
+            "torchrun": lambda i: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
+                                   str(program), *steps, "--out", str(work / f"torchrun{i}"), "--measure"],
+            "python program.py": lambda i: [sys.executable, str(program), *steps, "--out", str(work / f"py{i}"),
+                                            "--measure"],
+            "placer generate": lambda i: placer("generate", spec, "-o", str(work / f"gen{i}.py")),
+            "import torch": lambda i: [sys.executable, "-c", "import torch"],
+        }
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        print(f"{Path(spec).name}: {nproc} workers, {args.steps} steps, {args.repeat} repetitions, interleaved")
+        for i in range(args.repeat):
+            for name, cmd in commands.items():
+                times[name].append(timed(cmd(i), ROOT))
+            print(f"  {i + 1}/{args.repeat}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()), flush=True)
+            for old in work.glob("*[0-9]"):
+                shutil.rmtree(old, ignore_errors=True)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(f"\n{'command':<20} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for name, t in times.items():
+        print(f"{name:<20} {med[name]:>9.2f} {min(t):>7.2f} {max(t):>7.2f}")
+    print()
+    for a, b in (("placer run", "torchrun"), ("python program.py", "torchrun"), ("placer generate", "import torch")):
+        print(f"{a} vs {b}: {med[a] - med[b]:+.2f} s ({med[a] / med[b]:.2f}x)")
+    # the same differences repetition by repetition (paired: each pair ran back to back)
+    for a, b in (("placer run", "torchrun"), ("placer generate", "import torch")):
+        print(f"{a} - {b}, per repetition: " + " ".join(f"{x - y:+.2f}" for x, y in zip(times[a], times[b])))
+
+
+if __name__ == "__main__":
+    main()
