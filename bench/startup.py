@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def placer(*args: str) -> list[str]:
-    return [sys.executable, "-m", "placer.cli.main", *args]
+    return [sys.executable, "-m", "placer.cli.main", *args]  # the placer of the working directory
 
 
 def timed(cmd: list[str], cwd: Path) -> float:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
     if proc.returncode:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
@@ -53,39 +53,55 @@ def main() -> None:
     ap.add_argument("--spec", default=str(ROOT / "specs" / "mlp_layerwise_direct.yaml"))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("-n", "--repeat", type=int, default=5, help="repetitions (default 5)")
+    ap.add_argument("--baseline", metavar="DIR", help="another placer checkout (an older commit, say): its "
+                    "placer run, placer generate and python program.py join the comparison")
     args = ap.parse_args()
     spec = str(Path(args.spec).resolve())
     with tempfile.TemporaryDirectory(prefix="placer-startup-") as tmp:
         work = Path(tmp)
         program = work / "program.py"
         timed(placer("generate", spec, "-o", str(program)), ROOT)
+        base, old_program = Path(args.baseline).resolve() if args.baseline else None, work / "old_program.py"
+        if base:
+            timed(placer("generate", spec, "-o", str(old_program)), base)
         text = program.read_text()
         nproc = next(line.split("--nproc-per-node")[1].split()[0] for line in text.splitlines()
                      if "torchrun --nproc-per-node" in line)
         steps = ["--steps", str(args.steps)]
         commands = {
             "placer run": lambda i: placer("run", spec, *steps, "--run-dir", str(work / f"run{i}")),
-            "torchrun": lambda i: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
+            "torchrun": lambda i: [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc,
                                    str(program), *steps, "--out", str(work / f"torchrun{i}"), "--measure"],
             "python program.py": lambda i: [sys.executable, str(program), *steps, "--out", str(work / f"py{i}"),
                                             "--measure"],
             "placer generate": lambda i: placer("generate", spec, "-o", str(work / f"gen{i}.py")),
             "import torch": lambda i: [sys.executable, "-c", "import torch"],
         }
+        cwd = {name: ROOT for name in commands}
+        if base:
+            commands |= {
+                "placer run (baseline)": lambda i: placer("run", spec, *steps, "--run-dir", str(work / f"brun{i}")),
+                "placer generate (baseline)": lambda i: placer("generate", spec, "-o", str(work / f"bgen{i}.py")),
+                "python program.py (baseline)": lambda i: [sys.executable, str(old_program), *steps, "--out",
+                                                           str(work / f"bpy{i}"), "--measure"],
+            }
+            cwd |= {name: base for name in commands if "baseline" in name}
         times: dict[str, list[float]] = {name: [] for name in commands}
         print(f"{Path(spec).name}: {nproc} workers, {args.steps} steps, {args.repeat} repetitions, interleaved")
         for i in range(args.repeat):
             for name, cmd in commands.items():
-                times[name].append(timed(cmd(i), ROOT))
+                times[name].append(timed(cmd(i), cwd[name]))
             print(f"  {i + 1}/{args.repeat}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()), flush=True)
             for old in work.glob("*[0-9]"):
                 shutil.rmtree(old, ignore_errors=True)
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f"\n{'command':<20} {'median s':>9} {'min s':>7} {'max s':>7}")
+    print(f"\n{'command':<30} {'median s':>9} {'min s':>7} {'max s':>7}")
     for name, t in times.items():
-        print(f"{name:<20} {med[name]:>9.2f} {min(t):>7.2f} {max(t):>7.2f}")
+        print(f"{name:<30} {med[name]:>9.2f} {min(t):>7.2f} {max(t):>7.2f}")
     print()
-    for a, b in (("placer run", "torchrun"), ("python program.py", "torchrun"), ("placer generate", "import torch")):
+    pairs = [("placer run", "torchrun"), ("python program.py", "torchrun"), ("placer generate", "import torch")]
+    pairs += [(f"{a} (baseline)", b) for a, b in pairs if f"{a} (baseline)" in med]
+    for a, b in pairs:
         print(f"{a} vs {b}: {med[a] - med[b]:+.2f} s ({med[a] / med[b]:.2f}x)")
     # the same differences repetition by repetition (paired: each pair ran back to back)
     for a, b in (("placer run", "torchrun"), ("placer generate", "import torch")):
