@@ -8,17 +8,20 @@ alike; medians over the repetitions, then differences and ratios.
 
 Commands, per repetition (the program is generated once, before, with `placer generate`):
     placer run SPEC --steps S --run-dir D1                 generate + launch + train + results
-    torchrun --nproc-per-node K P --steps S --out D2 --measure    P: the same program, the same
-    python P --steps S --out D3 --measure                  flags as `placer run` gives it
+    torchrun --standalone --nproc-per-node K P --steps S --out D2 --measure   P: the same program,
+    python P --steps S --out D3 --measure                  the same flags as `placer run` gives it
     placer generate SPEC -o P2
     python -c "import torch"
 
-Measured on the 2-core development machine (shared with other work, so spread is wide;
-mlp_layerwise_direct, 2 simulated CPU workers, 5 steps, n=5):
-    placer run 6.36 s, torchrun 5.71 s: +0.65 s (1.11x);  python program.py 5.95 s: +0.24 s (1.04x)
-    placer generate 2.79 s, import torch 1.83 s: +0.96 s (1.52x)
-Before (main at fad0115, same machine and spec): placer run +1.95 s (1.44x) and python
-program.py 1.36x torchrun (issue 15), placer generate 2.1x import torch.
+Measured on the 2-core development machine while other work kept its load average near 10,
+so every command ran 5-10x slower than on a quiet machine and the spread is wide; read the
+ratios (mlp_layerwise_direct, 2 simulated CPU workers, 5 steps, n=3, `--baseline` = main at
+fad0115, before this change, in the same interleaved run):
+    placer run / torchrun            1.12x (+4.6 s)    baseline 1.46x (+17.2 s)
+    placer generate / import torch   1.12x (+2.0 s)    baseline 1.62x (+10.0 s)
+    python program.py / torchrun     1.01x             baseline 0.97x (1.36x quiet, issue 15)
+On a quiet machine the issue measured placer run at +1.95 s (1.44x); the same cut (-73%)
+would leave about +0.5 s.
 """
 from __future__ import annotations
 
