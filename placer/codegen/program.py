@@ -89,12 +89,14 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     it finds the spec's files relative to itself. SpecError / PlanError for what cannot be
     generated."""
     from placer.model.build import build_graph
+    from placer.model.deferred import defer_compile_imports
     from placer.plan.lower import lower
     from placer.plan.place import place
 
     graph = build_graph(spec)
     plan = lower(place(spec, graph), spec, graph)
-    preflight.check_optimizer(spec)
+    with defer_compile_imports():  # torch.optim's constructors are wrapped as meta kernels are
+        preflight.check_optimizer(spec)
     devices = rank_order(spec.devices)
     pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
@@ -114,8 +116,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [
         header(spec, program, segs, filename),
-        imports(piece_imports, ckpt, cut),
-        constants(spec, devices, out_dir),
+        *imports(piece_imports, ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
         model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches) if pl else
         train_source(segs, devices, cut, ckpt, zero_args(spec), loops),
@@ -192,7 +193,9 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def imports(piece_imports: list[str], checkpoint: bool, cut: bool) -> str:
+def imports(piece_imports: list[str], checkpoint: bool, cut: bool, then: list[str]) -> list[str]:
+    """The standard library's imports, `then` (the constants and the launcher: `python program.py`
+    starts torchrun without importing torch), and torch's."""
     std = [f"import {m}" for m in STDLIB if m != "shutil" or checkpoint] + ["from datetime import timedelta"]
     third = ["import torch", "import torch.distributed as dist", "import torch.nn as nn"]
     if checkpoint:  # sharded parameters and optimizer state are saved as their local pieces
@@ -200,7 +203,7 @@ def imports(piece_imports: list[str], checkpoint: bool, cut: bool) -> str:
     if cut:
         third.append("from torch.distributed.pipelining import SplitPoint, pipeline")
     third += [line for line in piece_imports if line not in third and line not in std]
-    return "\n".join(std) + "\n\n" + "\n".join(third) + "\n"
+    return ["\n".join(std) + "\n", *then, "\n".join(third) + "\n"]
 
 
 def _comments_above(text: str) -> str:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
+from placer.model.deferred import defer_compile_imports
 from placer.model.graph import LayerInfo, ModelGraph, RootParam
 from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
 from placer.spec import check
@@ -58,6 +59,7 @@ class InlineModel(nn.Module):
         return x
 
 
+@defer_compile_imports()
 def build_module(spec: Spec, device: str | torch.device = "meta") -> nn.Module:
     """The spec's model, its parameters created on `device` (meta by default)."""
     if spec.model.inline:
@@ -258,6 +260,7 @@ def meta_batch(spec: Spec, batch: int | None = None, device="meta") -> tuple[tor
     return x, y
 
 
+@defer_compile_imports()
 def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
     """Trace the spec's model (built on meta unless given) into a ModelGraph on the global batch."""
     module = build_module(spec) if module is None else module
@@ -387,6 +390,7 @@ def loss_inputs(spec: Spec, output: torch.Tensor, target: torch.Tensor) -> tuple
 
 # -- validate --deep --------------------------------------------------------------------------------
 
+@defer_compile_imports()
 def deep_check(spec: Spec) -> list[Diagnostic]:
     """`validate --deep`: build and trace on meta, then the checks that need real layer names."""
     try:

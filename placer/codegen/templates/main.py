@@ -46,19 +46,7 @@ def die_with_launcher():
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=f"Train {SPEC_NAME} with one worker per device ({len(DEVICES)} in all).")
-    parser.add_argument("--out", help="write progress.jsonl, metrics.json and final_params.pt here")
-    parser.add_argument("--simulate", action="store_true",
-                        help="run every device as a CPU worker on gloo")
-    parser.add_argument("--reference", action="store_true",
-                        help="train the whole model in this one process instead")
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps to train (default {STEPS})")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from its newest complete checkpoint")
-    parser.add_argument("--measure", action="store_true",
-                        help="count the bytes each rank sends (placer run asks for it)")
-    args = parser.parse_args()
+    args = arguments()
     die_with_launcher()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -83,9 +71,7 @@ def main():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    else:  # `python program.py`: start one worker per device on this machine
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={len(DEVICES)}", os.path.abspath(__file__), *sys.argv[1:]]
-        sys.exit(subprocess.call(command))
+    else:  # `python program.py` starts the workers before it imports torch (above); main() called otherwise
+        sys.exit(start_workers())
 
 

@@ -1,0 +1,57 @@
+"""`python program.py` starts torchrun before it imports torch (the workers import it), and still
+checks its arguments first."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from placer.codegen.program import generate
+from placer.spec.check import load_spec
+
+SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "specs")
+
+# the program run as `python program.py ARGS`, its torchrun never started: the audit hook
+# reports what the process had imported when it was about to start it, and ends it there
+PROBE = textwrap.dedent("""
+    import os, runpy, sys
+    def hook(event, args):
+        if event == "subprocess.Popen" and "torch.distributed.run" in list(args[1]):
+            print("torchrun", " ".join(map(str, args[1][3:])), "torch imported:", "torch" in sys.modules)
+            sys.stdout.flush()
+            os._exit(0)
+    sys.addaudithook(hook)
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    path = tmp_path_factory.mktemp("launch") / "program.py"
+    path.write_text(generate(load_spec(os.path.join(SPECS, "mlp_layerwise_direct.yaml")), out_dir=str(path.parent)).text)
+    return path
+
+
+def run(program, *args):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-c", PROBE, str(program), *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_python_program_starts_torchrun_without_importing_torch(program):
+    proc = run(program, "--steps", "2", "--simulate")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"torchrun --standalone --nproc-per-node=2 {program} --steps 2 --simulate " \
+                                  "torch imported: False"
+
+
+def test_its_arguments_are_checked_before_torchrun(program):
+    proc = run(program, "--steps", "many")
+    assert proc.returncode == 2 and "torchrun" not in proc.stdout
+    assert "argument --steps: invalid int value: 'many'" in proc.stderr
+    proc = run(program, "--help")
+    assert proc.returncode == 0 and "--reference" in proc.stdout and "torchrun" not in proc.stdout
