@@ -6,14 +6,12 @@ nodes in model order, communication ops where they happen: copies, splits,
 merges and pipeline sends as nodes on the edges that cross devices,
 collectives (all-reduce, ...) as nodes inside their segment's cluster.
 
-The text is written by hand (no graphviz Python package) and is
-deterministic, so golden files can hold it. Every label goes through `_q`,
+The text is written here, deterministic, so golden files can hold it; the
+`graphviz` package draws it (and gives a clear error when `dot` is missing). Every label goes through `_q`,
 which escapes what the spec wrote.
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 from placer import units
@@ -34,6 +32,8 @@ _MARGINS = {OpKind.SPLIT: "margin=0, ", OpKind.MERGE: "margin=0, ", OpKind.RESPL
 _FILLS = ("#dbe9f6", "#fde2c8", "#d9f0d3", "#f3d9ec", "#fff2b3", "#e0dcf0", "#d1ecec", "#f6d5d5")
 _PHASE_ORDER = {"fwd": 0, "bwd": 1, "bwd_input": 1, "bwd_weight": 2, "step": 3}
 FORMATS = ("dot", "gv", "svg", "png", "pdf")
+INSTALL = ("install graphviz (apt-get install graphviz, brew install graphviz, conda install graphviz), "
+           "or write the source with --dot and draw it elsewhere")
 
 
 def _q(*lines) -> str:
@@ -291,43 +291,41 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_diagram(dot_src: str, path: str | Path) -> tuple[Path, str | None]:
-    """Write DOT source to `path`, rendered by suffix (.dot/.gv as text; .svg/.png/.pdf via `dot`).
+def render(dot_src: str, fmt: str, engine: str = "dot", pinned: bool = False) -> bytes:
+    """DOT source drawn as `fmt` (svg, png, pdf) by graphviz; PlanError R004 when `dot` is missing or fails.
+    `pinned`: every node has its position (neato -n2)."""
+    import graphviz
 
-    Returns the path written and a message for the user when it fell back to
-    writing `<name>.dot` (graphviz missing or failing), else None.
-    """
     try:
-        return _write_diagram(dot_src, Path(path))
-    except OSError as e:
-        raise PlanError(Diagnostic("R002", f"cannot write {path}: {e.strerror or e}",
-                                   hint="choose a writable path")) from None
+        return graphviz.Source(dot_src, engine=engine).pipe(format=fmt, quiet=True, neato_no_op=2 if pinned else None)
+    except graphviz.ExecutableNotFound:
+        raise PlanError(Diagnostic("R004", f"graphviz `{engine}` not found: cannot draw a .{fmt} picture",
+                                   hint=INSTALL)) from None
+    except graphviz.CalledProcessError as e:
+        lines = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        raise PlanError(Diagnostic("R004", f"graphviz `{engine} -T{fmt}` failed: "
+                                   f"{lines[-1] if lines else 'no output'}",
+                                   hint="report this as a placer bug, with the --dot source")) from None
 
 
-def _write_diagram(dot_src: str, path: Path) -> tuple[Path, str | None]:
+def write_diagram(dot_src: str, path: str | Path, engine: str = "dot") -> Path:
+    """Write DOT source to `path`, by suffix: .dot/.gv as text, .svg/.png/.pdf drawn by graphviz.
+
+    A picture that cannot be drawn is an error (R004), never a silent fallback."""
+    path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise PlanError(Diagnostic("R001", f"cannot write a diagram as {path.suffix or 'a file without suffix'} "
                                    f"({path})", hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if fmt in ("dot", "gv"):
-        path.write_text(dot_src)
-        return path, None
-    fallback = path.with_suffix(".dot")
-    exe = shutil.which("dot")
-    if exe is None:
-        fallback.write_text(dot_src)
-        return fallback, (f"graphviz `dot` not found, wrote {fallback} instead of {path}; install graphviz "
-                          "(apt-get install graphviz, brew install graphviz) and run: "
-                          f"dot -T{fmt} {fallback} -o {path}")
+    data = dot_src.encode() if fmt in ("dot", "gv") else render(dot_src, fmt, engine)
+    return write_bytes(path, data)
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
     try:
-        proc = subprocess.run([exe, f"-T{fmt}", "-o", str(path)], input=dot_src, text=True,
-                              capture_output=True, timeout=120)
-        problem = proc.stderr.strip() if proc.returncode else None
-    except (OSError, subprocess.TimeoutExpired) as e:
-        problem = str(e)
-    if problem is None:
-        return path, None
-    fallback.write_text(dot_src)
-    reason = problem.splitlines()[-1] if problem else "no output"
-    return fallback, f"graphviz `dot -T{fmt}` failed ({reason}); wrote {fallback}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except OSError as e:
+        raise PlanError(Diagnostic("R002", f"cannot write {path}: {e.strerror or e}",
+                                   hint="choose a writable path")) from None
+    return path
