@@ -201,8 +201,66 @@ def _anchor(m: _Merged, seg) -> int | None:
     return max(named) if named else None
 
 
+def _h(s) -> str:
+    """Text for a graphviz HTML-like label."""
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def _head(seg) -> str:
+    """`stage 2 · decoder`; the name left out where it only repeats the number (`stage 0 · stage0`)."""
+    head = f"stage {seg.stage}" if seg.stage is not None else f"segment {seg.index}"
+    plain = "".join(c for c in seg.name.lower() if c.isalnum())
+    repeats = {f"{w}{n}" for w in ("stage", "segment", "seg", "s") for n in (seg.index, seg.stage)}
+    return head if plain in repeats else f"{head} · {seg.name}"
+
+
+def _header(seg, fill: str, mem: dict) -> str:
+    """The segment's title and one cell per device (each replica or shard visible), with its memory."""
+    cells = "".join(f'<TD BGCOLOR="{fill}">{_h(d)}' + (f'<BR/><FONT POINT-SIZE="9">{_h(units.size(mem[d]))}</FONT>'
+                                                    if d in mem else "") + "</TD>" for d in seg.devices)
+    mode = _mode_line(seg)
+    title = f"<B>{_h(_head(seg))}</B>" + (f"<BR/>{_h(mode)}" if mode else "")
+    return (f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3" COLOR="#888888">'
+            f'<TR><TD BORDER="0" COLSPAN="{len(seg.devices)}">{title}</TD></TR><TR>{cells}</TR></TABLE>>')
+
+
+def _split(n: int, d: int) -> str:
+    """One device's part of n split d ways: `4`, or `6 or 5` when uneven."""
+    hi, lo = -(-n // d), n // d
+    return str(hi) if hi == lo else f"{hi} or {lo}"
+
+
+def per_device_shapes(seg, info: dict, microbatches: int = 1) -> dict[str, tuple[tuple, tuple]]:
+    """Layer -> (the output shape one device holds, as strings per dim; the whole of it): a micro-batch's
+    rows in a pipeline stage, then its rows, band, channels or features in a parallel group."""
+    from placer.modes import tensor
+
+    layers = [info[n] for n in seg.layers if n in info and info[n].out_shape]
+    if seg.mode == "tensor":
+        split, rows = tensor.split_layers(layers)
+    d = len(seg.devices)
+    out, inside = {}, False
+    for li in layers:
+        shape: list = list(li.out_shape)
+        if seg.stage is not None and microbatches > 1 and shape:
+            shape[0] = -(-shape[0] // microbatches)
+        cut = None
+        if seg.mode == "data":
+            cut = 0
+        elif seg.mode in ("spatial", "channel"):
+            cut = seg.options.get("axis", 2 if seg.mode == "spatial" else 1)
+        elif seg.mode == "tensor":  # a column half's output is cut by features until its row half sums it
+            inside = (inside or li.name in split) and li.name not in rows
+            cut = len(shape) - 1 if inside else None
+        out[li.name] = (tuple(_split(x, d) if k == cut else str(x) for k, x in enumerate(shape)), tuple(shape))
+    return out
+
+
 def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
-    """Graphviz source of the plan's placement graph (deterministic for golden files)."""
+    """Graphviz source of the plan's placement graph (deterministic for golden files).
+
+    One box per segment, headed by its devices (so every replica shows) rather than a cluster title
+    that edges would cross; shapes are what one device holds."""
     info = {l.name: l for l in graph.layers} if graph is not None else {}
     mem = _memory(estimate)
     roots: dict[str, list] = {}  # parameters no layer owns, shown on the layer that uses them
@@ -216,9 +274,12 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
         title.append(f"pipeline {plan.schedule}, {plan.microbatches} micro-batches")
     if plan.batch_size:
         title.append(f"batch {plan.batch_size}")
+    if info:
+        title.append("shapes: what one device holds" + (", per micro-batch" if plan.schedule else "")
+                     + ("; memory: each device's total" if mem else ""))
     out = ["digraph placement {",
            f"  graph [label={_q(*title)}, labelloc=t, fontname=\"Helvetica\", fontsize=12, "
-           "compound=true, newrank=true];",
+           "compound=true, newrank=true, nodesep=0.3, ranksep=0.25];",
            "  node [fontname=\"Helvetica\", fontsize=10, shape=box, style=\"rounded,filled\", fillcolor=white];",
            "  edge [fontname=\"Helvetica\", fontsize=9];"]
     in_label = ["input"]
@@ -226,46 +287,46 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
         in_label.append(f"{_shape(graph.input_shape)} {graph.input_dtype}")
     out.append(f"  input [shape=oval, fillcolor=\"#eeeeee\", label={_q(*in_label)}];")
 
-    groups: dict[tuple, list] = {}
+    groups: list[tuple] = []  # one fill colour per device group, shared by its segments
     for seg in segs:
-        groups.setdefault(tuple(seg.devices), []).append(seg)
+        if tuple(seg.devices) not in groups:
+            groups.append(tuple(seg.devices))
     first, last = {}, {}
-    for gi, (devs, members) in enumerate(groups.items()):
-        fill = _FILLS[gi % len(_FILLS)]
-        label = [", ".join(devs)] + [f"{d}: {units.size(mem[d])}" for d in devs if d in mem]
-        out += [f"  subgraph cluster_g{gi} {{", f"    label={_q(*label)};", "    style=rounded; color=\"#555555\"; labeljust=l;"]
-        for seg in members:
-            i = seg.index
-            head = f"stage {seg.stage} · {seg.name}" if seg.stage is not None else f"segment {i} · {seg.name}"
-            out += [f"    subgraph cluster_s{i} {{", f"      label={_q(head, _mode_line(seg))};",
-                    "      style=dashed; color=\"#888888\"; labeljust=l;"]
-            nodes = [f"s{i}_l{j}" for j in range(len(seg.layers))] or [f"s{i}_empty"]
-            for node, name in zip(nodes, seg.layers or ("(no layers)",)):
-                lines = [name]
-                if name in info:
-                    li = info[name]
-                    lines.append(f"{li.op} · {li.params:,} params" if li.params else li.op)
-                    lines += [f"+ {r.name} ({r.numel:,})" for r in roots.get(name, ())]
-                    if li.out_shape:
-                        lines.append("-> " + _shape(li.out_shape))
-                out.append(f"      {node} [fillcolor=\"{fill}\", label={_q(*lines)}];")
-            for j, name in enumerate(seg.layers):  # skip connections inside the segment, where traced
-                for src in (info[name].inputs or ()) if name in info else ():
-                    if src in seg.layers[:max(0, j - 1)]:
-                        out.append(f"      {nodes[seg.layers.index(src)]} -> {nodes[j]} [style=dotted];")
-            first[i], last[i] = nodes[0], nodes[-1]
-            for k, m in enumerate(colls.get(i, {}).values()):
-                node = f"s{i}_c{k}"
-                at = _anchor(m, seg)
-                anchor = nodes[-1] if at is None else nodes[at]
-                out.append(f"      {node} [shape=hexagon, style=filled, fillcolor=\"#ffe9a8\", "
-                           f"label={_q(*_collective_label(m))}];")
-                out.append(f"      {anchor} -> {node} [style=dashed, arrowhead=none];")
-            out += [f"      {a} -> {b};" for a, b in zip(nodes, nodes[1:])]
-            out.append("    }")
+    for seg in segs:
+        i = seg.index
+        fill = _FILLS[groups.index(tuple(seg.devices)) % len(_FILLS)]
+        shapes = per_device_shapes(seg, info, plan.microbatches)
+        out += [f"  subgraph cluster_s{i} {{", "    label=\"\"; style=\"rounded,dashed\"; color=\"#888888\";",
+                f"    s{i}_h [shape=plaintext, style=\"\", margin=0, label={_header(seg, fill, mem)}];"]
+        nodes = [f"s{i}_l{j}" for j in range(len(seg.layers))] or [f"s{i}_empty"]
+        for node, name in zip(nodes, seg.layers or ("(no layers)",)):
+            lines = [name]
+            if name in info:
+                li = info[name]
+                lines.append(f"{li.op} · {li.params:,} params" if li.params else li.op)
+                lines += [f"+ {r.name} ({r.numel:,})" for r in roots.get(name, ())]
+                if name in shapes:
+                    mine, whole = map(_shape, shapes[name])
+                    lines.append(f"-> {mine}" + (f" of {whole}" if mine != whole else ""))
+            out.append(f"    {node} [fillcolor=\"{fill}\", label={_q(*lines)}];")
+        for j, name in enumerate(seg.layers):  # skip connections inside the segment, where traced
+            for src in (info[name].inputs or ()) if name in info else ():
+                if src in seg.layers[:max(0, j - 1)]:
+                    out.append(f"    {nodes[seg.layers.index(src)]} -> {nodes[j]} [style=dotted];")
+        first[i], last[i] = f"s{i}_h", nodes[-1]
+        for k, m in enumerate(colls.get(i, {}).values()):
+            node = f"s{i}_c{k}"
+            at = _anchor(m, seg)
+            anchor = nodes[-1] if at is None else nodes[at]
+            out.append(f"    {node} [shape=hexagon, style=filled, fillcolor=\"#ffe9a8\", "
+                       f"label={_q(*_collective_label(m))}];")
+            # beside the layer it serves, not on a rank of its own: the graph stays short
+            out.append(f"    {anchor} -> {node} [style=dashed, arrowhead=none];")
+            out.append(f"    {{rank=same; {anchor}; {node};}}")
+        out += [f"    {a} -> {b};" for a, b in zip([f"s{i}_h"] + nodes, nodes)]
         out.append("  }")
 
-    # transitions: prev segment's last layer -> copy / split / merge nodes -> this segment's first layer
+    # transitions: prev segment's last layer -> copy / split / merge nodes -> this segment's header
     for i, seg in enumerate(segs):
         prev = last[segs[i - 1].index] if i else "input"
         merged = list(trans.get(seg.index, {}).values())
