@@ -225,7 +225,8 @@ def schedule_dot(tl: Timeline, width: int = 960) -> str:
 
 
 def _columns(tl: Timeline, need, scale: float) -> dict[float, int]:
-    """Time -> text column: proportional to time, stretched where an action needs room for its label
+    """Time -> text column: proportional to time (`scale` columns per unit), stretched where an action needs
+    room for its label
     (`need(slot)` characters). Every row shares the columns, so what runs together lines up."""
     times = sorted({t for lane in tl.slots for s in lane for t in (s.start, s.end)})
     col = {t: round(t * scale) for t in times}
@@ -246,16 +247,27 @@ def schedule_text(tl: Timeline, max_width: int = 160) -> str:
     busy = [s for lane in tl.slots for s in lane if s.kind != "idle"]
     sep = _stages_per_group(tl) > 1  # a space after each `0F1` label keeps neighbours apart
     room = max(1, max_width - pad - 3)
-    scale = room / tl.makespan / 2 if tl.makespan else 1.0
-    # one label form for the whole chart: `2F3`, else `F3`, else `F`, the longest that fits max_width
+    shortest = min((s.end - s.start for s in busy), default=1.0) or 1.0
+    # one label form for the whole chart: `2F3`, else `F3`, else `F`, the longest that fits max_width;
+    # the shortest action a column wider than its label, the rest in proportion
     forms = (lambda s: slot_label(tl, s), lambda s: s.label, lambda s: s.kind)
+    # (less in proportion, down to order alone, before a shorter form)
     for form in forms:
-        col = _columns(tl, lambda s: len(form(s)) + sep, scale)
-        if max(col.values(), default=0) <= room:
-            break
+        widest = max((len(form(s)) for s in busy), default=1) + 1
+        full = min(widest / shortest, room / tl.makespan) if tl.makespan else 1.0
+        for scale in (full, full / 4, 0.0):
+            col = _columns(tl, lambda s: len(form(s)) + sep, scale)
+            if max(col.values(), default=0) <= room:
+                break
+        else:
+            continue
+        break
+    else:  # more actions than columns: time alone decides, labels cut to what fits
+        col = {t: round(t * room / tl.makespan) for lane in tl.slots for s in lane for t in (s.start, s.end)}
     lines = [title(tl)]
     for name, lane in zip(names, tl.slots):
-        cells = [(form(s) if s.kind != "idle" else "").ljust(col[s.end] - col[s.start]) for s in lane]
+        cells = [(form(s) if s.kind != "idle" else "")[:col[s.end] - col[s.start]].ljust(col[s.end] - col[s.start])
+                 for s in lane]
         lines.append(f"{name.ljust(pad)} |{''.join(cells)}|")
     kinds = {s.kind for s in busy}
     key = ", ".join(f"{k} {w}" for k, w in KINDS if k in kinds)
