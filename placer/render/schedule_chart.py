@@ -75,6 +75,8 @@ def axis_caption(tl: Timeline) -> str:
 
 def _tick_text(tl: Timeline, t: float, step: float) -> str:
     """A tick in plain units: `12 GFLOP`, `250 ms`, `3`."""
+    if t == 0:
+        return "0"
     if tl.unit == "flop":
         scale, prefix = next(((f, p) for f, p in _PREFIX if step >= f), (1.0, ""))
         return f"{_num(t / scale)} {prefix}FLOP"
@@ -171,6 +173,10 @@ def _layout(tl: Timeline, width: int = 960, max_width: int = 2400) -> tuple[floa
     if tl.microbatches > len(_HUES):
         items.append(_Text(x, y + 10, f"(colours repeat every {len(_HUES)})"))
         x += _CHAR * 26
+    if _stages_per_group(tl) > 1:
+        key = "labels: 2F0 = stage 2, forward, micro-batch 0"
+        items.append(_Text(x + 12, y + 10, key))
+        x += 12 + _CHAR * len(key)
     return max(total_w, x + 8), y + 24, items
 
 

@@ -92,7 +92,7 @@ def test_time_axis_in_plain_units_with_room_for_each_tick():
     tl = simulate("1f1b", [0, 1], 4, fwd=[2.5e9, 2.5e9], unit="flop")
     root, rects, texts = _svg(tl)
     ticks = [t for t in root.iter(SVG + "text") if t.text and t.text.endswith("FLOP")]
-    assert [t.text for t in ticks[:3]] == ["0 GFLOP", "5 GFLOP", "10 GFLOP"]
+    assert [t.text for t in ticks[:3]] == ["5 GFLOP", "10 GFLOP", "15 GFLOP"]
     xs = [float(t.get("x")) for t in ticks]
     assert all(b - a >= 6.6 * max(len(t.text) for t in ticks) for a, b in zip(xs, xs[1:]))  # no collisions
     assert any("FLOP each device computes" in t for t in texts if t)
