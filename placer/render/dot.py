@@ -16,7 +16,7 @@ from pathlib import Path
 
 from placer import units
 from placer.device import Device
-from placer.diagnostics import Diagnostic, PlanError
+from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.plan.ir import COLLECTIVES, P2P, TRANSFERS, Op, OpKind, Plan
 
 TRANSITIONS = TRANSFERS | P2P  # drawn on the edge between two segments
@@ -352,20 +352,21 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
     return "\n".join(out) + "\n"
 
 
-def render(dot_src: str, fmt: str, engine: str = "dot", pinned: bool = False) -> bytes:
-    """DOT source drawn as `fmt` (svg, png, pdf) by graphviz; PlanError R004 when `dot` is missing or fails.
-    `pinned`: every node has its position (neato -n2)."""
+def render(dot_src: str, fmt: str, engine: str = "dot", pinned: bool = False, path=None) -> bytes:
+    """DOT source drawn as `fmt` (svg, png, pdf) by graphviz; PlanError R004 (at `path`, the file asked for)
+    when `dot` is missing or fails. `pinned`: every node has its position (neato -n2)."""
     import graphviz
 
+    where = Loc(str(path)) if path is not None else Loc()
     try:
         return graphviz.Source(dot_src, engine=engine).pipe(format=fmt, quiet=True, neato_no_op=2 if pinned else None)
     except graphviz.ExecutableNotFound:
         raise PlanError(Diagnostic("R004", f"graphviz `{engine}` not found: cannot draw a .{fmt} picture",
-                                   hint=INSTALL)) from None
+                                   where, hint=INSTALL)) from None
     except graphviz.CalledProcessError as e:
         lines = (e.stderr or b"").decode(errors="replace").strip().splitlines()
         raise PlanError(Diagnostic("R004", f"graphviz `{engine} -T{fmt}` failed: "
-                                   f"{lines[-1] if lines else 'no output'}",
+                                   f"{lines[-1] if lines else 'no output'}", where,
                                    hint="report this as a placer bug, with the --dot source")) from None
 
 
@@ -376,9 +377,9 @@ def write_diagram(dot_src: str, path: str | Path, engine: str = "dot") -> Path:
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
-        raise PlanError(Diagnostic("R001", f"cannot write a diagram as {path.suffix or 'a file without suffix'} "
-                                   f"({path})", hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
-    data = dot_src.encode() if fmt in ("dot", "gv") else render(dot_src, fmt, engine)
+        raise PlanError(Diagnostic("R001", f"cannot write a diagram as {path.suffix or 'a file without suffix'}",
+                                   Loc(str(path)), hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
+    data = dot_src.encode() if fmt in ("dot", "gv") else render(dot_src, fmt, engine, path=path)
     return write_bytes(path, data)
 
 
@@ -387,6 +388,6 @@ def write_bytes(path: Path, data: bytes) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     except OSError as e:
-        raise PlanError(Diagnostic("R002", f"cannot write {path}: {e.strerror or e}",
+        raise PlanError(Diagnostic("R002", f"cannot write this file: {e.strerror or e}", Loc(str(path)),
                                    hint="choose a writable path")) from None
     return path

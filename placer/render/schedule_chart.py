@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from placer.diagnostics import Diagnostic, PlanError
+from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.estimate.schedule import Slot, Timeline
 
 # one hue per micro-batch (cycling), in three shades: forward, backward / input grad, weight grad
@@ -292,8 +292,8 @@ def write_schedule(tl: Timeline, path: str | Path) -> Path:
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
-        raise PlanError(Diagnostic("R005", f"cannot write a schedule chart as {path.suffix or 'a file without suffix'}"
-                                   f" ({path})", hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
+        raise PlanError(Diagnostic("R005", f"cannot write a schedule chart as {path.suffix or 'a file without suffix'}",
+                                   Loc(str(path)), hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
     data = (schedule_svg(tl).encode() if fmt == "svg" else schedule_text(tl).encode() + b"\n" if fmt == "txt"
-            else render(schedule_dot(tl), fmt, engine="neato", pinned=True))
+            else render(schedule_dot(tl), fmt, engine="neato", pinned=True, path=path))
     return write_bytes(path, data)
