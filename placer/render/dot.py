@@ -275,8 +275,9 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
     if plan.batch_size:
         title.append(f"batch {plan.batch_size}")
     if info:
-        title.append("shapes: what one device holds" + (", per micro-batch" if plan.schedule else "")
-                     + ("; memory: each device's total" if mem else ""))
+        title.append("shapes per device" + (" and micro-batch" if plan.schedule else ""))
+    if mem:
+        title.append("memory: device totals")
     out = ["digraph placement {",
            f"  graph [label={_q(*title)}, labelloc=t, fontname=\"Helvetica\", fontsize=12, "
            "compound=true, newrank=true, nodesep=0.3, ranksep=0.25];",
