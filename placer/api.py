@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 from placer.diagnostics import PlanError
 
@@ -53,16 +52,9 @@ class PlanReport:
 
     def svg(self) -> str:
         """The placement graph as SVG text; PlanError (R004) when graphviz's `dot` is missing or fails."""
-        from placer.diagnostics import Diagnostic
-        from placer.render.dot import write_diagram
+        from placer.render.dot import render
 
-        with tempfile.TemporaryDirectory() as tmp:
-            written, problem = write_diagram(self.dot(), os.path.join(tmp, "placement.svg"))
-            if problem:
-                raise PlanError(Diagnostic("R004", problem.split("; wrote")[0].split(", wrote")[0],
-                                           hint="install graphviz (apt-get install graphviz, brew install "
-                                                "graphviz), or use .dot() for the source"))
-            return written.read_text()
+        return render(self.dot(), "svg").decode()
 
     def _repr_svg_(self):
         try:

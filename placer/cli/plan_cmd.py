@@ -174,42 +174,21 @@ def _timeline(plan, graph):
     return simulate_plan(plan, graph)
 
 
-def _write(path: str, text: str) -> None:
-    from pathlib import Path
-
-    from placer.diagnostics import Diagnostic, Loc, PlanError
-
-    try:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-    except OSError as e:
-        raise PlanError(Diagnostic("R002", f"cannot write this file: {e.strerror or e}", Loc(str(path)),
-                                   hint="choose a writable path")) from None
-
-
 def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> None:
     from placer.render import dot as render_dot
 
     if dot or svg or png:
         src = render_dot.placement_dot(plan, graph, est)
-        if dot:
-            _write(dot, src)
-            say(f"wrote {dot}")
-        for path in (svg, png):
+        for path in (dot, svg, png):
             if path:
-                written, message = render_dot.write_diagram(src, path)
-                say(message or f"wrote {written}")
+                say(f"wrote {render_dot.write_diagram(src, path)}")
     if schedule_path:
         if timeline is None:
             say("the spec has no pipeline: no schedule chart written")
             return
         from placer.render import schedule_chart
 
-        text = schedule_chart.schedule_svg(timeline) if schedule_path.lower().endswith(".svg") \
-            else schedule_chart.schedule_text(timeline) + "\n"
-        _write(schedule_path, text)
-        say(f"wrote {schedule_path}")
+        say(f"wrote {schedule_chart.write_schedule(timeline, schedule_path)}")
 
 
 @click.command("plan")
@@ -221,7 +200,7 @@ def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> 
 @click.option("--svg", type=click.Path(dir_okay=False), help="Render the placement graph as SVG (needs graphviz).")
 @click.option("--png", type=click.Path(dir_okay=False), help="Render the placement graph as PNG (needs graphviz).")
 @click.option("--schedule", "schedule_path", type=click.Path(dir_okay=False),
-              help="Write the pipeline schedule chart: .svg, or text for any other suffix.")
+              help="Write the pipeline schedule chart: .svg, .png, .pdf (needs graphviz) or .txt.")
 @click.option("--deep", is_flag=True, help="Needed for `model.module` specs: building the model on the meta "
               "device RUNS THE USER'S MODEL CODE.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")

@@ -6,19 +6,17 @@ nodes in model order, communication ops where they happen: copies, splits,
 merges and pipeline sends as nodes on the edges that cross devices,
 collectives (all-reduce, ...) as nodes inside their segment's cluster.
 
-The text is written by hand (no graphviz Python package) and is
-deterministic, so golden files can hold it. Every label goes through `_q`,
+The text is written here, deterministic, so golden files can hold it; the
+`graphviz` package draws it (and gives a clear error when `dot` is missing). Every label goes through `_q`,
 which escapes what the spec wrote.
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 from placer import units
 from placer.device import Device
-from placer.diagnostics import Diagnostic, PlanError
+from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.plan.ir import COLLECTIVES, P2P, TRANSFERS, Op, OpKind, Plan
 
 TRANSITIONS = TRANSFERS | P2P  # drawn on the edge between two segments
@@ -34,6 +32,8 @@ _MARGINS = {OpKind.SPLIT: "margin=0, ", OpKind.MERGE: "margin=0, ", OpKind.RESPL
 _FILLS = ("#dbe9f6", "#fde2c8", "#d9f0d3", "#f3d9ec", "#fff2b3", "#e0dcf0", "#d1ecec", "#f6d5d5")
 _PHASE_ORDER = {"fwd": 0, "bwd": 1, "bwd_input": 1, "bwd_weight": 2, "step": 3}
 FORMATS = ("dot", "gv", "svg", "png", "pdf")
+INSTALL = ("install graphviz (apt-get install graphviz, brew install graphviz, conda install graphviz), "
+           "or write the source with --dot and draw it elsewhere")
 
 
 def _q(*lines) -> str:
@@ -201,8 +201,66 @@ def _anchor(m: _Merged, seg) -> int | None:
     return max(named) if named else None
 
 
+def _h(s) -> str:
+    """Text for a graphviz HTML-like label."""
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def _head(seg) -> str:
+    """`stage 2 · decoder`; the name left out where it only repeats the number (`stage 0 · stage0`)."""
+    head = f"stage {seg.stage}" if seg.stage is not None else f"segment {seg.index}"
+    plain = "".join(c for c in seg.name.lower() if c.isalnum())
+    repeats = {f"{w}{n}" for w in ("stage", "segment", "seg", "s") for n in (seg.index, seg.stage)}
+    return head if plain in repeats else f"{head} · {seg.name}"
+
+
+def _header(seg, fill: str, mem: dict) -> str:
+    """The segment's title and one cell per device (each replica or shard visible), with its memory."""
+    cells = "".join(f'<TD BGCOLOR="{fill}">{_h(d)}' + (f'<BR/><FONT POINT-SIZE="9">{_h(units.size(mem[d]))}</FONT>'
+                                                    if d in mem else "") + "</TD>" for d in seg.devices)
+    mode = _mode_line(seg)
+    title = f"<B>{_h(_head(seg))}</B>" + (f"<BR/>{_h(mode)}" if mode else "")
+    return (f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3" COLOR="#888888">'
+            f'<TR><TD BORDER="0" COLSPAN="{len(seg.devices)}">{title}</TD></TR><TR>{cells}</TR></TABLE>>')
+
+
+def _split(n: int, d: int) -> str:
+    """One device's part of n split d ways: `4`, or `6 or 5` when uneven."""
+    hi, lo = -(-n // d), n // d
+    return str(hi) if hi == lo else f"{hi} or {lo}"
+
+
+def per_device_shapes(seg, info: dict, microbatches: int = 1) -> dict[str, tuple[tuple, tuple]]:
+    """Layer -> (the output shape one device holds, as strings per dim; the whole of it): a micro-batch's
+    rows in a pipeline stage, then its rows, band, channels or features in a parallel group."""
+    from placer.modes import tensor
+
+    layers = [info[n] for n in seg.layers if n in info and info[n].out_shape]
+    if seg.mode == "tensor":
+        split, rows = tensor.split_layers(layers)
+    d = len(seg.devices)
+    out, inside = {}, False
+    for li in layers:
+        shape: list = list(li.out_shape)
+        if seg.stage is not None and microbatches > 1 and shape:
+            shape[0] = -(-shape[0] // microbatches)
+        cut = None
+        if seg.mode == "data":
+            cut = 0
+        elif seg.mode in ("spatial", "channel"):
+            cut = seg.options.get("axis", 2 if seg.mode == "spatial" else 1)
+        elif seg.mode == "tensor":  # a column half's output is cut by features until its row half sums it
+            inside = (inside or li.name in split) and li.name not in rows
+            cut = len(shape) - 1 if inside else None
+        out[li.name] = (tuple(_split(x, d) if k == cut else str(x) for k, x in enumerate(shape)), tuple(shape))
+    return out
+
+
 def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
-    """Graphviz source of the plan's placement graph (deterministic for golden files)."""
+    """Graphviz source of the plan's placement graph (deterministic for golden files).
+
+    One box per segment, headed by its devices (so every replica shows) rather than a cluster title
+    that edges would cross; shapes are what one device holds."""
     info = {l.name: l for l in graph.layers} if graph is not None else {}
     mem = _memory(estimate)
     roots: dict[str, list] = {}  # parameters no layer owns, shown on the layer that uses them
@@ -216,9 +274,13 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
         title.append(f"pipeline {plan.schedule}, {plan.microbatches} micro-batches")
     if plan.batch_size:
         title.append(f"batch {plan.batch_size}")
+    if info:
+        title.append("shapes per device" + (" and micro-batch" if plan.schedule else ""))
+    if mem:
+        title.append("memory: device totals")
     out = ["digraph placement {",
            f"  graph [label={_q(*title)}, labelloc=t, fontname=\"Helvetica\", fontsize=12, "
-           "compound=true, newrank=true];",
+           "compound=true, newrank=true, nodesep=0.3, ranksep=0.25];",
            "  node [fontname=\"Helvetica\", fontsize=10, shape=box, style=\"rounded,filled\", fillcolor=white];",
            "  edge [fontname=\"Helvetica\", fontsize=9];"]
     in_label = ["input"]
@@ -226,46 +288,46 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
         in_label.append(f"{_shape(graph.input_shape)} {graph.input_dtype}")
     out.append(f"  input [shape=oval, fillcolor=\"#eeeeee\", label={_q(*in_label)}];")
 
-    groups: dict[tuple, list] = {}
+    groups: list[tuple] = []  # one fill colour per device group, shared by its segments
     for seg in segs:
-        groups.setdefault(tuple(seg.devices), []).append(seg)
+        if tuple(seg.devices) not in groups:
+            groups.append(tuple(seg.devices))
     first, last = {}, {}
-    for gi, (devs, members) in enumerate(groups.items()):
-        fill = _FILLS[gi % len(_FILLS)]
-        label = [", ".join(devs)] + [f"{d}: {units.size(mem[d])}" for d in devs if d in mem]
-        out += [f"  subgraph cluster_g{gi} {{", f"    label={_q(*label)};", "    style=rounded; color=\"#555555\"; labeljust=l;"]
-        for seg in members:
-            i = seg.index
-            head = f"stage {seg.stage} · {seg.name}" if seg.stage is not None else f"segment {i} · {seg.name}"
-            out += [f"    subgraph cluster_s{i} {{", f"      label={_q(head, _mode_line(seg))};",
-                    "      style=dashed; color=\"#888888\"; labeljust=l;"]
-            nodes = [f"s{i}_l{j}" for j in range(len(seg.layers))] or [f"s{i}_empty"]
-            for node, name in zip(nodes, seg.layers or ("(no layers)",)):
-                lines = [name]
-                if name in info:
-                    li = info[name]
-                    lines.append(f"{li.op} · {li.params:,} params" if li.params else li.op)
-                    lines += [f"+ {r.name} ({r.numel:,})" for r in roots.get(name, ())]
-                    if li.out_shape:
-                        lines.append("-> " + _shape(li.out_shape))
-                out.append(f"      {node} [fillcolor=\"{fill}\", label={_q(*lines)}];")
-            for j, name in enumerate(seg.layers):  # skip connections inside the segment, where traced
-                for src in (info[name].inputs or ()) if name in info else ():
-                    if src in seg.layers[:max(0, j - 1)]:
-                        out.append(f"      {nodes[seg.layers.index(src)]} -> {nodes[j]} [style=dotted];")
-            first[i], last[i] = nodes[0], nodes[-1]
-            for k, m in enumerate(colls.get(i, {}).values()):
-                node = f"s{i}_c{k}"
-                at = _anchor(m, seg)
-                anchor = nodes[-1] if at is None else nodes[at]
-                out.append(f"      {node} [shape=hexagon, style=filled, fillcolor=\"#ffe9a8\", "
-                           f"label={_q(*_collective_label(m))}];")
-                out.append(f"      {anchor} -> {node} [style=dashed, arrowhead=none];")
-            out += [f"      {a} -> {b};" for a, b in zip(nodes, nodes[1:])]
-            out.append("    }")
+    for seg in segs:
+        i = seg.index
+        fill = _FILLS[groups.index(tuple(seg.devices)) % len(_FILLS)]
+        shapes = per_device_shapes(seg, info, plan.microbatches)
+        out += [f"  subgraph cluster_s{i} {{", "    label=\"\"; style=\"rounded,dashed\"; color=\"#888888\";",
+                f"    s{i}_h [shape=plaintext, style=\"\", margin=0, label={_header(seg, fill, mem)}];"]
+        nodes = [f"s{i}_l{j}" for j in range(len(seg.layers))] or [f"s{i}_empty"]
+        for node, name in zip(nodes, seg.layers or ("(no layers)",)):
+            lines = [name]
+            if name in info:
+                li = info[name]
+                lines.append(f"{li.op} · {li.params:,} params" if li.params else li.op)
+                lines += [f"+ {r.name} ({r.numel:,})" for r in roots.get(name, ())]
+                if name in shapes:
+                    mine, whole = map(_shape, shapes[name])
+                    lines.append(f"-> {mine}" + (f" of {whole}" if mine != whole else ""))
+            out.append(f"    {node} [fillcolor=\"{fill}\", label={_q(*lines)}];")
+        for j, name in enumerate(seg.layers):  # skip connections inside the segment, where traced
+            for src in (info[name].inputs or ()) if name in info else ():
+                if src in seg.layers[:max(0, j - 1)]:
+                    out.append(f"    {nodes[seg.layers.index(src)]} -> {nodes[j]} [style=dotted];")
+        first[i], last[i] = f"s{i}_h", nodes[-1]
+        for k, m in enumerate(colls.get(i, {}).values()):
+            node = f"s{i}_c{k}"
+            at = _anchor(m, seg)
+            anchor = nodes[-1] if at is None else nodes[at]
+            out.append(f"    {node} [shape=hexagon, style=filled, fillcolor=\"#ffe9a8\", "
+                       f"label={_q(*_collective_label(m))}];")
+            # beside the layer it serves, not on a rank of its own: the graph stays short
+            out.append(f"    {anchor} -> {node} [style=dashed, arrowhead=none];")
+            out.append(f"    {{rank=same; {anchor}; {node};}}")
+        out += [f"    {a} -> {b};" for a, b in zip([f"s{i}_h"] + nodes, nodes)]
         out.append("  }")
 
-    # transitions: prev segment's last layer -> copy / split / merge nodes -> this segment's first layer
+    # transitions: prev segment's last layer -> copy / split / merge nodes -> this segment's header
     for i, seg in enumerate(segs):
         prev = last[segs[i - 1].index] if i else "input"
         merged = list(trans.get(seg.index, {}).values())
@@ -291,43 +353,42 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_diagram(dot_src: str, path: str | Path) -> tuple[Path, str | None]:
-    """Write DOT source to `path`, rendered by suffix (.dot/.gv as text; .svg/.png/.pdf via `dot`).
+def render(dot_src: str, fmt: str, engine: str = "dot", pinned: bool = False, path=None) -> bytes:
+    """DOT source drawn as `fmt` (svg, png, pdf) by graphviz; PlanError R004 (at `path`, the file asked for)
+    when `dot` is missing or fails. `pinned`: every node has its position (neato -n2)."""
+    import graphviz
 
-    Returns the path written and a message for the user when it fell back to
-    writing `<name>.dot` (graphviz missing or failing), else None.
-    """
+    where = Loc(str(path)) if path is not None else Loc()
     try:
-        return _write_diagram(dot_src, Path(path))
-    except OSError as e:
-        raise PlanError(Diagnostic("R002", f"cannot write {path}: {e.strerror or e}",
-                                   hint="choose a writable path")) from None
+        return graphviz.Source(dot_src, engine=engine).pipe(format=fmt, quiet=True, neato_no_op=2 if pinned else None)
+    except graphviz.ExecutableNotFound:
+        raise PlanError(Diagnostic("R004", f"graphviz `{engine}` not found: cannot draw a .{fmt} picture",
+                                   where, hint=INSTALL)) from None
+    except graphviz.CalledProcessError as e:
+        lines = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        raise PlanError(Diagnostic("R004", f"graphviz `{engine} -T{fmt}` failed: "
+                                   f"{lines[-1] if lines else 'no output'}", where,
+                                   hint="report this as a placer bug, with the --dot source")) from None
 
 
-def _write_diagram(dot_src: str, path: Path) -> tuple[Path, str | None]:
+def write_diagram(dot_src: str, path: str | Path, engine: str = "dot") -> Path:
+    """Write DOT source to `path`, by suffix: .dot/.gv as text, .svg/.png/.pdf drawn by graphviz.
+
+    A picture that cannot be drawn is an error (R004), never a silent fallback."""
+    path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
-        raise PlanError(Diagnostic("R001", f"cannot write a diagram as {path.suffix or 'a file without suffix'} "
-                                   f"({path})", hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if fmt in ("dot", "gv"):
-        path.write_text(dot_src)
-        return path, None
-    fallback = path.with_suffix(".dot")
-    exe = shutil.which("dot")
-    if exe is None:
-        fallback.write_text(dot_src)
-        return fallback, (f"graphviz `dot` not found, wrote {fallback} instead of {path}; install graphviz "
-                          "(apt-get install graphviz, brew install graphviz) and run: "
-                          f"dot -T{fmt} {fallback} -o {path}")
+        raise PlanError(Diagnostic("R001", f"cannot write a diagram as {path.suffix or 'a file without suffix'}",
+                                   Loc(str(path)), hint="use a path ending in " + ", ".join("." + f for f in FORMATS)))
+    data = dot_src.encode() if fmt in ("dot", "gv") else render(dot_src, fmt, engine, path=path)
+    return write_bytes(path, data)
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
     try:
-        proc = subprocess.run([exe, f"-T{fmt}", "-o", str(path)], input=dot_src, text=True,
-                              capture_output=True, timeout=120)
-        problem = proc.stderr.strip() if proc.returncode else None
-    except (OSError, subprocess.TimeoutExpired) as e:
-        problem = str(e)
-    if problem is None:
-        return path, None
-    fallback.write_text(dot_src)
-    reason = problem.splitlines()[-1] if problem else "no output"
-    return fallback, f"graphviz `dot -T{fmt}` failed ({reason}); wrote {fallback}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except OSError as e:
+        raise PlanError(Diagnostic("R002", f"cannot write this file: {e.strerror or e}", Loc(str(path)),
+                                   hint="choose a writable path")) from None
+    return path

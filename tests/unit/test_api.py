@@ -50,9 +50,9 @@ def test_plan_renders_in_jupyter():
     assert "<svg" in svg and "cuda:1" in svg
 
 
-def test_without_dot_svg_is_an_error_and_jupyter_falls_back(monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+def test_without_dot_svg_is_an_error_and_jupyter_falls_back(monkeypatch, tmp_path):
     report = placer.plan(SPEC)
+    monkeypatch.setenv("PATH", str(tmp_path))  # graphviz's `dot` is looked up on PATH
     with pytest.raises(placer.PlanError) as e:
         report.svg()
     assert e.value.diagnostics[0].code == "R004"

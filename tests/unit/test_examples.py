@@ -73,6 +73,10 @@ def _dot_label_lines(src: str) -> Counter:
             line = line.replace('\\"', '"').replace("\\\\", "\\")
             if line.strip():
                 lines[line.strip()] += 1
+    for cells in re.findall(r"label=<(<TABLE.*?</TABLE>)>", src):  # HTML-like labels: one <text> per run
+        for text in re.findall(r">([^<]+)<", cells):
+            if html.unescape(text).strip():
+                lines[html.unescape(text).strip()] += 1
     return lines
 
 

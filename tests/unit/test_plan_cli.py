@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,32 @@ def test_diagrams_and_schedule_chart(tmp_path):
     assert dot.read_text().startswith("digraph placement {")
     assert chart.read_text().startswith("gpipe")
     assert f"placer: wrote {dot}" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz not installed")
+def test_schedule_chart_is_drawn_in_the_format_its_suffix_names(tmp_path):
+    """`--schedule x.png` once wrote ASCII text into x.png and exited 0."""
+    png, pdf = tmp_path / "s.png", tmp_path / "s.pdf"
+    r = run("-q", "--schedule", png, SPECS / "mlp_pipeline_1f1b.yaml")
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert run("-q", "--schedule", pdf, SPECS / "mlp_pipeline_1f1b.yaml").exit_code == 0
+    assert pdf.read_bytes()[:5] == b"%PDF-"
+
+
+def test_schedule_chart_refuses_a_suffix_it_cannot_draw(tmp_path):
+    r = run("-q", "--schedule", tmp_path / "s.jpeg", SPECS / "mlp_pipeline_1f1b.yaml")
+    assert r.exit_code == 1 and "error[R005]" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "s.jpeg").exists()
+
+
+@pytest.mark.parametrize("flag, name", [("--svg", "g.svg"), ("--png", "g.png"), ("--schedule", "s.png")])
+def test_missing_graphviz_is_an_error_when_a_picture_was_asked_for(tmp_path, monkeypatch, flag, name):
+    """Even under -q: exit 1 with R004 and how to install graphviz, not exit 0 without the picture."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    r = run("-q", flag, tmp_path / name, SPECS / "mlp_pipeline_1f1b.yaml")
+    assert r.exit_code == 1 and "error[R004]" in r.stderr and "install graphviz" in r.stderr
+    assert "Traceback" not in r.output and not (tmp_path / name).exists()
 
 
 def test_schedule_without_pipeline_says_so(tmp_path):

@@ -11,8 +11,7 @@ import pytest
 from placer.diagnostics import PlanError
 from placer.model.graph import LayerInfo, ModelGraph
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, union
-from placer.render import dot as render_dot
-from placer.render.dot import placement_dot, write_diagram
+from placer.render.dot import per_device_shapes, placement_dot, write_diagram
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz not installed")
 
@@ -125,19 +124,21 @@ def _labels(src: str) -> dict[str, str]:
 def test_copies_are_nodes_on_the_crossing_edges():
     src = placement_dot(copies_plan(), small_graph())
     e, labels = _edges(src), _labels(src)
-    assert {("input", "s0_l0"), ("s0_l0", "s0_l1"), ("s0_l1", "t1_0"), ("t1_0", "s1_l0"),
-            ("s1_l1", "t2_0"), ("t2_0", "s2_l0"), ("s2_l0", "output")} <= e
-    assert ("s0_l1", "s1_l0") not in e  # the crossing goes through the copy node
+    # a segment is entered through its header (its devices), then its layers in order
+    assert {("input", "s0_h"), ("s0_h", "s0_l0"), ("s0_l0", "s0_l1"), ("s0_l1", "t1_0"), ("t1_0", "s1_h"),
+            ("s1_l1", "t2_0"), ("t2_0", "s2_h"), ("s2_l0", "output")} <= e
+    assert ("s0_l1", "s1_h") not in e  # the crossing goes through the copy node
     assert "cpu -> cuda:0 (direct)" in labels["t1_0"] and "fwd 128.0 KiB, bwd 128.0 KiB" in labels["t1_0"]
     # the backward gradient copy folds into the forward node; via_host shows the hop through the host
     assert "cuda:0 -> cpu -> cuda:1 (via_host)" in labels["t2_0"] and "bwd 128.0 KiB" in labels["t2_0"]
     assert src.count("shape=cds") == 2
     assert "Linear · 1,000 params" in labels["s0_l0"] and "-> [64, 16]" in labels["s0_l0"]
+    assert "of [" not in src  # one device holds the whole tensor: no per-device part to tell
 
 
 def test_labels_escape_quotes_and_backslashes():
     src = placement_dot(copies_plan())
-    assert r'segment 2 · he\"ad\\seg' in src
+    assert "<B>segment 2 · he&quot;ad\\seg</B>" in src
     assert src == placement_dot(copies_plan())  # deterministic
 
 
@@ -149,12 +150,16 @@ def test_data_group_split_merge_and_all_reduce_in_cluster():
     # the backward split of the gradient folds into the forward merge between the same devices
     assert labels["t2_0"] == '"merge act (dim 0)\\ncuda:0, cuda:1 -> cpu\\nfwd 4.0 KiB, bwd 4.0 KiB"'
     # the two all-reduce buckets are one node inside the data segment's cluster, inside the group's cluster
-    cluster = src[src.index("subgraph cluster_g1"):src.index("  t1_0")]
+    # the two all-reduce buckets are one node inside the data segment's box
+    cluster = src[src.index("subgraph cluster_s1"):src.index("subgraph cluster_s2")]
     assert "s1_c0 [shape=hexagon" in cluster and "s1_c1" not in src
     assert labels["s1_c0"] == '"all-reduce grads\\ncuda:0, cuda:1\\n2.0 MiB in 2 ops"'
     assert "s1_l1 -> s1_c0 [style=dashed" in cluster  # hangs off the last layer its buckets cover
-    assert "cuda:0: 3.0 GiB" in cluster and "data x2 (sync allreduce)" in cluster
-    assert "cpu: 1.0 MiB" in src[src.index("subgraph cluster_g0"):src.index("subgraph cluster_g1")]
+    assert "{rank=same; s1_l1; s1_c0;}" in cluster  # beside it, not on a rank of its own
+    # the header shows each replica with its memory, and the mode
+    assert ">cuda:0<BR/><FONT POINT-SIZE=\"9\">3.0 GiB</FONT></TD>" in cluster
+    assert ">cuda:1<BR/>" in cluster and "data x2 (sync allreduce)" in cluster
+    assert "cpu<BR/><FONT POINT-SIZE=\"9\">1.0 MiB" in src[src.index("subgraph cluster_s0"):src.index("subgraph cluster_s1")]
 
 
 def test_parameter_server_reduce_and_broadcast_name_the_server():
@@ -167,18 +172,21 @@ def test_resplit_between_groups():
     src = placement_dot(resplit_plan())
     assert "shape=parallelogram" in src
     assert _labels(src)["t1_0"] == '"re-split act (dim 0 -> whole)\\ncuda:0, cuda:1 -> cuda:2, cuda:3\\nfwd 8.0 KiB"'
-    assert {("s0_l0", "t1_0"), ("t1_0", "s1_l0")} <= _edges(src)
+    assert {("s0_l0", "t1_0"), ("t1_0", "s1_h")} <= _edges(src)
 
 
 def test_pipeline_stages_in_order_with_sends_merged_over_microbatches():
     src = placement_dot(pipeline_plan())
     labels = _labels(src)
-    g0 = src[src.index("subgraph cluster_g0"):src.index("subgraph cluster_g1")]
-    assert "stage 0 · s0" in g0 and "stage 2 · s2" in g0 and "stage 1" not in g0
+    assert "<B>stage 0</B>" in src and "<B>stage 2</B>" in src  # `s2` only repeats the number
+    assert "stage 0 · s0" not in src
+    # the stages of one device group share its colour
+    fills = dict(re.findall(r'(s\d)_l0 \[fillcolor="(#\w+)"', src))
+    assert fills["s0"] == fills["s2"] != fills["s1"] == fills["s3"]
     assert [n for n in labels if n.startswith("t")] == ["t1_0", "t2_0", "t3_0"]
     assert labels["t2_0"] == '"send act\\ncuda:1 -> cuda:0\\nfwd 8.0 KiB, bwd 8.0 KiB\\neach of 4 micro-batches"'
     assert "pipeline interleaved_1f1b, 4 micro-batches" in src
-    assert {("s0_l0", "t1_0"), ("t1_0", "s1_l0"), ("s2_l0", "t3_0"), ("t3_0", "s3_l0")} <= _edges(src)
+    assert {("s0_l0", "t1_0"), ("t1_0", "s1_h"), ("s2_l0", "t3_0"), ("t3_0", "s3_h")} <= _edges(src)
 
 
 def test_chained_transfers_follow_each_other():
@@ -188,8 +196,8 @@ def test_chained_transfers_follow_each_other():
     ops = [move(OpKind.MERGE, group, ["cuda:0"], 1, bytes=64, src_dim=0),
            move(OpKind.COPY, ["cuda:0"], ["cuda:2"], 1, bytes=64, route="direct")]
     e = _edges(placement_dot(plan_of("chain", ["cuda:0", "cuda:1", "cuda:2"], segs, ops)))
-    assert {("s0_l0", "t1_0"), ("t1_0", "t1_1"), ("t1_1", "s1_l0")} <= e
-    assert ("s0_l0", "t1_1") not in e and ("t1_0", "s1_l0") not in e
+    assert {("s0_l0", "t1_0"), ("t1_0", "t1_1"), ("t1_1", "s1_h")} <= e
+    assert ("s0_l0", "t1_1") not in e and ("t1_0", "s1_h") not in e
 
 
 def test_skip_connections_and_root_params_from_the_graph():
@@ -209,7 +217,7 @@ def test_skip_connections_and_root_params_from_the_graph():
 def test_unlowered_plan_draws_direct_edges():
     p = copies_plan().with_ops({})
     e = _edges(placement_dot(p))
-    assert {("input", "s0_l0"), ("s0_l1", "s1_l0"), ("s1_l1", "s2_l0")} <= e
+    assert {("input", "s0_h"), ("s0_l1", "s1_h"), ("s1_l1", "s2_h")} <= e
 
 
 @needs_dot
@@ -225,26 +233,31 @@ def test_renders_with_graphviz(make, tmp_path):
 @needs_dot
 def test_write_diagram_by_suffix(tmp_path):
     src = placement_dot(copies_plan())
-    path, msg = write_diagram(src, tmp_path / "a.dot")
-    assert msg is None and path.read_text() == src
-    path, msg = write_diagram(src, tmp_path / "sub" / "a.svg")
-    assert msg is None and ET.parse(path).getroot().tag.endswith("svg")
-    path, msg = write_diagram(src, tmp_path / "a.png")
-    assert msg is None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path = write_diagram(src, tmp_path / "a.dot")
+    assert path.read_text() == src
+    path = write_diagram(src, tmp_path / "sub" / "a.svg")
+    assert ET.parse(path).getroot().tag.endswith("svg")
+    assert write_diagram(src, tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert write_diagram(src, tmp_path / "a.pdf").read_bytes()[:5] == b"%PDF-"
 
 
-def test_write_diagram_without_graphviz_writes_dot_and_says_how(tmp_path, monkeypatch):
-    monkeypatch.setattr(render_dot.shutil, "which", lambda name: None)
-    path, msg = write_diagram("digraph x {}\n", tmp_path / "plan.svg")
-    assert path == tmp_path / "plan.dot" and path.read_text() == "digraph x {}\n"
-    assert not (tmp_path / "plan.svg").exists()
-    assert "apt-get install graphviz" in msg and "brew install graphviz" in msg
+def test_write_diagram_without_graphviz_is_an_error(tmp_path, monkeypatch):
+    """A picture asked for and graphviz missing: R004 naming the fix, and no file that pretends to be one."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # the graphviz package looks `dot` up on PATH
+    with pytest.raises(PlanError) as e:
+        write_diagram("digraph x {}\n", tmp_path / "plan.svg")
+    d = e.value.diagnostics[0]
+    assert d.code == "R004" and "`dot` not found" in d.message and "apt-get install graphviz" in d.hint
+    assert not list(tmp_path.glob("plan.*"))
+    assert write_diagram("digraph x {}\n", tmp_path / "plan.dot").read_text() == "digraph x {}\n"  # source needs no dot
 
 
 @needs_dot
 def test_write_diagram_reports_graphviz_failure(tmp_path):
-    path, msg = write_diagram("digraph { this is not dot", tmp_path / "bad.svg")
-    assert path == tmp_path / "bad.dot" and "failed" in msg
+    with pytest.raises(PlanError) as e:
+        write_diagram("digraph { this is not dot", tmp_path / "bad.svg")
+    assert e.value.diagnostics[0].code == "R004" and "syntax error" in e.value.diagnostics[0].message
+    assert not (tmp_path / "bad.svg").exists()
 
 
 def test_write_diagram_unwritable_path_is_a_plan_error(tmp_path):
@@ -259,3 +272,34 @@ def test_write_diagram_rejects_unknown_suffix(tmp_path):
         write_diagram("digraph x {}", tmp_path / "plan.jpeg")
     assert e.value.diagnostics[0].code == "R001" and ".svg" in e.value.diagnostics[0].hint
 
+
+def test_every_replica_shows_in_its_segment_header():
+    """A data x4 group is four devices, not one box; no segment box sits inside another (the near-empty
+    full-height device-group box), and no box has a title for edges to cross."""
+    group = ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    plan = plan_of("dp4", list(group), [seg(0, ["fc1", "act1"], group, "data", sync="allreduce")], [])
+    src = placement_dot(plan, small_graph())
+    header = _labels(src.replace("label=<<", 'label="<').replace("</TABLE>>", '</TABLE>"'))["s0_h"]
+    assert [f">{d}</TD>" in header for d in group] == [True] * 4
+    assert "data x4" in header
+    assert src.count("subgraph cluster_") == 1 and re.findall(r"^\s*label=(.*?);", src, re.M) == ['""']
+
+
+def test_shapes_are_what_one_device_holds():
+    group = ("cuda:0", "cuda:1")
+    g = small_graph()
+    labels = _labels(placement_dot(data_plan(), g))
+    # rows of a data group are split; a single device holds the whole batch
+    assert "-> [32, 16] of [64, 16]" in labels["s1_l0"] and labels["s0_l0"].endswith('-> [64, 16]"')
+    info = {l.name: l for l in g.layers}
+    # a pipeline stage holds one micro-batch; an uneven split says both sizes
+    stage = seg(0, ["fc1"], group, "data", stage=0)
+    assert per_device_shapes(stage, info, microbatches=4)["fc1"] == (("8", "16"), (16, 16))
+    odd = LayerInfo(name="fc1", op="Linear", params=1, param_bytes=4, buffer_bytes=0, in_shape=(9, 4),
+                    out_shape=(9, 4))
+    assert per_device_shapes(seg(0, ["fc1"], group, "data"), {"fc1": odd})["fc1"][0] == ("5 or 4", "4")
+    # tensor: a column half's output (and what follows it) is cut by features until the row half
+    pair = [LayerInfo(name=n, op=op, params=p, param_bytes=4 * p, buffer_bytes=0, in_shape=(8, i), out_shape=(8, o))
+            for n, op, p, i, o in [("up", "Linear", 10, 4, 6), ("act", "ReLU", 0, 6, 6), ("down", "Linear", 10, 6, 4)]]
+    shapes = per_device_shapes(seg(0, ["up", "act", "down"], group, "tensor"), {l.name: l for l in pair})
+    assert [shapes[n][0] for n in ("up", "act", "down")] == [("8", "3"), ("8", "3"), ("8", "4")]

@@ -64,5 +64,5 @@ def test_every_pipeline_spec_simulates():
         seen.add(plan.schedule)
         assert 0 <= tl.bubble < 1 and tl.makespan > 0
         assert len(tl.per_device) == len({d for s in plan.segments for d in s.devices})
-        assert schedule_text(tl).count("\n") == len(tl.groups)
+        assert schedule_text(tl).count("\n") == len(tl.groups) + 1  # a row per group, then the key
     assert {"gpipe", "1f1b", "interleaved_1f1b"} <= seen
