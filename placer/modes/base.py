@@ -73,6 +73,10 @@ class Mode:
     def collectives(self, a: Attached, seg, info, grads: Sequence[bool], op, ctx: Lowering) -> None:
         """The collectives the mode adds in and around the segment (`op` makes a group op)."""
 
+    def sliced_dims(self, seg, info) -> list[int | None]:
+        """Per layer (LayerInfo), the dim of its output each device holds a slice of (None: whole)."""
+        return [self.layout_dim(seg)] * len(info)
+
     # -- estimate -----------------------------------------------------------------------------------
     def held(self, seg, info, d: int, r: int, share) -> list[tuple[int, int]]:
         """(parameter elements, buffer bytes) of each layer that rank r of the d devices holds

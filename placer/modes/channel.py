@@ -116,6 +116,9 @@ class Channel(Mode):
     def collectives(self, a, seg, info, grads, op, ctx):
         collectives(a, info, grads, op)
 
+    def sliced_dims(self, seg, info):
+        return [seg.options.get("axis", 1)] * len(info)
+
     def held(self, seg, info, d, r, share):  # a sliced layer: its part of the output channels
         return [(share(l.params, d, r), share(l.buffer_bytes, d, r)) if held(l) else (l.params, l.buffer_bytes)
                 for l in info]

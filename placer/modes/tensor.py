@@ -111,6 +111,14 @@ class Tensor(Mode):
     def collectives(self, a, seg, info, grads, op, ctx):
         collectives(a, info, grads, op)
 
+    def sliced_dims(self, seg, info):
+        split, rows = split_layers(info)
+        out, inside = [], False
+        for l in info:  # a column half's output is cut by features until its row half sums it
+            inside = (inside or l.name in split) and l.name not in rows
+            out.append(len(l.out_shape) - 1 if inside and l.out_shape else None)
+        return out
+
     def held(self, seg, info, d, r, share):
         split, rows = split_layers(info)
         return [(held(l, l.name in rows, d, r, share) if l.name in split else l.params, l.buffer_bytes)

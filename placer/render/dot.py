@@ -17,6 +17,7 @@ from pathlib import Path
 from placer import units
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlanError
+from placer.modes import MODES
 from placer.plan.ir import COLLECTIVES, P2P, TRANSFERS, Op, OpKind, Plan
 
 TRANSITIONS = TRANSFERS | P2P  # drawn on the edge between two segments
@@ -233,25 +234,13 @@ def _split(n: int, d: int) -> str:
 def per_device_shapes(seg, info: dict, microbatches: int = 1) -> dict[str, tuple[tuple, tuple]]:
     """Layer -> (the output shape one device holds, as strings per dim; the whole of it): a micro-batch's
     rows in a pipeline stage, then its rows, band, channels or features in a parallel group."""
-    from placer.modes import tensor
-
     layers = [info[n] for n in seg.layers if n in info and info[n].out_shape]
-    if seg.mode == "tensor":
-        split, rows = tensor.split_layers(layers)
     d = len(seg.devices)
-    out, inside = {}, False
-    for li in layers:
+    out = {}
+    for li, cut in zip(layers, MODES[seg.mode].sliced_dims(seg, layers)):
         shape: list = list(li.out_shape)
         if seg.stage is not None and microbatches > 1 and shape:
             shape[0] = -(-shape[0] // microbatches)
-        cut = None
-        if seg.mode == "data":
-            cut = 0
-        elif seg.mode in ("spatial", "channel"):
-            cut = seg.options.get("axis", 2 if seg.mode == "spatial" else 1)
-        elif seg.mode == "tensor":  # a column half's output is cut by features until its row half sums it
-            inside = (inside or li.name in split) and li.name not in rows
-            cut = len(shape) - 1 if inside else None
         out[li.name] = (tuple(_split(x, d) if k == cut else str(x) for k, x in enumerate(shape)), tuple(shape))
     return out
 
