@@ -11,7 +11,8 @@ OMP_NUM_THREADS=1 as torchrun does), so start-up is left out; inside the run, ra
 time at the end of every step (the generated program in progress.jsonl, the baseline in its
 --out file). A run's time per step is the median of its step-to-step intervals after --warmup
 steps; a mode's is the median over repetitions, and its ratio is generated / hand-written (and
-the median of the per-repetition ratios). Prints a table and writes bench/results/vs_torch-*.json.
+the median of the per-repetition ratios; p10: the same of each run's 10th-percentile interval,
+the figure least disturbed by other work on a shared machine). Prints a table and writes bench/results/vs_torch-*.json.
 """
 from __future__ import annotations
 
@@ -65,21 +66,23 @@ def launch(argv: list[str], cwd: Path, log: Path) -> None:
         raise SystemExit(f"{' '.join(argv)} failed ({codes}); its output:\n{log.read_text()[-3000:]}")
 
 
-def per_step(ends: list[float], warmup: int) -> float:
-    """The median step-to-step interval after `warmup` steps, leaving out the last step (the
-    generated program reports a step's loss at the end of the next one, the last at the end)."""
+def per_step(ends: list[float], warmup: int) -> tuple[float, float]:
+    """(median, 10th percentile) of the step-to-step intervals after `warmup` steps, leaving out
+    the last step (the generated program reports a step's loss at the end of the next one, the
+    last at the end). The 10th percentile is the less disturbed by other work on the machine."""
     ends = ends[warmup - 1:-1]
-    return statistics.median(b - a for a, b in zip(ends, ends[1:]))
+    intervals = [b - a for a, b in zip(ends, ends[1:])]
+    return statistics.median(intervals), statistics.quantiles(intervals, n=10)[0]
 
 
-def run_generated(program: Path, steps: int, warmup: int, work: Path) -> float:
+def run_generated(program: Path, steps: int, warmup: int, work: Path) -> tuple[float, float]:
     out = work / "out"
     launch([str(program), "--steps", str(steps), "--out", str(out)], work, work / "generated.log")
     records = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
     return per_step([r["elapsed_s"] for r in records if "step" in r], warmup)
 
 
-def run_baseline(baseline: Path, steps: int, warmup: int, work: Path) -> float:
+def run_baseline(baseline: Path, steps: int, warmup: int, work: Path) -> tuple[float, float]:
     times = work / "baseline.json"
     launch([str(baseline), "--steps", str(steps), "--out", str(times)], baseline.parent,
            work / "baseline.log")
@@ -96,15 +99,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out at the start (default 5)")
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/vs_torch-<time>.json)")
+    parser.add_argument("--placer", type=Path, help="generate with the placer package under this folder "
+                        "(another version, e.g. from `git archive REV placer | tar -x -C DIR`)")
     args = parser.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown or args.steps < args.warmup + 3 or args.warmup < 1:
         parser.error(f"unknown modes {unknown}" if unknown else "need --warmup >= 1 and --steps >= warmup + 3")
 
+    if args.placer:
+        sys.path.insert(0, str(args.placer.resolve()))
     from placer.api import generate
 
-    times: dict[str, dict[str, list[float]]] = {m: {"generated": [], "torch": []} for m in modes}
+    times: dict[str, dict[str, list[tuple[float, float]]]] = {m: {"generated": [], "torch": []} for m in modes}
     with tempfile.TemporaryDirectory(prefix="placer-bench-") as tmp:
         programs = {}
         for mode in modes:
@@ -119,21 +126,24 @@ def main() -> None:
                                                        args.warmup, work))]
                 for kind, run in pair if rep % 2 == 0 else pair[::-1]:  # alternate who goes first
                     times[mode][kind].append(run())
-                g, t = times[mode]["generated"][-1], times[mode]["torch"][-1]
+                g, t = times[mode]["generated"][-1][0], times[mode]["torch"][-1][0]
                 print(f"rep {rep + 1}/{args.reps}  {mode:<10} generated {g * 1e3:7.2f} ms  "
                       f"torch {t * 1e3:7.2f} ms  ratio {g / t:.3f}", flush=True)
 
     results = {}
-    print(f"\n{'mode':<10} {'generated ms':>12} {'torch ms':>9} {'ratio':>6} {'paired':>7}  baseline")
+    print(f"\n{'mode':<10} {'generated ms':>12} {'torch ms':>9} {'ratio':>6} {'paired':>7} {'p10':>6}  baseline")
     for mode in modes:
-        g, t = times[mode]["generated"], times[mode]["torch"]
+        g, t = [m for m, _ in times[mode]["generated"]], [m for m, _ in times[mode]["torch"]]
+        g10, t10 = [p for _, p in times[mode]["generated"]], [p for _, p in times[mode]["torch"]]
         ratio = statistics.median(g) / statistics.median(t)
         paired = statistics.median(a / b for a, b in zip(g, t))
+        p10 = statistics.median(g10) / statistics.median(t10)
         results[mode] = {"spec": f"bench/specs/{MODES[mode][0]}", "baseline": f"bench/baselines/{MODES[mode][1]}",
-                         "generated_s": g, "torch_s": t, "generated_median_s": statistics.median(g),
-                         "torch_median_s": statistics.median(t), "ratio": ratio, "paired_ratio_median": paired}
+                         "generated_s": g, "torch_s": t, "generated_p10_s": g10, "torch_p10_s": t10,
+                         "generated_median_s": statistics.median(g), "torch_median_s": statistics.median(t),
+                         "ratio": ratio, "paired_ratio_median": paired, "p10_ratio": p10}
         print(f"{mode:<10} {statistics.median(g) * 1e3:12.2f} {statistics.median(t) * 1e3:9.2f} "
-              f"{ratio:6.3f} {paired:7.3f}  {MODES[mode][2]}")
+              f"{ratio:6.3f} {paired:7.3f} {p10:6.3f}  {MODES[mode][2]}")
     out = args.out or BENCH / "results" / f"vs_torch-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     import torch
@@ -141,7 +151,7 @@ def main() -> None:
     doc = {"what": "steady-state seconds per step, generated program vs hand-written torch",
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                        "python": platform.python_version(), "backend": "gloo", "world_size": WORLD},
-           "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "modes": results}
+           "placer": str(args.placer or ROOT), "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "modes": results}
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"\nwrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
