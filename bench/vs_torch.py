@@ -89,6 +89,34 @@ def run_baseline(baseline: Path, steps: int, warmup: int, work: Path) -> tuple[f
     return per_step(json.loads(times.read_text())["step_ends_s"], warmup)
 
 
+def summarise(args, modes, times, out: Path) -> None:
+    """Print the table of every mode so far and write it to `out`."""
+    results = {}
+    print(f"\n{'mode':<10} {'generated ms':>12} {'torch ms':>9} {'ratio':>6} {'paired':>7} {'p10':>6}  baseline")
+    for mode in modes:
+        g, t = [m for m, _ in times[mode]["generated"]], [m for m, _ in times[mode]["torch"]]
+        g10, t10 = [p for _, p in times[mode]["generated"]], [p for _, p in times[mode]["torch"]]
+        ratio = statistics.median(g) / statistics.median(t)
+        paired = statistics.median(a / b for a, b in zip(g, t))
+        p10 = statistics.median(g10) / statistics.median(t10)
+        results[mode] = {"spec": f"bench/specs/{MODES[mode][0]}", "baseline": f"bench/baselines/{MODES[mode][1]}",
+                         "generated_s": g, "torch_s": t, "generated_p10_s": g10, "torch_p10_s": t10,
+                         "generated_median_s": statistics.median(g), "torch_median_s": statistics.median(t),
+                         "ratio": ratio, "paired_ratio_median": paired, "p10_ratio": p10}
+        print(f"{mode:<10} {statistics.median(g) * 1e3:12.2f} {statistics.median(t) * 1e3:9.2f} "
+              f"{ratio:6.3f} {paired:7.3f} {p10:6.3f}  {MODES[mode][2]}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    doc = {"what": "steady-state seconds per step, generated program vs hand-written torch",
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                       "python": platform.python_version(), "backend": "gloo", "world_size": WORLD,
+                       "load_average_1m": os.getloadavg()[0]},
+           "placer": str(args.placer or ROOT), "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "modes": results}
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}\n", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -111,6 +139,7 @@ def main() -> None:
         sys.path.insert(0, str(args.placer.resolve()))
     from placer.api import generate
 
+    out = args.out or BENCH / "results" / f"vs_torch-{time.strftime('%Y%m%d-%H%M%S')}.json"
     times: dict[str, dict[str, list[tuple[float, float]]]] = {m: {"generated": [], "torch": []} for m in modes}
     with tempfile.TemporaryDirectory(prefix="placer-bench-") as tmp:
         programs = {}
@@ -129,31 +158,8 @@ def main() -> None:
                 g, t = times[mode]["generated"][-1][0], times[mode]["torch"][-1][0]
                 print(f"rep {rep + 1}/{args.reps}  {mode:<10} generated {g * 1e3:7.2f} ms  "
                       f"torch {t * 1e3:7.2f} ms  ratio {g / t:.3f}", flush=True)
+            summarise(args, modes, times, out)  # after every repetition: a long run keeps what it has
 
-    results = {}
-    print(f"\n{'mode':<10} {'generated ms':>12} {'torch ms':>9} {'ratio':>6} {'paired':>7} {'p10':>6}  baseline")
-    for mode in modes:
-        g, t = [m for m, _ in times[mode]["generated"]], [m for m, _ in times[mode]["torch"]]
-        g10, t10 = [p for _, p in times[mode]["generated"]], [p for _, p in times[mode]["torch"]]
-        ratio = statistics.median(g) / statistics.median(t)
-        paired = statistics.median(a / b for a, b in zip(g, t))
-        p10 = statistics.median(g10) / statistics.median(t10)
-        results[mode] = {"spec": f"bench/specs/{MODES[mode][0]}", "baseline": f"bench/baselines/{MODES[mode][1]}",
-                         "generated_s": g, "torch_s": t, "generated_p10_s": g10, "torch_p10_s": t10,
-                         "generated_median_s": statistics.median(g), "torch_median_s": statistics.median(t),
-                         "ratio": ratio, "paired_ratio_median": paired, "p10_ratio": p10}
-        print(f"{mode:<10} {statistics.median(g) * 1e3:12.2f} {statistics.median(t) * 1e3:9.2f} "
-              f"{ratio:6.3f} {paired:7.3f} {p10:6.3f}  {MODES[mode][2]}")
-    out = args.out or BENCH / "results" / f"vs_torch-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    doc = {"what": "steady-state seconds per step, generated program vs hand-written torch",
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                       "python": platform.python_version(), "backend": "gloo", "world_size": WORLD},
-           "placer": str(args.placer or ROOT), "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "modes": results}
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
 
 if __name__ == "__main__":
