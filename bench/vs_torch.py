@@ -112,7 +112,7 @@ def summarise(args, modes, times, out: Path) -> None:
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                        "python": platform.python_version(), "backend": "gloo", "world_size": WORLD,
                        "load_average_1m": os.getloadavg()[0]},
-           "placer": str(args.placer or ROOT), "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "modes": results}
+           "placer": str(args.placer or ROOT), "set": args.set, "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "modes": results}
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}\n", flush=True)
 
@@ -129,6 +129,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/vs_torch-<time>.json)")
     parser.add_argument("--placer", type=Path, help="generate with the placer package under this folder "
                         "(another version, e.g. from `git archive REV placer | tar -x -C DIR`)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a value of every bench spec, as `placer generate --set` does "
+                             "(e.g. training.prefetch=0)")
     args = parser.parse_args()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -145,7 +148,7 @@ def main() -> None:
         programs = {}
         for mode in modes:
             programs[mode] = Path(tmp) / f"{mode}_program.py"
-            generate(str(BENCH / "specs" / MODES[mode][0]), str(programs[mode]))
+            generate(str(BENCH / "specs" / MODES[mode][0]), str(programs[mode]), overrides=args.set)
         for rep in range(args.reps):
             for mode in modes:
                 work = Path(tmp) / f"{mode}-{rep}"
