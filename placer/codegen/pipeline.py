@@ -122,11 +122,7 @@ class PipelineWriter(TrainWriter):
               "total = (loss if j == 0 else torch.zeros(())).float().cpu()")
         else:
             c("total = loss.float().cpu()")
-        c("dist.all_reduce(total)", "losses.append(finite_loss(total.item(), step))  # NaN/inf: stop here",
-          "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
-        if self.checkpoint:
-            c("if (step + 1) % CHECKPOINT_EVERY == 0:",
-              "    save_checkpoint(args.out, step, rank, modules, optimizers, losses)")
+        self.add_loss()
 
     def describe(self, seg: Seg) -> str:
         layers = seg.layers[0] if len(seg.layers) == 1 else f"{seg.layers[0]}..{seg.layers[-1]}"

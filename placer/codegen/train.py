@@ -108,10 +108,12 @@ class TrainWriter:
         c("")
         c("first, losses = resume_checkpoint(args, rank, modules, optimizers)  # step 0 unless resuming"
           if self.checkpoint else "first, losses = 0, []  # no checkpoints: a restart starts at step 0")
-        c("data = batches(args.steps, first)", "start = time.perf_counter()")
+        c("data = batches(args.steps, first)", "start = time.perf_counter()",
+          "batch_losses = BatchLosses(losses, args, rank, start)  # summed off the critical path")
         c("for step in range(first, args.steps):").indent()
         self.step()
         c.dedent()
+        c("batch_losses.settle()  # the last step's loss")
         self.finish()
         binding = []
         if self.uses_host:
@@ -228,11 +230,16 @@ class TrainWriter:
         for seg in segs:
             self.sync(seg)
         c("", "# the loss of the whole batch: ranks without it add 0",
-          "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()",
-          "dist.all_reduce(total)", "losses.append(finite_loss(total.item(), step))  # NaN/inf: stop here",
-          "if rank == 0:", "    report_step(args.out, step, args.steps, losses[-1], start)")
+          "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()")
+        self.add_loss()
+
+    def add_loss(self) -> None:
+        """Hand the step's `total` to batch_losses (summed while the next step trains); a
+        checkpoint waits for it, as it saves every loss so far."""
+        c = self.c
+        c("batch_losses.add(step, total)  # all-reduced while the next step trains; NaN/inf: stop")
         if self.checkpoint:
-            c("if (step + 1) % CHECKPOINT_EVERY == 0:",
+            c("if (step + 1) % CHECKPOINT_EVERY == 0:", "    batch_losses.settle()",
               "    save_checkpoint(args.out, step, rank, modules, optimizers, losses)")
 
     def gpipe_step(self) -> None:

@@ -129,6 +129,32 @@ def finite_loss(loss, step):
     return loss
 
 
+class BatchLosses:
+    """Every step's loss of the whole batch, appended to `losses`: each rank adds its share (0
+    without one) by an all-reduce that runs while the next step trains and is read after it, so
+    the progress line never holds up a step. A NaN/inf stops the run one step later, at the
+    step it names; every rank reads the same sum, so every rank stops."""
+
+    def __init__(self, losses, args, rank, start):
+        self.losses, self.args, self.rank, self.start = losses, args, rank, start
+        self.pending = None  # (step, its summed tensor, the all-reduce's work)
+
+    def add(self, step, total):
+        self.settle()
+        self.pending = (step, total, dist.all_reduce(total, async_op=True))
+
+    def settle(self):
+        """Wait for the pending sum; append it and show it (rank 0)."""
+        if self.pending is None:
+            return
+        step, total, work = self.pending
+        self.pending = None
+        work.wait()
+        self.losses.append(finite_loss(total.item(), step))
+        if self.rank == 0:
+            report_step(self.args.out, step, self.args.steps, self.losses[-1], self.start)
+
+
 RESUMED_FROM = 0  # the step this process started from: its checkpoint's when it resumed
 
 
