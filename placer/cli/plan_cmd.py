@@ -80,6 +80,7 @@ def table(plan, graph, est, timeline=None) -> str:
         seg_rows.append([f"{s.index} {s.name}" + (f" [stage {s.stage}]" if s.stage is not None else ""),
                          where, mode or "-", layers])
     lines += _table(seg_rows, set())
+    lines += tie_lines(plan, graph)
     state = f"{est.optimizer_slots} state buffer{'s' if est.optimizer_slots != 1 else ''} per parameter"
     lines += ["", f"memory per device (optimizer {est.optimizer}: {state}"
               + ("" if est.optimizer_known else ", assumed") + ")"]
@@ -106,8 +107,18 @@ def table(plan, graph, est, timeline=None) -> str:
     return "\n".join(lines)
 
 
+def tie_lines(plan, graph) -> list[str]:
+    """Parameters tied across segments: where each copy is and what keeps them equal."""
+    from placer.plan import ties
+
+    placed = ties.placed(plan.segments, graph)
+    return ["", "tied parameters (one copy per segment, kept equal)"] + [
+        "  " + ties.describe(t, plan.segments) for t in placed] if placed else []
+
+
 def to_json(plan, graph, est, timeline=None) -> dict:
     """The stable JSON form (docs/plan-json.md)."""
+    from placer.plan import ties
     from placer.plan.place import segment_params
 
     devices = []
@@ -137,6 +148,9 @@ def to_json(plan, graph, est, timeline=None) -> dict:
         "segments": [{"index": s.index, "name": s.name, "layers": list(s.layers), "devices": list(s.devices),
                       "mode": s.mode, "options": s.options, "route": s.route, "stage": s.stage,
                       "params": segment_params(s, graph)[0]} for s in plan.segments],
+        "ties": [{"param": t.tie.name, "numel": t.tie.numel, "bytes": t.tie.bytes, "devices": list(t.devices),
+                  "copies": [{"segment": k, "layer": layer, "name": name} for k, layer, name in t.copies]}
+                 for t in ties.placed(plan.segments, graph)],
         "devices": devices,
         "totals": {k: sum(x[k] for x in devices) for k in sum_keys},
         "communication": {"total_bytes": est.comm.total, "ops": ops,
