@@ -21,6 +21,7 @@ class TiedGPT2(nn.Module):
         self.h = nn.ModuleList(GPT2Block(cfg, layer_idx=i) for i in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model, eps=cfg.layer_norm_epsilon)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        nn.init.normal_(self.wte.weight, std=cfg.initializer_range)  # GPT-2's init: logits near 0
         self.lm_head.weight = self.wte.weight  # tied, as GPT2LMHeadModel ties them
 
     def forward(self, idx):
