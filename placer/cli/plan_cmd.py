@@ -43,7 +43,8 @@ def comm_lines(plan, est) -> list[str]:
     groups: dict[tuple, list] = {}
     for row in est.comm.rows:
         op = row.op
-        key = (op.kind.value, op.segment, op.phase, op.tensor, _ends(op), op.route or "")
+        tensor = f"tied {op.attrs['tie']}" if "tie" in op.attrs else op.tensor
+        key = (op.kind.value, op.segment, op.phase, tensor, _ends(op), op.route or "")
         g = groups.setdefault(key, [0, 0, 0])
         g[0] += 1
         g[1] += op.bytes
