@@ -136,7 +136,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
             "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
     sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                 "total_bytes", "flops")
-    return {
+    doc = {
         "format": JSON_FORMAT,
         "name": plan.name,
         "batch_size": plan.batch_size,
@@ -149,9 +149,6 @@ def to_json(plan, graph, est, timeline=None) -> dict:
         "segments": [{"index": s.index, "name": s.name, "layers": list(s.layers), "devices": list(s.devices),
                       "mode": s.mode, "options": s.options, "route": s.route, "stage": s.stage,
                       "params": segment_params(s, graph)[0]} for s in plan.segments],
-        "ties": [{"param": t.tie.name, "numel": t.tie.numel, "bytes": t.tie.bytes, "devices": list(t.devices),
-                  "copies": [{"segment": k, "layer": layer, "name": name} for k, layer, name in t.copies]}
-                 for t in ties.placed(plan.segments, graph)],
         "devices": devices,
         "totals": {k: sum(x[k] for x in devices) for k in sum_keys},
         "communication": {"total_bytes": est.comm.total, "ops": ops,
@@ -160,6 +157,12 @@ def to_json(plan, graph, est, timeline=None) -> dict:
                     "max_flops": est.per_device[est.busiest].flops if est.busiest else 0},
         "notes": list(est.notes),
     }
+    placed = ties.placed(plan.segments, graph)
+    if placed:  # only for a model with parameters tied across segments (docs/plan-json.md)
+        doc["ties"] = [{"param": t.tie.name, "numel": t.tie.numel, "bytes": t.tie.bytes, "devices": list(t.devices),
+                        "copies": [{"segment": k, "layer": layer, "name": name} for k, layer, name in t.copies]}
+                       for t in placed]
+    return doc
 
 
 def build_and_plan(spec, progress=None):
