@@ -185,7 +185,8 @@ def record_first_grads(named):
         if len(FIRST_GRADS) == len(named):
             handle.remove()
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook  # (torch.optim hides the module)
+    # (an import here: `torch.optim.optimizer` is not an attribute of torch.optim)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     handle = register_optimizer_step_pre_hook(hook)
 
