@@ -237,12 +237,13 @@ def finish(args, rank, world, losses, own, seconds, **facts):
     """Rank 0 gathers what every rank measured and the parameters it owns, and writes them."""
     stats = {"device": DEVICES[rank], "bytes_sent": sum(SENT.values()), "by_call": dict(SENT),
              "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
-                        "comm": TIME["comm"], "data": TIME["data"]}}
+                        "comm": TIME["comm"], "data": TIME["data"]},
+             "grads": bool(args.grads and not resuming(args))}
     every = [None] * world
     dist.all_gather_object(every, stats)
     params = [None] * world if rank == 0 else None
     dist.gather_object({n: p.detach().cpu().clone() for n, p in own.items()}, params, dst=0)
-    if args.grads and not resuming(args):
+    if any(s["grads"] for s in every):  # one node's launcher may ask alone: every rank gathers
         grads = [None] * world if rank == 0 else None
         dist.gather_object(FIRST_GRADS, grads, dst=0)
         if rank == 0 and args.out:
