@@ -43,7 +43,8 @@ def comm_lines(plan, est) -> list[str]:
     groups: dict[tuple, list] = {}
     for row in est.comm.rows:
         op = row.op
-        key = (op.kind.value, op.segment, op.phase, op.tensor, _ends(op), op.route or "")
+        tensor = f"tied {op.attrs['tie']}" if "tie" in op.attrs else op.tensor
+        key = (op.kind.value, op.segment, op.phase, tensor, _ends(op), op.route or "")
         g = groups.setdefault(key, [0, 0, 0])
         g[0] += 1
         g[1] += op.bytes
@@ -80,6 +81,7 @@ def table(plan, graph, est, timeline=None) -> str:
         seg_rows.append([f"{s.index} {s.name}" + (f" [stage {s.stage}]" if s.stage is not None else ""),
                          where, mode or "-", layers])
     lines += _table(seg_rows, set())
+    lines += tie_lines(plan, graph)
     state = f"{est.optimizer_slots} state buffer{'s' if est.optimizer_slots != 1 else ''} per parameter"
     lines += ["", f"memory per device (optimizer {est.optimizer}: {state}"
               + ("" if est.optimizer_known else ", assumed") + ")"]
@@ -106,8 +108,18 @@ def table(plan, graph, est, timeline=None) -> str:
     return "\n".join(lines)
 
 
+def tie_lines(plan, graph) -> list[str]:
+    """Parameters tied across segments: where each copy is and what keeps them equal."""
+    from placer.plan import ties
+
+    placed = ties.placed(plan.segments, graph)
+    return ["", "tied parameters (one copy per segment, kept equal)"] + [
+        "  " + ties.describe(t, plan.segments) for t in placed] if placed else []
+
+
 def to_json(plan, graph, est, timeline=None) -> dict:
     """The stable JSON form (docs/plan-json.md)."""
+    from placer.plan import ties
     from placer.plan.place import segment_params
 
     devices = []
@@ -124,7 +136,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
             "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
     sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                 "total_bytes", "flops")
-    return {
+    doc = {
         "format": JSON_FORMAT,
         "name": plan.name,
         "batch_size": plan.batch_size,
@@ -145,6 +157,12 @@ def to_json(plan, graph, est, timeline=None) -> dict:
                     "max_flops": est.per_device[est.busiest].flops if est.busiest else 0},
         "notes": list(est.notes),
     }
+    placed = ties.placed(plan.segments, graph)
+    if placed:  # only for a model with parameters tied across segments (docs/plan-json.md)
+        doc["ties"] = [{"param": t.tie.name, "numel": t.tie.numel, "bytes": t.tie.bytes, "devices": list(t.devices),
+                        "copies": [{"segment": k, "layer": layer, "name": name} for k, layer, name in t.copies]}
+                       for t in placed]
+    return doc
 
 
 def build_and_plan(spec, progress=None):

@@ -93,9 +93,7 @@ def summary_lines(metrics: dict, wall_s: float, attempts: int = 1) -> list[str]:
 
 
 def check_lines(report) -> list[str]:
-    from placer.launch.check import ATOL, RTOL
-
-    lines = [f"check: the run against the one-device reference (rtol {RTOL:g}, atol {ATOL:g})",
+    lines = [f"check: the run against the one-device reference (rtol {report.rtol:g}, atol {report.atol:g})",
              f"  {'step':>5}  {'loss (run)':>14}  {'loss (reference)':>16}  {'|diff|':>9}"]
     steps = report.steps
     shown = set(range(len(steps))) if len(steps) <= 12 else set(range(5)) | set(range(len(steps) - 5, len(steps)))
@@ -112,6 +110,12 @@ def check_lines(report) -> list[str]:
     worst = max(report.params, key=lambda p: p[2], default=None)
     if worst:
         lines.append(f"  parameters: {len(report.params)} compared, max |diff| {worst[2]:.2e} ({worst[0]})")
+    if report.grads:
+        g = max(report.grads, key=lambda g: g[2] / g[3] if g[3] else g[2])
+        lines.append(f"  first-step gradients: {len(report.grads)} compared, worst {g[0]}: max |diff| {g[2]:.2e} "
+                     f"of scale {g[3]:.2e}")
+    for names in report.tied:
+        lines.append(f"  tied: {' = '.join(names)} (each copy compared)")
     return lines
 
 
@@ -129,13 +133,33 @@ def check_failure(report) -> str:
         p = next(p for p in report.params if p[0] == report.first_bad_param)
         parts.append(f"parameter {p[0]!r} differs by up to {p[2]:.2e}" if math.isfinite(p[2]) else
                      f"parameter {p[0]!r} is non-finite (nan or inf) in the run or the reference")
+    if report.first_bad_grad is not None:
+        g = next(g for g in report.grads if g[0] == report.first_bad_grad)
+        parts.append(f"the gradient of {g[0]!r} at step 1 differs by up to {g[2]:.2e} (its largest element "
+                     f"is {g[3]:.2e})")
     return "; ".join(parts)
+
+
+def check_hint(report) -> str:
+    """What to look at: the tied parameter involved, else randomness or numerics."""
+    for name in (report.first_bad_grad, report.first_bad_param):
+        tie = report.tie_of(name)
+        if tie:
+            return (f"{name!r} is a tied parameter ({' = '.join(tie)}): every copy must get the sum of all "
+                    "copies' gradients and take the same step; a copy trained on its own part of the gradient "
+                    "drifts (see RUN_DIR/reference and the table above)")
+    return ("see RUN_DIR/reference and the table above; a layer with randomness (Dropout) or a mode that changes "
+            "numerics cannot match (--rtol/--atol loosen the tolerance)")
 
 
 @click.command("run")
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
 @click.option("--check", is_flag=True,
-              help="Also train the one-device reference and compare every step's loss and all final parameters.")
+              help="Also train the one-device reference and compare every step's loss, every copy of every final "
+                   "parameter and every first-step gradient.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=None,
+              help="--check: relative tolerance (default 1e-5; first-step gradients: 10x it, of their own scale).")
+@click.option("--atol", type=click.FloatRange(min=0), default=None, help="--check: absolute tolerance (default 4e-5).")
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Default: runs/<name>-<YYYYmmdd-HHMMSS>/. An existing one must be empty (see --overwrite).")
 @click.option("--overwrite", is_flag=True,
@@ -154,8 +178,8 @@ def check_failure(report) -> str:
               help="Continue the run in RUN_DIR from its newest complete checkpoint (training.checkpoint); "
                    "losses and final parameters are those of a run never interrupted.")
 @set_option
-def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt, max_restarts,
-            resume_dir, overrides):
+def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt,
+            max_restarts, resume_dir, overrides):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
@@ -196,7 +220,7 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
         with interruptible():
             outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
                           nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides,
-                          resume=resume_dir)
+                          resume=resume_dir, tolerance=(rtol, atol))
     except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
         if not console.said_interrupted:
             console.say("interrupted before the run started", err=True)
@@ -219,7 +243,7 @@ def command(spec_path, check, run_dir, overwrite, steps, nnodes, node_rank, rdzv
 
 
 def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
-        rdzv_endpoint, overrides=(), resume=None) -> dict:
+        rdzv_endpoint, overrides=(), resume=None, tolerance=(None, None)) -> dict:
     from placer.cli.main import load_and_warn
     from placer.codegen.program import generate
     from placer.launch import run as launcher
@@ -249,7 +273,7 @@ def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, 
     try:
         return _launch_and_check(spec, program, binding, run_dir, console, outcome, check=check, steps=steps,
                                  nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                                 resume=bool(resume))
+                                 resume=bool(resume), tolerance=tolerance)
     except PlacerError as e:
         console.log += [d.format() for d in e.diagnostics]
         raise
@@ -264,7 +288,7 @@ def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, 
 
 
 def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, outcome: dict, *, check, steps,
-                      nnodes, node_rank, rdzv_endpoint, resume=False) -> dict:
+                      nnodes, node_rank, rdzv_endpoint, resume=False, tolerance=(None, None)) -> dict:
     from placer.launch import run as launcher
 
     if binding.reason:
@@ -275,6 +299,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
         console.say("the spec spans several machines; all its workers run here "
                     "(use --nnodes N --node-rank K --rdzv-endpoint HOST:PORT on each machine)")
     args = ["--steps", str(steps)] if steps else []
+    if check:  # both runs write their first-step gradients for the check
+        args.append("--grads")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     restarts = spec.runtime.max_restarts
     if restarts:
@@ -312,18 +338,18 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     for line in summary_lines(result.metrics, result.wall_s, result.attempts):
         console.say(line)
     if check:
-        report = _check(spec, run_dir, binding, args)
+        report = _check(spec, run_dir, binding, args, tolerance)
         outcome["check"] = report.as_dict()
         (run_dir / "check.json").write_text(json.dumps(outcome["check"], indent=2))
         for line in check_lines(report):
             console.say(line)
         if not report.ok:
             diag = Diagnostic("R021", f"the run does not match the one-device reference: {check_failure(report)}",
-                              Loc(spec.file), "see RUN_DIR/reference and the table above; a layer with randomness "
-                              "(Dropout) or a mode that changes numerics cannot match")
+                              Loc(spec.file), check_hint(report))
             console.say(diag.format(), err=True)
             return outcome
-        console.say("check passed: every step's loss and every parameter match the reference")
+        console.say("check passed: every step's loss, every parameter and every first-step gradient match the "
+                    "reference")
     outcome["ok"] = True
     return outcome
 
@@ -421,8 +447,8 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _check(spec, run_dir: Path, binding, args: list[str]):
-    from placer.launch.check import compare
+def _check(spec, run_dir: Path, binding, args: list[str], tolerance=(None, None)):
+    from placer.launch.check import ATOL, RTOL, compare
 
     ref_dir = run_dir / "reference"
     cmd = [sys.executable, str(run_dir / "program.py"), "--reference", "--out", str(ref_dir), *args]
@@ -434,4 +460,5 @@ def _check(spec, run_dir: Path, binding, args: list[str]):
         tail = "\n".join("    " + line for line in proc.stderr.strip().splitlines()[-8:])
         raise RunError(Diagnostic("R022", f"the one-device reference exited with code {proc.returncode}:\n{tail}",
                                   Loc(spec.file), f"its whole output is in {run_dir / 'reference.log'}"))
-    return compare(run_dir, ref_dir)
+    rtol, atol = tolerance
+    return compare(run_dir, ref_dir, RTOL if rtol is None else rtol, ATOL if atol is None else atol)

@@ -10,6 +10,7 @@ The schedule gets a loss that is the micro-batch mean times its share of the glo
 """
 from __future__ import annotations
 
+from placer.codegen import ties
 from placer.codegen.segments import Seg
 from placer.codegen.train import TrainWriter
 from placer.modes import MODES
@@ -31,8 +32,8 @@ class PipelineWriter(TrainWriter):
     steps_all = True
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, schedule: str,
-                 microbatches: int):
-        super().__init__(segs, world, devices, cut, checkpoint)
+                 microbatches: int, tied=()):
+        super().__init__(segs, world, devices, cut, checkpoint, tied=tied)
         self.schedule, self.microbatches = schedule, microbatches
         self.pipelines = pipelines(segs)
         self.degree = len(segs[0].ranks)
@@ -115,6 +116,7 @@ class PipelineWriter(TrainWriter):
                 if seg.has_params:
                     self.when(seg.ranks, 'with timer("comm"):',
                               f"    all_reduce_grads(seg{seg.k}.parameters(), g{seg.k}, bucket_mb={seg.bucket_mb!r})")
+        c(*ties.emit_sync(self.tied))
         c("for opt in optimizers:", "    opt.step()")
         c("", "# the loss of the whole batch: ranks without the last stage add 0")
         if self.replicated:
@@ -136,6 +138,6 @@ class PipelineWriter(TrainWriter):
 
 
 def pipeline_train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, schedule: str,
-                          microbatches: int) -> str:
-    return PipelineWriter(segs, len(devices), devices, cut, checkpoint, schedule, microbatches).write()
+                          microbatches: int, tied=()) -> str:
+    return PipelineWriter(segs, len(devices), devices, cut, checkpoint, schedule, microbatches, tied).write()
 

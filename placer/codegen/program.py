@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from placer import __version__
-from placer.codegen import preflight, runtime
+from placer.codegen import preflight, runtime, ties
 from placer.codegen.pipeline import pipeline_train_source
 from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, program_segments, rank_order, torch_schedules_take
 from placer.codegen.train import Code, TrainWriter, train_source
@@ -101,12 +101,14 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     segs = program_segments(plan, spec, graph, loops=bool(loops))
+    tied = ties.program_ties(plan, spec, graph, devices)
     per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
     used = set().union(*(MODES[s.mode].runtime(s, bool(pl)) for s in segs))
     used |= {"replicate"} if not pl and (segs[-1].loss_gather or any(
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
+    used |= {"ties"} if tied else set()
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
@@ -118,8 +120,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         header(spec, program, segs, filename),
         *imports(piece_imports, ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
         model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
-        pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches) if pl else
-        train_source(segs, devices, cut, ckpt, zero_args(spec), loops),
+        pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied) if pl else
+        train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied),
         "# " + "=" * 76 + "\n# Below: placer's runtime, the same in every program that uses it\n"
         "# (placer/codegen/templates and placer/codegen/runtime)",
         (TEMPLATES / "helpers.py").read_text(),

@@ -15,6 +15,7 @@ cannot run is this same step inside micro-batch loops (`gpipe_step`).
 """
 from __future__ import annotations
 
+from placer.codegen import ties
 from placer.codegen.segments import Seg
 from placer.modes import MODES, data
 
@@ -52,8 +53,10 @@ class TrainWriter:
     """Whether the step calls every optimizer of the rank in one loop (torch's pipeline schedules)."""
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0):
+                 microbatches: int = 0, tied=()):
         self.segs, self.world, self.devices = segs, world, devices
+        self.tied = list(tied)
+        """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches
         """> 0: a gpipe pipeline that torch's schedules cannot run, written as micro-batch loops."""
         self.cut, self.checkpoint = cut, checkpoint
@@ -145,9 +148,12 @@ class TrainWriter:
         self.binding_at = len(c.lines)  # `host` and `device_ids` go here if the step uses them
         if not self.cut:
             c("", "model = build_model()  # every rank builds the whole model from the seed, then keeps its part")
-        c("own = {}  # name -> parameter, for those this rank owns (saved at the end)")
+        c("own = {}  # name -> parameter, for those this rank owns (saved at the end)",
+          "if args.grads and not resuming(args):  # run --check compares the first step's gradients too",
+          "    record_first_grads(own)")
         for seg in self.segs:
             self.setup_segment(seg)
+        c(*ties.emit_setup(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
           f"modules = [m for m in {self.tuple_of('seg')} if m is not None]")
         if self.checkpoint or self.steps_all:
@@ -226,6 +232,7 @@ class TrainWriter:
             c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
             for seg in reversed(segs[1:]):
                 self.backward(seg)
+        c(*ties.emit_sync(self.tied))
         c("", "# gradient sync and optimizer steps, segment by segment")
         for seg in segs:
             self.sync(seg)
@@ -401,6 +408,6 @@ class TrainWriter:
 
 
 def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0) -> str:
+                 microbatches: int = 0, tied=()) -> str:
     """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`)."""
-    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches).write()
+    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied).write()

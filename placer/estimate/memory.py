@@ -22,6 +22,7 @@ from placer.modes import MODES
 from placer.plan.ir import OpKind, PlacedSegment, Plan
 from placer.plan.layout import in_layout
 from placer.plan.place import steppers
+from placer.plan.ties import copy_elements
 from placer.spec.types import Optimizer
 
 KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
@@ -89,7 +90,8 @@ def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int
     for l, (k, kb) in zip(info, MODES[seg.mode].held(seg, info, d, r, _share)):
         n, b, buf = n + k, b + (k * l.param_bytes // l.params if l.params else 0), buf + kb
     rn, rb, rbuf = _roots(seg, graph)
-    n, b, buf = n + rn, b + rb, buf + rbuf
+    tn, tb = copy_elements(seg, graph)  # its own copy of a parameter tied to another segment's layer
+    n, b, buf = n + rn + tn, b + rb + tb, buf + rbuf
     if seg.options.get("shard") == "full":
         n, b = _share(n, d, r), _share(b, d, r)
     return n, b, buf

@@ -1,9 +1,13 @@
 """`run --check`: compare a parallel run with the one-device reference.
 
-Both runs write `metrics.json` (with per-step `losses`) and `final_params.pt`
-(the whole model's parameters under the reference model's names). The
-check passes when every step's loss and every final parameter agree within
-float32 tolerance.
+Both runs write `metrics.json` (with per-step `losses`), `final_params.pt`
+(the whole model's parameters under the reference model's names; a tied
+parameter under each of its names, the run's copies each from the rank that
+holds it) and `first_grads.pt` (each parameter's gradient as the first step
+takes it). The check passes when every step's loss and every final parameter
+agree within float32 tolerance, and every first-step gradient agrees relative
+to its own scale: a wrong gradient fails however small the learning rate that
+would hide it in the parameters.
 """
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ from pathlib import Path
 
 RTOL = 1e-5
 ATOL = 4e-5
+GRAD_RTOL = 10
+"""A gradient matches when max |diff| <= GRAD_RTOL * rtol * max |reference gradient| + atol / 1000
+(1e-4 of its largest element by default: sums over ranks add in another order)."""
 
 
 @dataclass
@@ -25,6 +32,13 @@ class CheckReport:
     first_bad_param: str | None = None
     problem: str | None = None
     """A mismatch in structure (missing parameters, step counts) rather than values."""
+    grads: list = field(default_factory=list)
+    """(name, numel, max abs diff, max abs reference gradient, ok) per first-step gradient compared."""
+    first_bad_grad: str | None = None
+    tied: list = field(default_factory=list)
+    """Names of each tied parameter (one list per parameter), from the reference."""
+    rtol: float = RTOL
+    atol: float = ATOL
 
     @property
     def max_param_abs(self) -> float:
@@ -36,29 +50,31 @@ class CheckReport:
 
     def as_dict(self) -> dict:
         return {
-            "ok": self.ok, "rtol": RTOL, "atol": ATOL, "problem": self.problem,
+            "ok": self.ok, "rtol": self.rtol, "atol": self.atol, "problem": self.problem,
             "first_bad_step": self.first_bad_step, "first_bad_param": self.first_bad_param,
+            "first_bad_grad": self.first_bad_grad, "tied": self.tied,
             "max_loss_abs_diff": self.max_loss_abs, "max_param_abs_diff": self.max_param_abs,
             "steps": [dict(zip(("step", "loss", "reference", "abs_diff", "ok"), s)) for s in self.steps],
             "params": [dict(zip(("name", "numel", "max_abs_diff", "max_rel_diff", "ok"), p)) for p in self.params],
+            "grads": [dict(zip(("name", "numel", "max_abs_diff", "scale", "ok"), g)) for g in self.grads],
         }
 
+    def tie_of(self, name: str | None) -> list[str] | None:
+        """The names of the tied parameter `name` is one of, if it is."""
+        return next((t for t in self.tied if name in t), None)
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= ATOL + RTOL * abs(b)
 
-
-def compare(run_dir: Path, ref_dir: Path) -> CheckReport:
+def compare(run_dir: Path, ref_dir: Path, rtol: float = RTOL, atol: float = ATOL) -> CheckReport:
     import json
 
     import torch
 
     run_m = json.loads((run_dir / "metrics.json").read_text())
     ref_m = json.loads((ref_dir / "metrics.json").read_text())
-    report = CheckReport(ok=True)
+    report = CheckReport(ok=True, tied=ref_m.get("tied", []), rtol=rtol, atol=atol)
     run_l, ref_l = run_m["losses"], ref_m["losses"]
     for i, (a, b) in enumerate(zip(run_l, ref_l), start=1):
-        ok = _close(a, b)
+        ok = abs(a - b) <= atol + rtol * abs(b)
         report.steps.append((i, a, b, abs(a - b), ok))
         if not ok and report.first_bad_step is None:
             report.first_bad_step = i
@@ -79,10 +95,36 @@ def compare(run_dir: Path, ref_dir: Path) -> CheckReport:
             report.first_bad_param = report.first_bad_param or name
             continue
         diff = (a - b).abs()
-        ok = bool(torch.allclose(a, b, rtol=RTOL, atol=ATOL))
+        ok = bool(torch.allclose(a, b, rtol=rtol, atol=atol))
         rel = float((diff / b.abs().clamp_min(1e-12)).max()) if b.numel() else 0.0
         report.params.append((name, b.numel(), float(diff.max()) if b.numel() else 0.0, rel, ok))
         if not ok and report.first_bad_param is None:
             report.first_bad_param = name
-    report.ok = (report.problem is None and report.first_bad_step is None and report.first_bad_param is None)
+    _compare_grads(report, run_dir / "first_grads.pt", ref_dir / "first_grads.pt")
+    report.ok = (report.problem is None and report.first_bad_step is None and report.first_bad_param is None
+                 and report.first_bad_grad is None)
     return report
+
+
+def _compare_grads(report: CheckReport, run_file: Path, ref_file: Path) -> None:
+    """Each first-step gradient the run recorded against the reference's, relative to its scale.
+    (A run records none for parameters split over ranks: tensor, channel, FSDP.)"""
+    import torch
+
+    if not (run_file.exists() and ref_file.exists()):
+        return
+    run_g = torch.load(run_file, map_location="cpu", weights_only=True)
+    ref_g = torch.load(ref_file, map_location="cpu", weights_only=True)
+    for name, b in ref_g.items():
+        if name not in run_g:
+            continue
+        a, b = run_g[name].float(), b.float()
+        if a.shape != b.shape:
+            diff, scale = float("inf"), float("inf")
+        else:
+            diff = float((a - b).abs().max()) if b.numel() else 0.0
+            scale = float(b.abs().max()) if b.numel() else 0.0
+        ok = diff <= GRAD_RTOL * report.rtol * scale + report.atol / 1000
+        report.grads.append((name, b.numel(), diff, scale, ok))
+        if not ok and report.first_bad_grad is None:
+            report.first_bad_grad = name

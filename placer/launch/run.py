@@ -88,7 +88,8 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
     return Binding(simulate, reason, backend, counts.pop(), nnodes)
 
 
-OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "stopped.json",
+OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
+           "stopped.json",
            "reference", "reference.log", "check.json")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 

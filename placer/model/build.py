@@ -31,8 +31,9 @@ from torch import nn
 
 from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
 from placer.model.deferred import defer_compile_imports
-from placer.model.graph import LayerInfo, ModelGraph, RootParam
+from placer.model.graph import LayerInfo, ModelGraph, RootParam, Tie
 from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
+from placer.plan import ties
 from placer.spec import check
 from placer.spec.types import Layer, Spec
 
@@ -313,6 +314,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         input_dtype=dtype_name(x.dtype), traced_with="inline" if spec.model.inline else tr.traced_with,
         output_shape=tuple(out.shape) if out is not None else None,
         output_dtype=dtype_name(out.dtype) if out is not None else None, root_params=roots,
+        ties=find_ties(module, names),
     )
 
 
@@ -354,6 +356,25 @@ def _output_diag(spec: Spec, output) -> None:
         raise SpecError(_diag("M008", f"the model's forward returns {kind}, not a tensor (its tensor fields: "
                               f"{listed})", loc, f"set model.output to the field the loss takes "
                               f"(output: {fields[0]})"))
+
+
+def find_ties(module: nn.Module, layers: list[str]) -> tuple[Tie, ...]:
+    """Trainable parameters that two or more of `layers` (in execution order) use."""
+    users: dict[int, dict[str, str]] = {}  # id -> {layer: the parameter's name under it}
+    params = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        layer = next((l for l in layers if name.startswith(l + ".")), None)
+        if layer is not None and p.requires_grad:
+            users.setdefault(id(p), {}).setdefault(layer, name)
+            params[id(p)] = p
+    first = {id(p): n for n, p in module.named_parameters()}  # the name it is saved under
+    ties = []
+    for key, by_layer in users.items():
+        if len(by_layer) > 1:
+            order = sorted(by_layer, key=layers.index)
+            ties.append(Tie(name=first[key], names=tuple(by_layer[l] for l in order), layers=tuple(order),
+                            numel=params[key].numel(), bytes=_bytes(params[key])))
+    return tuple(sorted(ties, key=lambda t: layers.index(t.layers[0])))
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -404,6 +425,7 @@ def deep_check(spec: Spec) -> list[Diagnostic]:
         diags += sel
         if not sel:
             diags += _check_module_modes(spec, module, graph, groups)
+            diags += ties.check(spec, graph, groups)
         dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                         and m.p > 0), None)
         if dropout and len(spec.devices) > 1:

@@ -58,6 +58,21 @@ class RootParam:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Tie:
+    """A trainable parameter that several placeable layers use (GPT-2's `lm_head.weight` is
+    `wte.weight`). Counted once, in the first user's `params`; the others' `shared_params`."""
+
+    name: str
+    """Its name in `named_parameters()`: the first user's (`wte.weight`)."""
+    names: tuple[str, ...]
+    """Its name under each user layer, in `layers` order (`wte.weight`, `lm_head.weight`)."""
+    layers: tuple[str, ...]
+    """The placeable layers that use it, in execution order; the first owns it."""
+    numel: int
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelGraph:
     layers: tuple[LayerInfo, ...]
     """Placeable layers in execution order."""
@@ -70,6 +85,8 @@ class ModelGraph:
     """Shape of the model output on the global batch; None if it is not a tensor."""
     output_dtype: str | None = None
     root_params: tuple[RootParam, ...] = ()
+    ties: tuple[Tie, ...] = ()
+    """Parameters shared by several layers, which every placement keeps one value."""
 
     @property
     def names(self) -> list[str]:

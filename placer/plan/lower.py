@@ -11,6 +11,7 @@
   SyncBatchNorm statistics), splitting COMPUTE ops where a collective runs
   between layers;
 - insert_pipeline: SEND / RECV of every micro-batch between pipeline stages.
+- insert_ties: the all-reduce that keeps a tied parameter's copies equal (plan/ties.py).
 
 Passes insert each op into every participant's list at a point fixed by that
 device's own ops (after its last forward of segment s-1, before its first of
@@ -27,6 +28,7 @@ from placer.plan.attach import Attached
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, layer_range, transfer_kind, union
 from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
+from placer.plan.ties import insert_ties
 from placer.plan.verify import verify
 from placer.spec.types import Spec
 from placer.units import MiB
@@ -314,7 +316,7 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     return plan.with_ops(new)
 
 
-PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline)
+PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline, insert_ties)
 
 
 def lower(plan: Plan, spec: Spec, graph: ModelGraph, passes=PASSES) -> Plan:

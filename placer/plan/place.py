@@ -13,6 +13,7 @@ from placer.model.graph import ModelGraph
 from placer.modes import MODES
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, layer_range
 from placer.plan.schedules import action_orders
+from placer.plan.ties import copy_elements
 from placer.spec import shapes
 from placer.spec.check import resolve_segments
 from placer.spec.types import Spec
@@ -28,7 +29,8 @@ def segment_params(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int]:
     for r in graph.root_params:
         if r.trainable and r.consumer in names:
             n, b = n + r.numel, b + r.bytes
-    return n, b
+    tn, tb = copy_elements(seg, graph)  # its copy of a parameter tied to another segment's layer
+    return n + tn, b + tb
 
 
 def steppers(seg: PlacedSegment) -> tuple[str, ...]:

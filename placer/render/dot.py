@@ -134,6 +134,8 @@ def _group_ops(plan: Plan):
             # a backward copy folds into its forward one, micro-batches into one node
             key = (op.kind in P2P, frozenset(op.devices))
             table = trans.setdefault(op.segment, {})
+        elif "tie" in op.attrs:
+            continue  # drawn as the edge between the tied layers (_tie_edges)
         elif op.kind in COLLECTIVES:
             # one node per collective kind and layer it serves (tensor-parallel pairs, halos, FSDP
             # gathers), gradient buckets of a segment together
@@ -295,6 +297,8 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
                 li = info[name]
                 lines.append(f"{li.op} · {li.params:,} params" if li.params else li.op)
                 lines += [f"+ {r.name} ({r.numel:,})" for r in roots.get(name, ())]
+                lines += [f"+ tied {t.name} ({t.numel:,})" for t in getattr(graph, "ties", ())
+                          if name in t.layers[1:] and t.layers[0] not in seg.layers]
                 if name in shapes:
                     mine, whole = map(_shape, shapes[name])
                     lines.append(f"-> {mine}" + (f" of {whole}" if mine != whole else ""))
@@ -336,10 +340,24 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
             out += [f"  {node} -> t{seg.index}_{k};" for a, k in sorted(feeds) if a == j]
             if not any(a == j for a, _ in feeds):
                 out.append(f"  {node} -> {first[seg.index]};")
+    out += _tie_edges(plan, graph)
     out.append("  output [shape=oval, fillcolor=\"#eeeeee\", label=\"output / loss\"];")
     out.append(f"  {last[segs[-1].index]} -> output;" if segs else "  input -> output;")
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+def _tie_edges(plan: Plan, graph) -> list[str]:
+    """A tied parameter: a bold two-way edge between the copies' layers, with what keeps them equal."""
+    from placer.plan import ties
+
+    out = []
+    for t in ties.placed(plan.segments, graph) if graph is not None else ():
+        how = f"grads all-reduced, {units.size(t.tie.bytes)}" if len(t.devices) > 1 else "grads summed"
+        nodes = [f"s{k}_l{plan.segments[k].layers.index(layer)}" for k, layer, _ in t.copies]
+        out += [f"  {a} -> {b} [dir=both, style=bold, color=\"#b03060\", constraint=false, "
+                f"label={_q('tied ' + t.tie.name, how)}];" for a, b in zip(nodes, nodes[1:])]
+    return out
 
 
 def render(dot_src: str, fmt: str, engine: str = "dot", pinned: bool = False, path=None) -> bytes:

@@ -132,14 +132,13 @@ def test_keep_defaults_to_keeping_every_checkpoint_as_the_schema_says(tmp_path):
 
 
 def test_check_calls_a_nan_loss_non_finite_not_a_mismatch():
-    from types import SimpleNamespace
-
     from placer.cli.run_cmd import check_failure, check_lines
+    from placer.launch.check import CheckReport
 
     nan = float("nan")
-    report = SimpleNamespace(problem=None, first_bad_step=2, first_bad_param="w", ok=False,
-                             steps=[(1, 0.5, 0.5, 0.0, True), (2, nan, nan, nan, False)],
-                             params=[("w", 4, nan, nan, False)])
+    report = CheckReport(problem=None, first_bad_step=2, first_bad_param="w", ok=False,
+                         steps=[(1, 0.5, 0.5, 0.0, True), (2, nan, nan, nan, False)],
+                         params=[("w", 4, nan, nan, False)])
     assert check_failure(report) == ("the loss is non-finite at step 2 (run nan, reference nan); "
                                      "parameter 'w' is non-finite (nan or inf) in the run or the reference")
     assert check_lines(report)[3].endswith("<- non-finite")

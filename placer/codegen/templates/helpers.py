@@ -182,9 +182,47 @@ def report_event(out, record):
 
 
 def named_params(stage, model):
-    """The stage's parameters under the whole model's names (the names the reference saves)."""
+    """The stage's parameters under the whole model's names (the names the reference saves, a
+    tied parameter under each of its names). A stage cut by torch.distributed.pipelining keeps
+    the model's names but holds its own copy of a tied parameter: found by name there."""
+    names = dict(model.named_parameters(remove_duplicate=False))
+    by_name = {n: p for n, p in stage.named_parameters(remove_duplicate=False) if n in names}
+    if by_name:
+        return by_name
     mine = {id(p) for p in stage.parameters()}
-    return {name: p for name, p in model.named_parameters() if id(p) in mine}
+    return {name: p for name, p in names.items() if id(p) in mine}
+
+
+FIRST_GRADS = {}  # name -> its gradient as the first optimizer step that updates it takes it
+
+
+def record_first_grads(named):
+    """Keep the gradient of each of `named` (name -> parameter, filled as segments are set up)
+    as the first optimizer step takes it: after every sum over ranks, so `run --check` can
+    compare it with the reference's at any learning rate."""
+
+    def hook(optimizer, args, kwargs):
+        names = {id(p): n for n, p in named.items()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is not None and p.grad is not None and name not in FIRST_GRADS:
+                    FIRST_GRADS[name] = p.grad.detach().cpu().clone()
+        if len(FIRST_GRADS) == len(named):
+            handle.remove()
+
+    # (an import here: `torch.optim.optimizer` is not an attribute of torch.optim)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(hook)
+
+
+def tied_names(model):
+    """The names of each parameter that several of the model's modules share (tied weights)."""
+    names = collections.defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)].append(name)
+    return [n for n in names.values() if len(n) > 1]
 
 
 def write_outputs(out, losses, params, seconds, **facts):
@@ -197,6 +235,11 @@ def write_outputs(out, losses, params, seconds, **facts):
                "samples_per_s": trained * BATCH_SIZE / seconds if seconds else None, **facts}
     replace_atomically(os.path.join(out, "metrics.json"), lambda tmp: write_json(tmp, metrics))
     replace_atomically(os.path.join(out, "final_params.pt"), lambda tmp: torch.save(dict(sorted(params.items())), tmp))
+
+
+def write_first_grads(out, grads):
+    """OUT/first_grads.pt: each parameter's gradient at the first step (--grads)."""
+    replace_atomically(os.path.join(out, "first_grads.pt"), lambda tmp: torch.save(dict(sorted(grads.items())), tmp))
 
 
 def replace_atomically(path, write):
@@ -220,11 +263,17 @@ def finish(args, rank, world, losses, own, seconds, **facts):
     """Rank 0 gathers what every rank measured and the parameters it owns, and writes them."""
     stats = {"device": DEVICES[rank], "bytes_sent": sum(SENT.values()), "by_call": dict(SENT),
              "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
-                        "comm": TIME["comm"], "data": TIME["data"]}}
+                        "comm": TIME["comm"], "data": TIME["data"]},
+             "grads": bool(args.grads and not resuming(args))}
     every = [None] * world
     dist.all_gather_object(every, stats)
     params = [None] * world if rank == 0 else None
     dist.gather_object({n: p.detach().cpu().clone() for n, p in own.items()}, params, dst=0)
+    if any(s["grads"] for s in every):  # one node's launcher may ask alone: every rank gathers
+        grads = [None] * world if rank == 0 else None
+        dist.gather_object(FIRST_GRADS, grads, dst=0)
+        if rank == 0 and args.out:
+            write_first_grads(args.out, {name: g for part in grads for name, g in part.items()})
     if rank == 0 and args.out:
         merged = {name: value for part in params for name, value in part.items()}
         write_outputs(args.out, losses, merged, seconds, devices=DEVICES, world_size=world,

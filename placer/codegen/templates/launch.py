@@ -14,6 +14,9 @@ def arguments():
                         help="continue the run in --out from its newest complete checkpoint")
     parser.add_argument("--measure", action="store_true",
                         help="count the bytes each rank sends (placer run asks for it)")
+    parser.add_argument("--grads", action="store_true",
+                        help="also write OUT/first_grads.pt, every parameter's gradient at the first step "
+                             "(placer run --check asks for it)")
     return parser.parse_args()
 
 

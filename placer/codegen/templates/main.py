@@ -17,14 +17,18 @@ def reference(args):
         optimizer.zero_grad(set_to_none=True)
         loss = compute_loss(model(x.to(device)), y.to(device))
         loss.backward()
+        if step == 0 and args.grads and args.out:
+            write_first_grads(args.out, {n: p.grad.detach().cpu().clone() for n, p in
+                                         model.named_parameters(remove_duplicate=False) if p.grad is not None})
         optimizer.step()
         losses.append(finite_loss(loss.item(), step))
         report_step(args.out, step, args.steps, losses[-1], start)
     seconds = time.perf_counter() - start
     if args.out:
-        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        # a tied parameter under each of its names: a placed run saves each copy under its own
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         write_outputs(args.out, losses, params, seconds, devices=[str(device)], world_size=1,
-                      simulated=simulate, backend=None)
+                      simulated=simulate, backend=None, tied=tied_names(model))
 
 
 # ---------------------------------------------------------------------------- main

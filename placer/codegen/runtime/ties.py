@@ -1,0 +1,25 @@
+# ties: a parameter that layers of several segments use (tied input and output embeddings)
+# has a copy in each segment's stage module (torch's pipeline tracer copies it into every
+# stage that uses it). The copies start equal (every rank builds the model from the seed);
+# summing their gradients before every step keeps them equal, and equal to the one
+# parameter of a one-device run, as Megatron does for its word embeddings.
+import torch
+import torch.distributed as dist
+
+
+def tied_copies(held):
+    """{name: this rank's copy} of one tied parameter; `held` maps the parameter's name under
+    each stage that uses it to that stage module (None where this rank lacks the stage)."""
+    return {name: stage.get_parameter(name) for name, stage in held.items() if stage is not None}
+
+
+def sum_tied_grads(copies, group=None):
+    """Give every copy of one tied parameter the sum of all copies' gradients: this rank's
+    added here, then over `group` (the ranks holding a copy; None: all on this rank)."""
+    if not copies:
+        return
+    grad = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in copies)
+    if group is not None:
+        dist.all_reduce(grad, group=group)
+    for p in copies:
+        p.grad = grad.clone() if len(copies) > 1 else grad

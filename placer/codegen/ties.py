@@ -1,0 +1,65 @@
+"""The program's lines that keep a tied parameter's copies equal (facts: placer/plan/ties.py).
+
+`program_ties` gives each tie in rank terms; `emit_setup` (after every segment is set up:
+every rank creates every group, in the same order) makes the group of the ranks holding a
+copy and collects this rank's copies (saved under their own names, so `run --check`
+compares each); `emit_sync` sums the copies' gradients after backward, before any step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from placer.diagnostics import PlanError
+from placer.model.graph import ModelGraph
+from placer.plan import ties
+from placer.plan.ir import Plan
+
+
+@dataclass(frozen=True)
+class ProgramTie:
+    name: str
+    ranks: tuple[int, ...]
+    """Ranks holding a copy, in segment order."""
+    copies: tuple[tuple[int, str, str], ...]
+    """(segment, layer, the parameter's name in that segment's stage module)."""
+
+
+def program_ties(plan: Plan, spec, graph: ModelGraph, devices) -> list[ProgramTie]:
+    """The plan's ties in rank terms (`devices` in rank order); P080 for one it cannot keep."""
+    diags = ties.check(spec, graph, [[graph.names.index(n) for n in s.layers] for s in plan.segments])
+    if diags:
+        raise PlanError(diags)
+    return [ProgramTie(t.tie.name, tuple(devices.index(d) for d in t.devices), t.copies)
+            for t in ties.placed(plan.segments, graph)]
+
+
+def emit_setup(pts: list[ProgramTie]) -> list[str]:
+    if not pts:
+        return []
+    lines = ["", "# tied parameters: one copy per segment that uses it, equal from the seed and kept equal by",
+             "# summing the copies' gradients before every step (over the ranks holding one)"]
+    for i, t in enumerate(pts):
+        users = ", ".join(f"{layer} (segment {k})" for k, layer, _ in t.copies)
+        if len(t.ranks) > 1:
+            lines.append(f"tie{i} = dist.new_group({list(t.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))"
+                         f"  # {t.name}: {users}")
+        else:
+            lines.append(f"# {t.name}: {users}, all on rank {t.ranks[0]}")
+        held = ", ".join(f"{name!r}: seg{k}" for k, _, name in t.copies)
+        names = ", ".join(repr(name) for _, _, name in t.copies)
+        lines += [f"tied{i} = tied_copies({{{held}}})",
+                  "# each copy saved under its own name, and no name for a copy a stage holds but does not use",
+                  f"for name in ({names}):", "    own.pop(name, None)", f"own.update(tied{i})"]
+    return lines
+
+
+def emit_sync(pts: list[ProgramTie]) -> list[str]:
+    if not pts:
+        return []
+    lines = ["", "# tied parameters: every copy gets the sum of the copies' gradients, so all take one step"]
+    for i, t in enumerate(pts):
+        if len(t.ranks) > 1:
+            lines += ['with timer("comm"):', f"    sum_tied_grads(list(tied{i}.values()), tie{i})  # {t.name}"]
+        else:
+            lines.append(f"sum_tied_grads(list(tied{i}.values()))  # {t.name}")
+    return lines

@@ -1,0 +1,100 @@
+"""Tied parameters in a placement: which segments hold a copy, what keeping them equal costs.
+
+A parameter that layers of several segments use (GPT-2's `lm_head.weight` is `wte.weight`)
+has one copy per segment: each segment's stage module holds its own (torch's pipeline
+tracer copies it into every stage that uses it). The copies start equal (every rank builds
+the model from the seed) and stay equal as Megatron keeps its word embeddings: after
+backward the copies' gradients are summed, on one rank locally and over the ranks holding a
+copy by an all-reduce (one ALL_REDUCE op per tie in the plan), so every copy takes the same
+step. The sum is the gradient the one parameter gets on one device.
+
+Kept only between segments on one device each: a data, channel, tensor or spatial group
+would need its own rule (which replica sums with which), so `check` refuses it (P080)
+before any worker starts rather than train the copies apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from placer.diagnostics import Diagnostic
+from placer.model.graph import ModelGraph, Tie
+from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, union
+
+
+@dataclass(frozen=True)
+class PlacedTie:
+    tie: Tie
+    copies: tuple[tuple[int, str, str], ...]
+    """(segment index, layer, the parameter's name under that layer) for each segment holding a
+    copy: its first user layer there. The first copy is the one saved under `tie.name`."""
+    devices: tuple[str, ...]
+    """Devices holding a copy, in segment order: the group whose all-reduce sums the gradients."""
+
+
+def placed(segments, graph: ModelGraph) -> list[PlacedTie]:
+    """The ties whose users lie in more than one segment (`segments`: PlacedSegments)."""
+    out = []
+    for tie in graph.ties:
+        copies: dict[int, tuple[int, str, str]] = {}
+        for layer, name in zip(tie.layers, tie.names):
+            seg = next(s for s in segments if layer in s.layers)
+            copies.setdefault(seg.index, (seg.index, layer, name))
+        if len(copies) > 1:
+            held = sorted(copies.values())
+            out.append(PlacedTie(tie, tuple(held), union(*(segments[k].devices for k, _, _ in held))))
+    return out
+
+
+def copy_elements(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int]:
+    """(elements, bytes) of tied parameters a segment holds a copy of but does not own (its
+    layers' `params` leave them out: the owner counts them)."""
+    n = b = 0
+    for tie in graph.ties:
+        if tie.layers[0] not in seg.layers and any(l in seg.layers for l in tie.layers):
+            n, b = n + tie.numel, b + tie.bytes
+    return n, b
+
+
+def insert_ties(plan: Plan, spec, graph: ModelGraph) -> Plan:
+    """One ALL_REDUCE of each tie's gradient over the devices holding a copy, after backward and
+    before the first optimizer step on each of them, ties in model order on every device."""
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    for t in placed(plan.segments, graph):
+        if len(t.devices) < 2:
+            continue  # copies on one device are summed there: nothing is sent
+        op = Op(kind=OpKind.ALL_REDUCE, devices=t.devices, segment=t.copies[-1][0], phase="step", tensor="grads",
+                bytes=t.tie.bytes, attrs={"tie": t.tie.name, "layers": list(t.tie.layers)})
+        for d in t.devices:
+            lst = ops[d]
+            at = next((i for i, o in enumerate(lst) if o.phase == "step" and "tie" not in o.attrs), len(lst))
+            lst.insert(at, op)
+    return plan.with_ops(ops)
+
+
+def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
+    """P080 for a tie across segments that placer cannot keep (`groups`: layer indices per segment)."""
+    segments = [PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx), devices=s.devices,
+                              mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))]
+    out = []
+    for t in placed(segments, graph):
+        bad = next((spec.placement[k] for k, _, _ in t.copies if len(spec.placement[k].devices) > 1), None)
+        if bad is None:
+            continue
+        where = " and ".join(f"{layer!r} (segment {spec.placement[k].name!r})" for k, layer, _ in t.copies)
+        out.append(Diagnostic(
+            "P080", f"parameter {t.tie.name!r} is tied: layers {where} use it, and segment {bad.name!r} is "
+            f"{bad.mode} over {len(bad.devices)} devices; placer keeps a tie across segments only between segments "
+            "on one device each", bad.loc,
+            "place the tied layers' segments on one device each (or the layers in one segment); untied, the "
+            "copies would train apart"))
+    return out
+
+
+def describe(t: PlacedTie, segments) -> str:
+    """`wte.weight (8.0 KiB): wte on cpu:0, lm_head on cpu:1, gradients summed over cpu:0,cpu:1`."""
+    from placer import units
+
+    where = ", ".join(f"{layer} on {','.join(segments[k].devices)}" for k, layer, _ in t.copies)
+    how = (f"gradients all-reduced over {','.join(t.devices)}" if len(t.devices) > 1
+           else "gradients summed on the device")
+    return f"{t.tie.name} ({units.size(t.tie.bytes)}): {where}; {how}"
