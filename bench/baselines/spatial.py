@@ -19,6 +19,16 @@ def exchange(sends, shape):
     return got
 
 
+def edge_rows(t, rank, world):
+    """{neighbour: the edge row of t it needs}: the first row up, the last row down."""
+    sends = {}
+    if rank > 0:
+        sends[rank - 1] = t[:, :, :1]
+    if rank < world - 1:
+        sends[rank + 1] = t[:, :, -1:]
+    return sends
+
+
 class Halo(torch.autograd.Function):
     """A band with one row of each neighbour's band above and below it (zeros at the edges: the
     conv's padding). Backward returns each halo row's gradient to the rank that owns the row."""
@@ -26,24 +36,14 @@ class Halo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         rank, world = dist.get_rank(), dist.get_world_size()
-        sends = {}
-        if rank > 0:
-            sends[rank - 1] = x[:, :, :1]
-        if rank < world - 1:
-            sends[rank + 1] = x[:, :, -1:]
-        got = exchange(sends, x[:, :, :1].shape)
+        got = exchange(edge_rows(x, rank, world), x[:, :, :1].shape)
         zero = torch.zeros_like(x[:, :, :1])
         return torch.cat([got.get(rank - 1, zero), x, got.get(rank + 1, zero)], 2)
 
     @staticmethod
     def backward(ctx, g):
         rank, world = dist.get_rank(), dist.get_world_size()
-        sends = {}
-        if rank > 0:
-            sends[rank - 1] = g[:, :, :1]
-        if rank < world - 1:
-            sends[rank + 1] = g[:, :, -1:]
-        got = exchange(sends, g[:, :, :1].shape)
+        got = exchange(edge_rows(g, rank, world), g[:, :, :1].shape)
         gx = g[:, :, 1:-1].clone()
         if rank > 0:
             gx[:, :, :1] += got[rank - 1]
