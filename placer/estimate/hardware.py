@@ -1,0 +1,291 @@
+"""Hardware profiles for the cost model: what one device computes, copies and sends per second.
+
+GPU profiles come from the vendors' data sheets (peak dense FP32 and BF16 FLOP/s, memory
+bandwidth, NVLink / PCIe bandwidth per direction) times `SUSTAINED`, the fraction of a peak that
+training kernels reach in practice; their fixed costs (latency, per layer, per collective) are
+assumed, not measured. The `cpu` profile is measured
+on this machine by `calibrate()` (about 2 s, with the thread count each CPU worker gets) and
+cached under ~/.cache/placer (XDG_CACHE_HOME), keyed by the machine, the CPU count, torch's
+version and the threads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SUSTAINED = 0.6
+"""Fraction of a data-sheet peak (FLOP/s and bandwidth) the cost model assumes training reaches."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    flops: float
+    """Sustained FP32 FLOP/s of one device on large dense layers (matmuls, convolutions)."""
+    rates: tuple = ()
+    """Measured ((FLOPs of a layer, forward FLOP/s, backward FLOP/s), ...) by size: small layers
+    run far below the peak. Empty: `flops` at every size."""
+    bf16_flops: float
+    mem_bw: float
+    """Bytes/s through device memory: elementwise layers and the optimizer step."""
+    link_bw: float
+    """Bytes/s one device sends to another (one direction)."""
+    host_bw: float
+    """Bytes/s between a device and its host's memory (copies via_host)."""
+    latency: float
+    """Seconds per message: each copy or send."""
+    collective_s: float
+    """Fixed seconds of a small collective (an all-reduce of one float)."""
+    sharded_s: float
+    """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
+    split_s: float
+    """Fixed seconds of each all-reduce a tensor-parallel (DTensor) pair runs."""
+    layer_overhead: float
+    """Seconds per layer per pass that do not depend on its size (kernel launch, Python, autograd)."""
+    update_s: float
+    """Optimizer step seconds per parameter element and buffer it reads (the parameter and each
+    state slot: Adam's is 3)."""
+    tensor_overhead: float
+    """Seconds per parameter tensor in an optimizer step."""
+    step_overhead: float
+    """Seconds per training step outside the layers: the batch, the loss, zero_grad, bookkeeping."""
+    source: str
+
+
+def _gpu(name, fp32_tflops, bf16_tflops, mem_tbps, link_gbps, pcie_gbps, source) -> Hardware:
+    s = SUSTAINED
+    return Hardware(name=name, flops=fp32_tflops * 1e12 * s, bf16_flops=bf16_tflops * 1e12 * s,
+                    mem_bw=mem_tbps * 1e12 * s, link_bw=link_gbps * 1e9 * s, host_bw=pcie_gbps * 1e9 * s,
+                    latency=10e-6, collective_s=30e-6, sharded_s=60e-6, split_s=40e-6, layer_overhead=20e-6, update_s=16 / (mem_tbps * 1e12 * s),
+                    tensor_overhead=5e-6, step_overhead=2e-3,
+                    source=source)
+
+
+# Data-sheet figures: FP32 (non-tensor-core) and dense BF16 TFLOP/s, memory TB/s, NVLink GB/s per
+# direction (half the quoted bidirectional figure), PCIe GB/s per direction.
+PROFILES = {
+    "h100": _gpu("h100", 67, 989, 3.35, 450, 64, "NVIDIA H100 SXM5 data sheet"),
+    "h100-pcie": _gpu("h100-pcie", 51, 756, 2.0, 300, 64, "NVIDIA H100 PCIe data sheet"),
+    "a100": _gpu("a100", 19.5, 312, 2.04, 300, 32, "NVIDIA A100 SXM4 80GB data sheet"),
+    "l4": _gpu("l4", 30.3, 121, 0.3, 32, 32, "NVIDIA L4 data sheet (PCIe only)"),
+    "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
+}
+CHOICES = ("cpu", *PROFILES)
+
+
+def profile(name: str, workers_per_host: int = 1) -> Hardware:
+    """A named profile; `cpu` is measured on this machine (cached) for `workers_per_host` workers."""
+    if name != "cpu":
+        return PROFILES[name]
+    return cached_cpu(_threads(workers_per_host))
+
+
+def _threads(workers_per_host: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, workers_per_host))
+
+
+def is_cached(workers_per_host: int) -> bool:
+    return _cache_path(_threads(workers_per_host)).exists()
+
+
+def _cache_path(threads: int) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "placer"
+    return base / f"cpu-{platform.node() or 'host'}-{threads}t.json"
+
+
+def cached_cpu(threads: int) -> Hardware:
+    import torch
+
+    key = {"torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine()}
+    path = _cache_path(threads)
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            fields = doc["profile"]
+            return Hardware(**{**fields, "rates": tuple(tuple(r) for r in fields["rates"])})
+    except (OSError, ValueError, TypeError):
+        pass
+    hw = calibrate(threads)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "profile": asdict(hw)}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: calibrate again next time
+    return hw
+
+
+def rate(hw: Hardware, flops: float, backward: bool = False) -> float:
+    """FLOP/s of a layer of `flops` forward FLOPs: interpolated (log-log) between measured sizes."""
+    if not hw.rates:
+        return hw.flops
+    pts = [(f, b if backward else r) for f, r, b in hw.rates]
+    if flops <= pts[0][0]:
+        return pts[0][1]
+    for (f0, r0), (f1, r1) in zip(pts, pts[1:]):
+        if flops <= f1:
+            w = math.log(flops / f0) / math.log(f1 / f0)
+            return math.exp(math.log(r0) + w * math.log(r1 / r0))
+    return pts[-1][1]
+
+
+def _best(fn, repeat: int = 5) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeat // 3]  # a low quantile: other work on the machine only adds
+
+
+LINEAR_SIZES = ((64, 256, 256), (128, 512, 512), (256, 1024, 1024))
+"""(rows, in, out) of the Linear layers whose forward and backward calibrate `rates`."""
+
+
+def calibrate(threads: int) -> Hardware:
+    """Measure this machine's CPU with `threads` threads, as one CPU worker of a run: Linear
+    layers' forward and backward by size, a big add's bandwidth, a tiny layer's fixed cost, Adam's
+    step, and two gloo processes' message latency and bandwidth (`probe`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tiny = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(32)])
+        inp = torch.randn(2, 4, requires_grad=True)
+        layer_overhead = _best(lambda: tiny(inp).sum().backward()) / (2 * len(tiny))
+        rates = []
+        for rows, i, o in LINEAR_SIZES:
+            layer, x = torch.nn.Linear(i, o), torch.randn(rows, i, requires_grad=True)
+            flops = 2 * rows * i * o
+            fwd = _best(lambda: layer(x))
+            both = _best(lambda: layer(x).backward(torch.ones(rows, o)))
+            rates.append((flops, flops / max(fwd - layer_overhead, 1e-9),
+                          2 * flops / max(both - fwd - layer_overhead, 1e-9)))
+        with torch.no_grad():
+            x, y = torch.randn(8 << 20), torch.randn(8 << 20)
+            mem_bw = 3 * x.numel() * 4 / _best(lambda: x.add_(y))
+        big = torch.nn.Parameter(torch.randn(1 << 20))
+        big.grad = torch.randn_like(big)
+        adam = torch.optim.Adam([big])
+        update_s = _best(adam.step) / (3 * big.numel())
+        opt = torch.optim.Adam(tiny.parameters())
+        tensor_overhead = _best(opt.step) / len(list(tiny.parameters()))
+        one = torch.nn.Linear(4, 4)
+        sgd = torch.optim.SGD(one.parameters(), lr=0.1)
+
+        def step():
+            sgd.zero_grad()
+            torch.nn.functional.cross_entropy(one(torch.randn(2, 4)), torch.tensor([0, 1])).backward()
+            sgd.step()
+
+        step_overhead = max(0.0, _best(step) - 2 * layer_overhead - 2 * tensor_overhead)
+    finally:
+        torch.set_num_threads(before)
+    link = _probe_gloo()
+    return Hardware(name="cpu", flops=rates[-1][1], rates=tuple(rates), bf16_flops=rates[-1][1], mem_bw=mem_bw,
+                    link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
+                    collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
+                    layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
+                    step_overhead=step_overhead,
+                    source=f"measured on this machine, {threads} thread(s) per worker, gloo between 2 processes")
+
+
+def _probe_gloo() -> dict:
+    """Latency and bandwidth of gloo between two local processes (what CPU workers use)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "placer.estimate.hardware", str(port)]
+    procs = [subprocess.Popen([*cmd, str(r)], env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the gloo probe failed: {outs}")
+    return json.loads(outs[0])
+
+
+def _median(fn, n: int) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
+
+
+def probe(port: int, rank: int) -> None:
+    """One side of `_probe_gloo`: ping-pong 1-float and 16 MiB tensors with the other rank, time a
+    small all-reduce, and the fixed costs FSDP2 and DTensor tensor parallelism add to tiny layers."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        def pingpong(t, n):
+            for _ in range(n):
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+
+        small, big = torch.zeros(1), torch.zeros(4 << 20)
+        pingpong(small, 20)
+        dist.barrier()
+        trips = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            pingpong(small, 1)
+            trips.append(time.perf_counter() - t0)
+        latency = sorted(trips)[len(trips) // 2] / 2
+        pingpong(big, 1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        pingpong(big, 4)
+        bandwidth = big.numel() * 4 * 8 / (time.perf_counter() - t0)
+        collective = _median(lambda: dist.all_reduce(small), 100)
+
+        def train(model, x):
+            return _median(lambda: model(x).sum().backward(), 20)
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        x = torch.randn(8, 64)
+        plain = train(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), x)
+        sharded = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        for layer in sharded:
+            fully_shard(layer)
+        fully_shard(sharded)
+        # per layer: an all-gather forward, again backward, and a reduce-scatter
+        sharded_s = (train(sharded, x) - plain) / 12
+        mesh = init_device_mesh("cpu", (2,))
+        pair = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        alone = train(pair, x)
+        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        split_s = (train(pair, x) - alone) / 2  # an all-reduce forward and one backward
+        if rank == 0:
+            print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
+                              "sharded": max(sharded_s, collective), "split": max(split_s, collective)}))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    probe(int(sys.argv[1]), int(sys.argv[2]))
