@@ -48,6 +48,8 @@ class Hardware:
     """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
     split_s: float
     """Fixed seconds of each all-reduce a tensor-parallel (DTensor) pair runs."""
+    action_s: float
+    """Fixed seconds of each pipeline action (a stage's forward or backward of one micro-batch)."""
     layer_overhead: float
     """Seconds per layer per pass that do not depend on its size (kernel launch, Python, autograd)."""
     update_s: float
@@ -64,7 +66,7 @@ def _gpu(name, fp32_tflops, bf16_tflops, mem_tbps, link_gbps, pcie_gbps, source)
     s = SUSTAINED
     return Hardware(name=name, flops=fp32_tflops * 1e12 * s, bf16_flops=bf16_tflops * 1e12 * s,
                     mem_bw=mem_tbps * 1e12 * s, link_bw=link_gbps * 1e9 * s, host_bw=pcie_gbps * 1e9 * s,
-                    latency=10e-6, collective_s=30e-6, sharded_s=60e-6, split_s=40e-6, layer_overhead=20e-6, update_s=16 / (mem_tbps * 1e12 * s),
+                    latency=10e-6, collective_s=30e-6, sharded_s=60e-6, split_s=40e-6, action_s=50e-6, layer_overhead=20e-6, update_s=16 / (mem_tbps * 1e12 * s),
                     tensor_overhead=5e-6, step_overhead=2e-3,
                     source=source)
 
@@ -196,6 +198,7 @@ def calibrate(threads: int) -> Hardware:
     return Hardware(name="cpu", flops=rates[-1][1], rates=tuple(rates), bf16_flops=rates[-1][1], mem_bw=mem_bw,
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
+                    action_s=link["action"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
                     source=f"measured on this machine, {threads} thread(s) per worker, gloo between 2 processes")
@@ -280,11 +283,26 @@ def probe(port: int, rank: int) -> None:
         alone = train(pair, x)
         parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
         split_s = (train(pair, x) - alone) / 2  # an all-reduce forward and one backward
+        action_s = _pipeline_action(rank, latency)
         if rank == 0:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
-                              "sharded": max(sharded_s, collective), "split": max(split_s, collective)}))
+                              "sharded": max(sharded_s, collective), "split": max(split_s, collective),
+                              "action": action_s}))
     finally:
         dist.destroy_process_group()
+
+
+def _pipeline_action(rank: int, latency: float, microbatches: int = 4) -> float:
+    """Seconds per action of torch's 1F1B on two tiny stages, less one message each."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(nn.Linear(64, 64), rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda y, target: (y - target).pow(2).mean())
+    x, target = torch.randn(8 * microbatches, 64), torch.zeros(8 * microbatches, 64)
+    step = _median(lambda: schedule.step(x) if rank == 0 else schedule.step(target=target), 10)
+    return max(step / (2 * microbatches) - latency, 0.0)
 
 
 if __name__ == "__main__":

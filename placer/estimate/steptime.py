@@ -4,7 +4,8 @@ It replays the lowered plan's op lists on a hardware profile (`estimate/hardware
 device runs its ops in order on one clock:
 
 - compute: per layer, the larger of FLOPs / FLOP/s and bytes in and out / memory bandwidth, plus
-  a fixed cost per layer and pass; backward is twice the forward (a zero-bubble half once);
+  a fixed cost per layer and pass; backward is twice the forward (a zero-bubble half once); a
+  pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
 - a copy, split, merge or collective starts when every device in it has reached it and ends
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
   through a host at the host's bandwidth); all of its devices wait for it;
@@ -68,7 +69,7 @@ def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware) -> floa
         else:  # a zero-bubble half is half of a whole backward
             work = factor / 2 * 2 * flops / rate(hw, flops, backward=True) if flops else 0.0
         t += max(work, factor * (layer.in_bytes + layer.out_bytes) / share / hw.mem_bw) + hw.layer_overhead
-    return t
+    return t + (hw.action_s if op.microbatch is not None else 0.0)
 
 
 def comm_seconds(op: Op, hw: Hardware) -> float:

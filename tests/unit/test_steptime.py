@@ -25,7 +25,7 @@ from placer.estimate.steptime import pipeline_seconds, step_time  # noqa: E402
 from placer.spec.check import load_spec  # noqa: E402
 
 HW = Hardware(name="round", flops=1e9, bf16_flops=1e9, mem_bw=1e9, link_bw=1e6, host_bw=1e9, latency=1e-3,
-              collective_s=1e-3, sharded_s=1e-3, split_s=1e-3, layer_overhead=0.0, update_s=1e-9,
+              collective_s=1e-3, sharded_s=1e-3, split_s=1e-3, action_s=0.0, layer_overhead=0.0, update_s=1e-9,
               tensor_overhead=0.0, step_overhead=0.0, source="by hand")
 
 MODEL = """placer: 1
