@@ -191,14 +191,14 @@ def to_json(plan, graph, est, timeline=None) -> dict:
 def build_and_plan(spec, progress=None):
     """(graph, lowered plan, estimate, pipeline timeline or None) of a loaded spec."""
     from placer.estimate.cost import estimate
-    from placer.model.build import build_graph
+    from placer.model.build import checked_graph
     from placer.plan.lower import lower
     from placer.plan.place import place
 
     t0 = time.perf_counter()
     if progress and not spec.model.inline:
         progress(f"building {spec.model.module} on the meta device ...")
-    graph = build_graph(spec)
+    graph = checked_graph(spec)  # what validate --deep refuses is refused here too
     if progress and not spec.model.inline:
         progress(f"built {len(graph.layers)} layers, {graph.total_params:,} parameters "
                  f"({time.perf_counter() - t0:.1f}s); planning ...")
