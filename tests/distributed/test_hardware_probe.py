@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from placer.estimate.hardware import calibrate, rate  # noqa: E402
+from placer.estimate.calibrate import calibrate  # noqa: E402
+from placer.estimate.hardware import rate  # noqa: E402
 
 
 def test_calibration_measures_every_figure_of_the_cpu_profile():

@@ -19,7 +19,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from placer.cli.main import main  # noqa: E402
 from placer.cli.plan_cmd import build_and_plan  # noqa: E402
-from placer.estimate import hardware  # noqa: E402
+from placer.estimate import calibrate, hardware  # noqa: E402
 from placer.estimate.hardware import Hardware, rate  # noqa: E402
 from placer.estimate.steptime import pipeline_seconds, step_time  # noqa: E402
 from placer.spec.check import load_spec  # noqa: E402
@@ -127,8 +127,8 @@ def test_plan_prints_and_writes_the_prediction(tmp_path):
 
 def test_the_cpu_profile_is_read_from_its_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(hardware, "calibrate", lambda threads: replace(HW, name="cpu", source=f"{threads} t"))
+    monkeypatch.setattr(calibrate, "calibrate", lambda threads: replace(HW, name="cpu", source=f"{threads} t"))
     first = hardware.profile("cpu", workers_per_host=1)
     assert hardware.is_cached(1)
-    monkeypatch.setattr(hardware, "calibrate", lambda threads: pytest.fail("calibrated twice"))
+    monkeypatch.setattr(calibrate, "calibrate", lambda threads: pytest.fail("calibrated twice"))
     assert hardware.profile("cpu", workers_per_host=1) == first
