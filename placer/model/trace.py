@@ -24,6 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from placer.model.graph import OUTPUT
+
 INPUT = "input"
 """Name of the model input among a layer's `inputs`."""
 
@@ -43,6 +45,13 @@ class LayerTrace:
     saves_input: bool = False
     calls: int = 0
     input_keys: frozenset = frozenset()
+    out_kind: str = "tensor"
+    """The output's structure: tensor, tuple or list (of tensors and None), or other."""
+    out_leaves: tuple = ()
+    """Per leaf of the output: (shape, dtype name, requires_grad), or None for a None leaf."""
+    consumers: dict = field(default_factory=dict)
+    """Output leaf index -> the layers (or `output`) whose inputs it reaches through work owned by
+    no layer (the parent's glue): what crosses where those run elsewhere."""
 
 
 @dataclass
@@ -58,6 +67,8 @@ class TraceResult:
     """fx only: the layers (or `input`) whose tensors reach each layer's inputs."""
     root_consumers: dict[str, str] = field(default_factory=dict)
     """Root parameter/buffer name -> the layer whose segment consumes it."""
+    root_users: dict[str, set] = field(default_factory=dict)
+    """Root parameter name -> every layer (or `output`) its value reaches through glue."""
 
 
 class ForwardFailed(Exception):
@@ -74,6 +85,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _structure(output) -> tuple[str, list]:
+    """(kind, leaves): a tensor, or a tuple / list of tensors and None, as the program rebuilds
+    it where the layer runs elsewhere; anything else is `other`."""
+    if isinstance(output, torch.Tensor):
+        return "tensor", [output]
+    if type(output) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in output):
+        return type(output).__name__, list(output)
+    return "other", _tensors(output)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -159,7 +180,8 @@ class _ShapeProp(ShapeProp):
 class _Recorder(TorchFunctionMode):
     """Attributes FLOPs, saved tensors and root-parameter uses to the running layer."""
 
-    def __init__(self, layers: dict[str, torch.nn.Module], root_params: dict[int, str], skip_storages: set):
+    def __init__(self, layers: dict[str, torch.nn.Module], root_params: dict[int, str], skip_storages: set,
+                 root_tensors=()):
         super().__init__()
         self.traces = {name: LayerTrace(name) for name in layers}
         self.order: list[str] = []
@@ -173,6 +195,20 @@ class _Recorder(TorchFunctionMode):
         self.keep: list[torch.Tensor] = []
         self.flops = FlopCounterMode(display=False)
         self.mark = 0
+        # data flow through glue: id(tensor) -> {(layer, leaf) or ("root", name)} it derives from
+        self.sources: dict[int, frozenset] = {id(t): frozenset({("root", n)}) for t, n in root_tensors}
+        self.root_users: dict[str, set] = {}
+
+    def _sources(self, obj) -> frozenset:
+        return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in _tensors(obj)))
+
+    def consume(self, obj, consumer: str) -> None:
+        """`consumer` (a layer, or the model output) reads `obj`: record what it derives from."""
+        for src in self._sources(obj):
+            if src[0] == "root":
+                self.root_users.setdefault(src[1], set()).add(consumer)
+            else:
+                self.traces[src[0]].consumers.setdefault(src[1], set()).add(consumer)
 
     # -- where work goes
     def _target(self) -> LayerTrace:
@@ -198,6 +234,7 @@ class _Recorder(TorchFunctionMode):
             t = self.traces[name]
             if not self.stack:
                 self._flush_pending(t)
+                self.consume((args, kwargs), name)
             if t.calls == 0:
                 self.order.append(name)
                 ins = _tensors((args, kwargs))
@@ -217,7 +254,15 @@ class _Recorder(TorchFunctionMode):
                 if outs:
                     t.out_shape, t.out_dtype = tuple(outs[0].shape), dtype_name(outs[0].dtype)
                 t.out_bytes = sum(_nbytes(x) for x in outs)
+                t.out_kind, leaves = _structure(output)
+                t.out_leaves = tuple(None if x is None else (tuple(x.shape), dtype_name(x.dtype), x.requires_grad)
+                                     for x in leaves)
             self.stack.pop()
+            if not self.stack and t.out_kind != "other":  # each output leaf derives from itself
+                for i, x in enumerate(_structure(output)[1]):
+                    if x is not None:
+                        self.sources[id(x)] = frozenset({(name, i)})
+                        self.keep.append(x)
         return hook
 
     def finish(self):
@@ -258,7 +303,14 @@ class _Recorder(TorchFunctionMode):
                         self.pending_roots.append(name)
         if func is torch.nn.functional.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not self.stack:  # glue: what it makes derives from what it reads (in place: the same tensor)
+            srcs = self._sources((args, kwargs))
+            if srcs:
+                for t in _tensors(out):
+                    self.sources[id(t)] = srcs | self.sources.get(id(t), frozenset())
+                    self.keep.append(t)
+        return out
 
     def _sdpa(self, func, args, kwargs):
         # Meta runs the math kernel, which saves the T x T attention matrix; the
@@ -285,15 +337,16 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
     root_params = {id(p): n for n, p in list(module.named_parameters()) + list(module.named_buffers())
                    if id(p) not in in_layers}
     skip = {_storage_key(p) for p in list(module.parameters()) + list(module.buffers())}
+    roots = [(p, n) for n, p in module.named_parameters() if id(p) not in in_layers]
     gm = fx_graph(module, layers) if use_fx else None
     if gm is not None:
-        rec = _Recorder(mods, root_params, skip)
+        rec = _Recorder(mods, root_params, skip, roots)
         try:
             output = _run(rec, mods, lambda: _ShapeProp(gm).propagate(*args))
         except Exception:  # ShapeProp can fail where the module itself runs: try that
             gm = None
     if gm is None:
-        rec = _Recorder(mods, root_params, skip)
+        rec = _Recorder(mods, root_params, skip, roots)
         try:
             output = _run(rec, mods, lambda: module(*args))
         except Exception as e:
@@ -301,7 +354,7 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
     return TraceResult(order=rec.order, layers=rec.traces, output=output,
                        traced_with="fx" if gm is not None else "hooks",
                        inputs=layer_inputs(gm, set(layers)) if gm is not None else {},
-                       root_consumers=rec.root_consumers)
+                       root_consumers=rec.root_consumers, root_users=rec.root_users)
 
 
 def _run(rec: _Recorder, mods: dict, forward):
@@ -313,6 +366,7 @@ def _run(rec: _Recorder, mods: dict, forward):
         with torch.enable_grad(), rec.flops, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             output = forward()
         rec.finish()
+        rec.consume(output, OUTPUT)
         return output
     finally:
         for h in handles:
