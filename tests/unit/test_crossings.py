@@ -121,3 +121,15 @@ def test_a_pipeline_cut_that_would_pass_several_tensors_is_refused_before_the_wo
     with pytest.raises(PlanError) as e:
         generate(load_spec(str(path)))
     assert e.value.diagnostics[0].code == "P083"
+
+
+def test_the_diagram_draws_each_crossing_tensor_from_the_layer_that_makes_it():
+    from placer.render.dot import placement_dot
+
+    _, graph, plan = lowered(LLAMA)
+    dot = placement_dot(plan, graph)
+    labels = [line for line in dot.splitlines() if "shape=cds" in line]
+    assert len(labels) == 3 and all("cpu -> cpu:1" in x for x in labels)
+    assert "copy act model.rotary_emb[1]" in dot and "fwd 8.0 KiB, bwd 8.0 KiB" in dot
+    # rotary_emb is layer 1 of segment 0, model.layers.0 layer 2
+    assert dot.count("  s0_l1 -> t1_") == 2 and dot.count("  s0_l2 -> t1_") == 1
