@@ -301,12 +301,12 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             buffer_bytes=sum(_bytes(b) for b in buffers + frozen),
             in_shape=t.in_shape, out_shape=t.out_shape, out_dtype=t.out_dtype, out_bytes=t.out_bytes,
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
-            shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), out_leaves=t.out_leaves,
-            consumers=tuple((i, tuple(sorted(c, key=order.get))) for i, c in sorted(t.consumers.items())),
+            shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()), out_leaves=t.out_leaves,
+            consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
         ))
     roots = tuple(
         RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,
-                  consumer=tr.root_consumers.get(n), users=tuple(sorted(tr.root_users.get(n, ()), key=order.get)))
+                  consumer=tr.root_consumers.get(n), users=tuple(sorted(tr.root_users.get(n, ()), key=order.__getitem__)))
         for n, p in list(module.named_parameters()) + list(module.named_buffers()) if id(p) not in counted)
     out = model_output(spec, tr.output)
     if not isinstance(out, torch.Tensor):

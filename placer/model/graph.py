@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+INPUT = "input"
+"""The model input among a layer's `inputs` and `homes`."""
 OUTPUT = "output"
 """The model's output (the loss) among a layer output's consumers."""
 
@@ -46,6 +48,10 @@ class LayerInfo:
     out_kind: str = "tensor"
     """The output's structure: tensor, tuple or list (of tensors and None), or other (a mapping,
     an object): where the layer runs on another rank, the program rebuilds it (module models)."""
+    homes: tuple[str, ...] = ()
+    """Where its tensor inputs are made when the model is cut at layer boundaries (as
+    torch.distributed.pipelining cuts it): layers, or `input`; glue counts for the layer that
+    runs after it. A cut before this layer passes each one made in an earlier stage."""
     calls: int = 1
     """How often the forward calls it (a module shared by several layers: more than once)."""
     out_leaves: tuple = ()

@@ -24,10 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from placer.model.graph import OUTPUT
-
-INPUT = "input"
-"""Name of the model input among a layer's `inputs`."""
+from placer.model.graph import INPUT, OUTPUT
 
 
 @dataclass
@@ -69,6 +66,8 @@ class TraceResult:
     """Root parameter/buffer name -> the layer whose segment consumes it."""
     root_users: dict[str, set] = field(default_factory=dict)
     """Root parameter name -> every layer (or `output`) its value reaches through glue."""
+    homes: dict[str, tuple] = field(default_factory=dict)
+    """Layer -> where its inputs are made, cut at layer boundaries (`_Recorder.input_homes`)."""
 
 
 class ForwardFailed(Exception):
@@ -198,6 +197,19 @@ class _Recorder(TorchFunctionMode):
         # data flow through glue: id(tensor) -> {(layer, leaf) or ("root", name)} it derives from
         self.sources: dict[int, frozenset] = {id(t): frozenset({("root", n)}) for t, n in root_tensors}
         self.root_users: dict[str, set] = {}
+        # where each layer's inputs were made: a layer's output, the model input, or glue run
+        # before the n-th layer call (a cut at layer boundaries puts that glue in that layer's stage)
+        self.calls: list[str] = []
+        self.made: dict[int, int] = {}
+        self.made_by: dict[int, str] = {}
+        self.input_ids: set[int] = set()
+        self.homes: dict[str, list] = {}
+        self.hooking = False
+        self.glue_reads: dict[int, list] = {}  # n -> where what glue before the n-th call reads was made
+
+    def _made_where(self, obj) -> list:
+        return [self.made_by.get(id(x), INPUT if id(x) in self.input_ids else self.made.get(id(x)))
+                for x in _tensors(obj)]
 
     def _sources(self, obj) -> frozenset:
         return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in _tensors(obj)))
@@ -228,6 +240,16 @@ class _Recorder(TorchFunctionMode):
         self.pending_roots = []
 
     # -- module hooks
+    def _quiet(self, hook):
+        """The hook, with the tensor attributes it reads kept out of the glue's data flow."""
+        def quiet(*args):
+            self.hooking = True
+            try:
+                return hook(*args)
+            finally:
+                self.hooking = False
+        return quiet
+
     def pre_hook(self, name: str):
         def hook(module, args, kwargs):
             self._settle_flops()
@@ -235,6 +257,8 @@ class _Recorder(TorchFunctionMode):
             if not self.stack:
                 self._flush_pending(t)
                 self.consume((args, kwargs), name)
+                self.homes.setdefault(name, []).extend(self._made_where((args, kwargs)))
+                self.calls.append(name)
             if t.calls == 0:
                 self.order.append(name)
                 ins = _tensors((args, kwargs))
@@ -243,7 +267,7 @@ class _Recorder(TorchFunctionMode):
                 t.input_keys = frozenset(_storage_key(x) for x in ins)
             t.calls += 1
             self.stack.append(name)
-        return hook
+        return self._quiet(hook)
 
     def post_hook(self, name: str):
         def hook(module, args, kwargs, output):
@@ -262,8 +286,20 @@ class _Recorder(TorchFunctionMode):
                 for i, x in enumerate(_structure(output)[1]):
                     if x is not None:
                         self.sources[id(x)] = frozenset({(name, i)})
+                        self.made_by[id(x)] = name
+                        self.made.pop(id(x), None)
                         self.keep.append(x)
-        return hook
+        return self._quiet(hook)
+
+    def input_homes(self) -> dict[str, tuple]:
+        """Layer -> the layers (or `input`) whose stage holds each of its tensor inputs when the
+        model is cut at layer boundaries: a layer's output its own, glue its next layer's."""
+        def home(h):
+            return self.calls[h] if isinstance(h, int) and h < len(self.calls) else h if isinstance(h, str) else None
+        for n, reads in self.glue_reads.items():  # glue runs in the stage of the layer called next
+            if n < len(self.calls):
+                self.homes[self.calls[n]].extend(reads)
+        return {name: tuple(dict.fromkeys(x for x in map(home, hs) if x is not None)) for name, hs in self.homes.items()}
 
     def finish(self):
         self._settle_flops()
@@ -304,12 +340,15 @@ class _Recorder(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
         out = func(*args, **kwargs)
-        if not self.stack:  # glue: what it makes derives from what it reads (in place: the same tensor)
+        if not self.stack and not self.hooking:  # glue: what it makes derives from what it reads
             srcs = self._sources((args, kwargs))
-            if srcs:
-                for t in _tensors(out):
+            if _tensors(out):  # a shape read (x.size(1)) carries no data
+                self.glue_reads.setdefault(len(self.calls), []).extend(self._made_where((args, kwargs)))
+            for t in _tensors(out):
+                if srcs:
                     self.sources[id(t)] = srcs | self.sources.get(id(t), frozenset())
-                    self.keep.append(t)
+                self.made[id(t)] = len(self.calls)  # made before the next layer call
+                self.keep.append(t)
         return out
 
     def _sdpa(self, func, args, kwargs):
@@ -342,22 +381,23 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
     if gm is not None:
         rec = _Recorder(mods, root_params, skip, roots)
         try:
-            output = _run(rec, mods, lambda: _ShapeProp(gm).propagate(*args))
+            output = _run(rec, mods, lambda: _ShapeProp(gm).propagate(*args), args)
         except Exception:  # ShapeProp can fail where the module itself runs: try that
             gm = None
     if gm is None:
         rec = _Recorder(mods, root_params, skip, roots)
         try:
-            output = _run(rec, mods, lambda: module(*args))
+            output = _run(rec, mods, lambda: module(*args), args)
         except Exception as e:
             raise ForwardFailed(e, rec.stack[-1] if rec.stack else None) from None
     return TraceResult(order=rec.order, layers=rec.traces, output=output,
                        traced_with="fx" if gm is not None else "hooks",
                        inputs=layer_inputs(gm, set(layers)) if gm is not None else {},
-                       root_consumers=rec.root_consumers, root_users=rec.root_users)
+                       root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes())
 
 
-def _run(rec: _Recorder, mods: dict, forward):
+def _run(rec: _Recorder, mods: dict, forward, inputs=()):
+    rec.input_ids = {id(x) for x in _tensors(inputs)}
     handles = []
     for name, m in mods.items():
         handles.append(m.register_forward_pre_hook(rec.pre_hook(name), with_kwargs=True))

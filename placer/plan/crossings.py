@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic
-from placer.model.graph import OUTPUT, ModelGraph
+from placer.model.graph import INPUT, OUTPUT, ModelGraph
 from placer.plan.ir import PlacedSegment
 
 ITEMSIZE = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
@@ -109,26 +109,19 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                     spec.placement[0].loc, "move it into a submodule and place that, or place its users on one device"))
         return out
     out = []
-    incoming: dict[int, list[str]] = {}
-    for s in segments:
-        for layer in s.layers:
-            info = graph.layer(layer)
-            for leaf, users in info.consumers:
-                for u in users:
-                    t = segments[-1] if u == OUTPUT else seg_of[u]
-                    if t.index != s.index:
-                        what = f"{layer}[{leaf}]" if info.out_kind != "tensor" else layer
-                        if what not in incoming.setdefault(t.index, []):
-                            incoming[t.index].append(what)
-    for k, what in sorted(incoming.items()):
+    for k, seg in enumerate(segments[1:], 1):
+        made = [h for layer in seg.layers for h in graph.layer(layer).homes
+                if (segments[0] if h == INPUT else seg_of[h]).index != k]
+        made = list(dict.fromkeys(made))
         prev = segments[k - 1].layers[-1]
-        if what != [prev]:
-            seg = spec.placement[k]
+        if made and made != [prev]:
+            s = spec.placement[k]
             out.append(Diagnostic(
-                "P083", f"segment {seg.name!r} reads {len(what)} tensors from earlier segments ({', '.join(what)}); "
-                "a pipeline schedule or a multi-device segment cuts a module model with torch.distributed."
-                "pipelining, which passes exactly one (the previous segment's last output)", seg.loc,
+                "P083", f"segment {s.name!r} reads tensors made in earlier segments at {', '.join(made)} (a layer's "
+                "output, or the parent's work before it: a mask, rotary, a skip connection); a pipeline schedule or "
+                "a multi-device segment cuts a module model with torch.distributed.pipelining, which passes exactly "
+                f"one: {prev}'s output", s.loc,
                 "place the module model one device per segment without a pipeline (layer-wise runs any crossing), "
-                "or move the cut where only the hidden state crosses"))
+                "or cut where only the hidden state crosses"))
     return out
 
