@@ -30,6 +30,7 @@ from placer.codegen.train import Code, TrainWriter, train_source
 from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError, SpecError
 from placer.modes import MODES
+from placer.plan.ir import OpKind
 from placer.plan import crossings
 from placer.spec.types import Spec
 
@@ -99,14 +100,14 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     with defer_compile_imports():  # torch.optim's constructors are wrapped as meta kernels are
         preflight.check_optimizer(spec)
     devices = rank_order(spec.devices)
-    pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
+    ls = crossings.lockstep(spec, plan.segments)  # a module model: runtime/lockstep.py, GPipe as loops
+    pl = spec.pipeline if spec.pipeline and not ls and torch_schedules_take(spec) else None  # else: micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     segs = program_segments(plan, spec, graph, loops=bool(loops))
     tied = ties.program_ties(plan, spec, graph, devices)
     diags = crossings.check(spec, graph, plan.segments)
     if diags:
         raise PlanError(diags)
-    ls = crossings.lockstep(spec, plan.segments)
     per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
@@ -444,7 +445,8 @@ def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[in
     layers = {name: (s.k, rank[s.k], graph.layer(name).out_kind,
                      [None if leaf is None else (list(leaf[0]), leaf[1]) for leaf in graph.layer(name).out_leaves])
               for s in segs for name in s.layers}
-    ops = [op for op in plan.unique_ops() if "from" in op.attrs]
+    # a copy each, or in a GPipe pipeline a send (and its receive) per micro-batch: the first's
+    ops = [op for op in plan.unique_ops() if "from" in op.attrs and op.kind != OpKind.RECV and op.microbatch in (None, 0)]
     back = {(op.attrs["of"], op.attrs["leaf"], op.dst[0], op.src[0]) for op in ops if op.phase != "fwd"}
     rows = [(op.attrs["of"], op.attrs["leaf"], devices.index(op.src[0]), devices.index(op.dst[0]), op.route,
              (op.attrs["of"], op.attrs["leaf"], op.src[0], op.dst[0]) in back) for op in ops if op.phase == "fwd"]

@@ -163,7 +163,7 @@ class TrainWriter:
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
-              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host)")
+              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
         c("", "# every segment this rank computes or keeps, and its optimizers",
           f"modules = [m for m in {self.tuple_of('seg')} if m is not None]")
         if self.checkpoint or self.steps_all:
@@ -232,10 +232,10 @@ class TrainWriter:
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        if self.microbatches:
-            self.gpipe_step()
-        elif self.lockstep:
+        if self.lockstep:
             self.lockstep_step()
+        elif self.microbatches:
+            self.gpipe_step()
         else:
             c("", "# forward, segment by segment")
             for seg in segs:
@@ -255,13 +255,23 @@ class TrainWriter:
     def lockstep_step(self) -> None:
         """The whole forward on every rank, the loss on the last segment's, backward segment by
         segment in reverse (runtime/lockstep.py)."""
-        c, last = self.c, self.segs[-1]
+        c, last, m = self.c, self.segs[-1], self.microbatches
+        if m:
+            c("", f"# GPipe in lockstep: every micro-batch forward, then every one backward; {m} micro-batches",
+              f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []", f"for mb in range({m}):")
+            c.indent()("x, y = xs[mb], ys[mb]")
         c("", "# forward: the whole model on every rank; what crosses a boundary is sent as it is made",
           "out = model(x.to(device))",
           "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
         self.when(last.ranks, "loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)")
+        if m:
+            c("saved.append((loss, crossing.take()))").dedent()
+            c("mb_losses = []", "for loss, crossed in saved:").indent()
+            c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
+            c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
+            return
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
-          'with timer("comm"):', "    crossing.backward(loss)")
+          'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
 
     def add_loss(self) -> None:
         """Hand the step's `total` to batch_losses (summed while the next step trains); a

@@ -54,9 +54,16 @@ class Crossing:
 
 
 def lockstep(spec, segments) -> bool:
-    """Whether a module model runs in lockstep: several segments, one device each, no pipeline."""
-    return (not spec.model.inline and len(segments) > 1 and spec.pipeline is None
-            and all(len(s.devices) == 1 for s in segments))
+    """Whether a module model runs in lockstep: several segments, one device each, and no
+    pipeline or a GPipe one (placer's micro-batch loops)."""
+    return (not spec.model.inline and len(segments) > 1 and all(len(s.devices) == 1 for s in segments)
+            and (spec.pipeline is None or spec.pipeline.schedule == "gpipe"))
+
+
+def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
+    """Bytes of one micro-batch's copy: a leaf whose dim 0 is the batch is cut m ways (rotary
+    cos / sin, [1, seq, d], is not)."""
+    return c.bytes // m if c.shape and c.shape[0] == batch_size else c.bytes
 
 
 def crossings(segments, graph: ModelGraph) -> list[Crossing]:

@@ -232,7 +232,7 @@ def _boundaries(plan: Plan, complete: bool) -> Problem | None:
                         return "V006", f"micro-batch {mb} is sent ({phase}) between stages {prev.name!r} and " \
                                        f"{cur.name!r} from {stray[0][2].devices[0]} to {stray[0][2].devices[1]}, " \
                                        "which the layouts do not call for", [stray[0][:2]]
-                    if complete and pairs and not sends:
+                    if complete and pairs and not sends and not crossing:
                         return "V006", f"micro-batch {mb} is never sent ({phase}) from stage {prev.name!r} to " \
                                        f"{cur.name!r}", []
                 continue

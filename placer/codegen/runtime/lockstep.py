@@ -37,8 +37,9 @@ class Lockstep:
     leaf, from rank, to rank, route, gradient back), one per tensor and receiving rank, as the
     plan has them. `segments`: each segment's rank."""
 
-    def __init__(self, model, rank, layers, crossings, segments, device, host=False):
+    def __init__(self, model, rank, layers, crossings, segments, device, host=False, batch=None):
         self.rank, self.device, self.layers, self.segments = rank, device, layers, segments
+        self.batch = batch  # leaves traced with dim 0 == batch carry the rows of the call (micro-batches)
         self.out, self.into = collections.defaultdict(list), {}
         for name, leaf, src, dst, route, grad in crossings:
             route = "via_host" if host else route  # gloo moves host tensors only
@@ -53,6 +54,11 @@ class Lockstep:
             else:  # an instance attribute: nn.Module.__call__ calls it instead of the class's forward
                 module.forward = self._stand_in(name)
         self.sent, self.received, self.posted = [], [], []
+        self.rows = batch
+        model.register_forward_pre_hook(self._rows)
+
+    def _rows(self, model, args):
+        self.rows = args[0].shape[0]  # the rows of this forward's batch (a micro-batch's in GPipe)
 
     def _send(self, name):
         def hook(module, args, output):
@@ -75,7 +81,9 @@ class Lockstep:
                 if leaf is None:
                     out.append(None)
                     continue
-                shape, dtype = leaf[0], getattr(torch, leaf[1])
+                shape, dtype = list(leaf[0]), getattr(torch, leaf[1])
+                if shape and shape[0] == self.batch:
+                    shape[0] = self.rows
                 if (name, i) not in self.into:  # nothing on this rank reads it
                     out.append(torch.zeros(shape, dtype=dtype, device=self.device))
                     continue
@@ -91,20 +99,27 @@ class Lockstep:
             return out[0] if kind == "tensor" else tuple(out) if kind == "tuple" else out
         return forward
 
-    def backward(self, loss):
-        """Backward over every segment, last first: the ranks holding a segment's tensors send
-        their gradients back, its rank sums them per tensor and backpropagates from them (and
-        from the loss, on the last segment's rank). Graphs stay until the step ends: a rank with
-        two segments backpropagates through glue they share twice."""
+    def take(self):
+        """What this forward sent and received (its sends waited on), for its backward."""
         for posted in self.posted:
             posted.wait()
+        crossed = (self.sent, self.received)
+        self.sent, self.received, self.posted = [], [], []
+        return crossed
+
+    def backward(self, loss, crossed):
+        """Backward of one forward (`crossed`, from take) over every segment, last first: the ranks
+        holding a segment's tensors send their gradients back, its rank sums them per tensor and
+        backpropagates from them (and from the loss, on the last segment's rank). Graphs stay
+        until the step ends: a rank with two segments backpropagates through glue they share twice."""
+        sent, received = crossed
         for k in reversed(range(len(self.segments))):
             posted, pairs = [], []
-            for name, t, src, route in self.received:
+            for name, t, src, route in received:
                 if self.layers[name][0] == k:
                     posted.append(Posted(route))
                     posted[-1].send(t.grad if t.grad is not None else torch.zeros_like(t), src)
-            for name, t, dst, route in self.sent:
+            for name, t, dst, route in sent:
                 if self.layers[name][0] == k:
                     posted.append(Posted(route))
                     pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device)))
@@ -118,4 +133,3 @@ class Lockstep:
             roots = list(grads.values()) + ([(loss, None)] if k == len(self.segments) - 1 and loss is not None else [])
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=True)
-        self.sent, self.received, self.posted = [], [], []
