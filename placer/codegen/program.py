@@ -30,8 +30,8 @@ from placer.codegen.train import Code, TrainWriter, train_source
 from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError, SpecError
 from placer.modes import MODES
-from placer.plan.ir import OpKind
 from placer.plan import crossings
+from placer.plan.ir import OpKind
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"

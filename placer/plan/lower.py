@@ -313,13 +313,13 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
         n, attrs = per_microbatch(c, plan.batch_size, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
         flows = [("fwd", c.src, c.dst, c.src_device, c.dst_device, "act")]
         flows += [("bwd", c.dst, c.src, c.dst_device, c.src_device, "grad")] if c.grad else []
-        for flow, a_seg, b_seg, a, b, what in flows:
+        for flow, a_k, b_k, a, b, what in flows:
             for mb in range(m):
-                common: dict = dict(devices=(a, b), segment=c.dst, phase=flow, tensor=what, bytes=n, microbatch=mb,
+                kw: dict = dict(devices=(a, b), segment=c.dst, phase=flow, tensor=what, bytes=n, microbatch=mb,
                                     route=segs[c.dst].route, src=(a,), dst=(b,), attrs=attrs)
-                out.setdefault((a, a_seg, flow, mb), []).append(
-                    (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common), b_seg))
-                need[(b, b_seg, flow, mb)] += 1
+                out.setdefault((a, a_k, flow, mb), []).append(
+                    (Op(kind=OpKind.SEND, **kw), Op(kind=OpKind.RECV, **kw), b_k))
+                need[(b, b_k, flow, mb)] += 1
     for prev, cur in zip(segs, segs[1:]) if not lockstep(spec, segs) else ():
         src, dst = in_layout(prev), in_layout(cur)
         if src == dst:  # consecutive stages on the same group (the turn of a V schedule)
