@@ -1,7 +1,7 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
-A module model (`model.module`) whose segments sit on one device each, without a pipeline, runs
-in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
+A module model (`model.module`) whose segments sit on one device each, without a pipeline or with
+a GPipe one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
 embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
 rotary `cos`/`sin`, a skip connection) crosses to that device, once per device and call. Masks
@@ -128,7 +128,7 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                 "output, or the parent's work before it: a mask, rotary, a skip connection); a pipeline schedule or "
                 "a multi-device segment cuts a module model with torch.distributed.pipelining, which passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment without a pipeline (layer-wise runs any crossing), "
-                "or cut where only the hidden state crosses"))
+                "place the module model one device per segment, without a pipeline or with schedule gpipe "
+                "(lockstep passes any crossing), or cut where only the hidden state crosses"))
     return out
 

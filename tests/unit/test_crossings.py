@@ -137,12 +137,16 @@ def test_the_diagram_draws_each_crossing_tensor_from_the_layer_that_makes_it():
 
 def test_gpt2s_mask_made_before_the_cut_is_seen_under_a_pipeline(tmp_path):
     """GPT2Model builds its causal mask in its own forward (glue, before wpe runs) and hands it to
-    every block: cut by torch.distributed.pipelining, the back stage would take the mask too."""
+    every block: cut by torch.distributed.pipelining for torch's 1F1B, the back stage would take the
+    mask too; GPipe runs in lockstep, where each rank builds the mask."""
     graph = build_graph(load_spec(str(MODELS / "hf_gpt2_layerwise.yaml")))
     assert graph.layer("transformer.h.1").homes == ("transformer.h.0", "transformer.wpe")
     path = tmp_path / "spec.yaml"
     path.write_text((MODELS / "hf_gpt2_layerwise.yaml").read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
-                    + "pipeline: {microbatches: 2, schedule: gpipe}\n")
+                    + "pipeline: {microbatches: 2, schedule: 1f1b}\n")
     diags = [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
     assert [d.code for d in diags] == ["P083"]
+    gpipe = path.read_text().replace("1f1b", "gpipe")  # placer's GPipe loops run it in lockstep
+    path.write_text(gpipe)
+    assert not [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
     assert "at transformer.h.0, transformer.wpe" in diags[0].message and "transformer.h.0's output" in diags[0].message
