@@ -28,8 +28,10 @@ from placer.codegen.pipeline import pipeline_train_source
 from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, program_segments, rank_order, torch_schedules_take
 from placer.codegen.train import Code, TrainWriter, train_source
 from placer.device import Device
-from placer.diagnostics import Diagnostic, SpecError
+from placer.diagnostics import Diagnostic, PlanError, SpecError
 from placer.modes import MODES
+from placer.plan import crossings
+from placer.plan.ir import OpKind
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -98,10 +100,14 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     with defer_compile_imports():  # torch.optim's constructors are wrapped as meta kernels are
         preflight.check_optimizer(spec)
     devices = rank_order(spec.devices)
-    pl = spec.pipeline if spec.pipeline and torch_schedules_take(spec) else None  # else: gpipe, micro-batch loops
+    ls = crossings.lockstep(spec, plan.segments)  # a module model: runtime/lockstep.py, GPipe as loops
+    pl = spec.pipeline if spec.pipeline and not ls and torch_schedules_take(spec) else None  # else: micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     segs = program_segments(plan, spec, graph, loops=bool(loops))
     tied = ties.program_ties(plan, spec, graph, devices)
+    diags = crossings.check(spec, graph, plan.segments)
+    if diags:
+        raise PlanError(diags)
     per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
     program = Program("", devices, nproc, len(per_node))
@@ -109,19 +115,21 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     used |= {"replicate"} if not pl and (segs[-1].loss_gather or any(
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
     used |= {"ties"} if tied else set()
+    used |= {"lockstep"} if ls else set()
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
     module_model = not spec.model.inline
-    cut = module_model and len(segs) > 1
+    cut = module_model and len(segs) > 1 and not ls
     ckpt = spec.training.checkpoint is not None
     # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [
         header(spec, program, segs, filename),
         *imports(piece_imports, ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
-        model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
+        model_source(spec, graph), data_source(spec),
+        stages_source(spec, segs, cut, lockstep_source(plan, graph, segs, devices) if ls else None),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied) if pl else
-        train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied),
+        train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, ls),
         "# " + "=" * 76 + "\n# Below: placer's runtime, the same in every program that uses it\n"
         "# (placer/codegen/templates and placer/codegen/runtime)",
         (TEMPLATES / "helpers.py").read_text(),
@@ -430,10 +438,37 @@ def _stage_doc(seg: Seg, devices) -> str:
     return f'"""Segment {seg.k} {seg.name!r}: {shown} on {where}{mode}."""'
 
 
-def stages_source(spec: Spec, segs: list[Seg], cut: bool) -> str:
+def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[int, list[str]]]:
+    """(constants, names per segment) of a module model run in lockstep: where each placed layer
+    runs and what its output is made of, and the plan's crossing copies in rank terms."""
+    rank = {s.k: s.ranks[0] for s in segs}
+    layers = {name: (s.k, rank[s.k], graph.layer(name).out_kind,
+                     [None if leaf is None else (list(leaf[0]), leaf[1]) for leaf in graph.layer(name).out_leaves])
+              for s in segs for name in s.layers}
+    # a copy each, or in a GPipe pipeline a send (and its receive) per micro-batch: the first's
+    ops = [op for op in plan.unique_ops() if "from" in op.attrs and op.kind != OpKind.RECV and op.microbatch in (None, 0)]
+    back = {(op.attrs["of"], op.attrs["leaf"], op.dst[0], op.src[0]) for op in ops if op.phase != "fwd"}
+    rows = [(op.attrs["of"], op.attrs["leaf"], devices.index(op.src[0]), devices.index(op.dst[0]), op.route,
+             (op.attrs["of"], op.attrs["leaf"], op.src[0], op.dst[0]) in back) for op in ops if op.phase == "fwd"]
+    c = Code()
+    c("# where each placed layer runs (segment, rank) and what it returns (tensor / tuple / list of",
+      "# (shape, dtype) or None): a rank without it rebuilds that from what it receives, or zeros",
+      f"LAYERS = {literal(layers)}",
+      "# what crosses a boundary, one tensor to one rank each, as the plan counts it:",
+      "# (layer, output leaf, from rank, to rank, route, its gradient goes back)",
+      f"CROSSINGS = {literal(rows)}",
+      f"SEGMENT_RANKS = {[s.ranks[0] for s in segs]!r}  # segment k runs on rank SEGMENT_RANKS[k]")
+    names = {s.k: list(s.layers) + [r.name for r in graph.root_params if r.trainable and r.consumer in s.layers]
+             for s in segs}
+    return c.text(), names
+
+
+def stages_source(spec: Spec, segs: list[Seg], cut: bool, lockstep=None) -> str:
     devices = rank_order(spec.devices)
     c = Code()
     c("# " + "-" * 76 + " stages: one function per segment")
+    if lockstep:
+        c("", lockstep[0].rstrip("\n"))
     if cut:
         ex = spec.model.input
         shape = "(rows" + "".join(f", {d}" for d in ex.shape[1:]) + ")"
@@ -456,7 +491,10 @@ def stages_source(spec: Spec, segs: list[Seg], cut: bool) -> str:
           "    return model, pipe")
     for seg in segs:
         c("", "")
-        if not spec.model.inline:
+        if lockstep:
+            c(f"def {seg.func}(model):", f"    {_stage_doc(seg, devices)}",
+              f"    return segment_module(model, {lockstep[1][seg.k]!r})")
+        elif not spec.model.inline:
             c(f"def {seg.func}(model, pipe):" if cut else f"def {seg.func}(model):",
               f"    {_stage_doc(seg, devices)}",
               f"    return pipe.get_stage_module({seg.k})" if cut else "    return model")

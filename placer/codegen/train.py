@@ -53,8 +53,10 @@ class TrainWriter:
     """Whether the step calls every optimizer of the rank in one loop (torch's pipeline schedules)."""
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=()):
+                 microbatches: int = 0, tied=(), lockstep: bool = False):
         self.segs, self.world, self.devices = segs, world, devices
+        self.lockstep = lockstep
+        """A module model run in lockstep (runtime/lockstep.py): every rank runs the whole forward."""
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches
@@ -146,7 +148,12 @@ class TrainWriter:
           '    open(os.path.join(args.out, "progress.jsonl"), "w").close()',
           )
         self.binding_at = len(c.lines)  # `host` and `device_ids` go here if the step uses them
-        if not self.cut:
+        if self.lockstep:
+            self.uses_host = True
+            c("", "# every rank builds the whole model from the seed and runs its whole forward (the parent's",
+              "# glue); each placed layer runs only on its segment's rank (Lockstep, below)",
+              "model = build_model().to(device)")
+        elif not self.cut:
             c("", "model = build_model()  # every rank builds the whole model from the seed, then keeps its part")
         c("own = {}  # name -> parameter, for those this rank owns (saved at the end)",
           "if args.grads and not resuming(args):  # run --check compares the first step's gradients too",
@@ -154,6 +161,9 @@ class TrainWriter:
         for seg in self.segs:
             self.setup_segment(seg)
         c(*ties.emit_setup(self.tied))
+        if self.lockstep:
+            c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
+              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
         c("", "# every segment this rank computes or keeps, and its optimizers",
           f"modules = [m for m in {self.tuple_of('seg')} if m is not None]")
         if self.checkpoint or self.steps_all:
@@ -222,7 +232,9 @@ class TrainWriter:
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        if self.microbatches:
+        if self.lockstep:
+            self.lockstep_step()
+        elif self.microbatches:
             self.gpipe_step()
         else:
             c("", "# forward, segment by segment")
@@ -239,6 +251,27 @@ class TrainWriter:
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()")
         self.add_loss()
+
+    def lockstep_step(self) -> None:
+        """The whole forward on every rank, the loss on the last segment's, backward segment by
+        segment in reverse (runtime/lockstep.py)."""
+        c, last, m = self.c, self.segs[-1], self.microbatches
+        if m:
+            c("", f"# GPipe in lockstep: every micro-batch forward, then every one backward; {m} micro-batches",
+              f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []", f"for mb in range({m}):")
+            c.indent()("x, y = xs[mb], ys[mb]")
+        c("", "# forward: the whole model on every rank; what crosses a boundary is sent as it is made",
+          "out = model(x.to(device))",
+          "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
+        self.when(last.ranks, "loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)")
+        if m:
+            c("saved.append((loss, crossing.take()))").dedent()
+            c("mb_losses = []", "for loss, crossed in saved:").indent()
+            c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
+            c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
+            return
+        c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
+          'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
 
     def add_loss(self) -> None:
         """Hand the step's `total` to batch_losses (summed while the next step trains); a
@@ -410,6 +443,8 @@ class TrainWriter:
 
 
 def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=()) -> str:
-    """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`)."""
-    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied).write()
+                 microbatches: int = 0, tied=(), lockstep: bool = False) -> str:
+    """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`);
+    `lockstep`: one run in lockstep (runtime/lockstep.py)."""
+    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied,
+                       lockstep).write()

@@ -31,9 +31,10 @@ from torch import nn
 
 from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
 from placer.model.deferred import defer_compile_imports
-from placer.model.graph import LayerInfo, ModelGraph, RootParam, Tie
+from placer.model.graph import OUTPUT, LayerInfo, ModelGraph, RootParam, Tie
 from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
-from placer.plan import ties
+from placer.plan import crossings, ties
+from placer.plan.ir import PlacedSegment
 from placer.spec import check
 from placer.spec.types import Layer, Spec
 
@@ -279,6 +280,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         raise SpecError(_forward_diag(spec, module, e)) from None
     names = placeable_layers(module, tr.order, selector_texts(spec))
     counted: set[int] = set()
+    order = {n: i for i, n in enumerate(names + [OUTPUT])}
     infos = []
     for i, name in enumerate(names):
         t, m = tr.layers[name], module.get_submodule(name)
@@ -299,11 +301,12 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             buffer_bytes=sum(_bytes(b) for b in buffers + frozen),
             in_shape=t.in_shape, out_shape=t.out_shape, out_dtype=t.out_dtype, out_bytes=t.out_bytes,
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
-            shared_params=shared, inputs=inputs,
+            shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()), out_leaves=t.out_leaves,
+            consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
         ))
     roots = tuple(
         RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,
-                  consumer=tr.root_consumers.get(n))
+                  consumer=tr.root_consumers.get(n), users=tuple(sorted(tr.root_users.get(n, ()), key=order.__getitem__)))
         for n, p in list(module.named_parameters()) + list(module.named_buffers()) if id(p) not in counted)
     out = model_output(spec, tr.output)
     if not isinstance(out, torch.Tensor):
@@ -442,6 +445,9 @@ def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[
         if not sel:
             diags += _check_module_modes(spec, module, graph, groups)
             diags += ties.check(spec, graph, groups)
+            diags += crossings.check(spec, graph, [
+                PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx), devices=s.devices,
+                              mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))])
         dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                         and m.p > 0), None)
         if dropout and len(spec.devices) > 1:

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+INPUT = "input"
+"""The model input among a layer's `inputs` and `homes`."""
+OUTPUT = "output"
+"""The model's output (the loss) among a layer output's consumers."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class LayerInfo:
@@ -40,6 +45,21 @@ class LayerInfo:
     inputs: tuple[str, ...] | None = None
     """Layers (or `input`, the model input) whose outputs reach this layer's inputs, through work
     owned by no layer; None when unknown (the model did not trace with fx)."""
+    out_kind: str = "tensor"
+    """The output's structure: tensor, tuple or list (of tensors and None), or other (a mapping,
+    an object): where the layer runs on another rank, the program rebuilds it (module models)."""
+    homes: tuple[str, ...] = ()
+    """Where its tensor inputs are made when the model is cut at layer boundaries (as
+    torch.distributed.pipelining cuts it): layers, or `input`; glue counts for the layer that
+    runs after it. A cut before this layer passes each one made in an earlier stage."""
+    calls: int = 1
+    """How often the forward calls it (a module shared by several layers: more than once)."""
+    out_leaves: tuple = ()
+    """Per leaf of the output: (shape, dtype name, requires_grad) on the global batch, or None."""
+    consumers: tuple = ()
+    """(output leaf index, the layers (or `output`, the loss) it reaches through work owned by no
+    layer, in model order): what crosses a boundary where they run on other devices. Found for
+    module models, whatever traced them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +75,8 @@ class RootParam:
     """False for buffers and frozen parameters."""
     consumer: str | None
     """The layer whose segment first uses it; None if the forward never uses it."""
+    users: tuple[str, ...] = ()
+    """Every layer (or `output`) that its value reaches through the parent's glue."""
 
 
 @dataclass(frozen=True, kw_only=True)

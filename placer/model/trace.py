@@ -24,8 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-INPUT = "input"
-"""Name of the model input among a layer's `inputs`."""
+from placer.model.graph import INPUT, OUTPUT
 
 
 @dataclass
@@ -43,6 +42,13 @@ class LayerTrace:
     saves_input: bool = False
     calls: int = 0
     input_keys: frozenset = frozenset()
+    out_kind: str = "tensor"
+    """The output's structure: tensor, tuple or list (of tensors and None), or other."""
+    out_leaves: tuple = ()
+    """Per leaf of the output: (shape, dtype name, requires_grad), or None for a None leaf."""
+    consumers: dict = field(default_factory=dict)
+    """Output leaf index -> the layers (or `output`) whose inputs it reaches through work owned by
+    no layer (the parent's glue): what crosses where those run elsewhere."""
 
 
 @dataclass
@@ -58,6 +64,10 @@ class TraceResult:
     """fx only: the layers (or `input`) whose tensors reach each layer's inputs."""
     root_consumers: dict[str, str] = field(default_factory=dict)
     """Root parameter/buffer name -> the layer whose segment consumes it."""
+    root_users: dict[str, set] = field(default_factory=dict)
+    """Root parameter name -> every layer (or `output`) its value reaches through glue."""
+    homes: dict[str, tuple] = field(default_factory=dict)
+    """Layer -> where its inputs are made, cut at layer boundaries (`_Recorder.input_homes`)."""
 
 
 class ForwardFailed(Exception):
@@ -74,6 +84,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _structure(output) -> tuple[str, list]:
+    """(kind, leaves): a tensor, or a tuple / list of tensors and None, as the program rebuilds
+    it where the layer runs elsewhere; anything else is `other`."""
+    if isinstance(output, torch.Tensor):
+        return "tensor", [output]
+    if type(output) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in output):
+        return type(output).__name__, list(output)
+    return "other", _tensors(output)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -159,7 +179,8 @@ class _ShapeProp(ShapeProp):
 class _Recorder(TorchFunctionMode):
     """Attributes FLOPs, saved tensors and root-parameter uses to the running layer."""
 
-    def __init__(self, layers: dict[str, torch.nn.Module], root_params: dict[int, str], skip_storages: set):
+    def __init__(self, layers: dict[str, torch.nn.Module], root_params: dict[int, str], skip_storages: set,
+                 root_tensors=()):
         super().__init__()
         self.traces = {name: LayerTrace(name) for name in layers}
         self.order: list[str] = []
@@ -173,6 +194,33 @@ class _Recorder(TorchFunctionMode):
         self.keep: list[torch.Tensor] = []
         self.flops = FlopCounterMode(display=False)
         self.mark = 0
+        # data flow through glue: id(tensor) -> {(layer, leaf) or ("root", name)} it derives from
+        self.sources: dict[int, frozenset] = {id(t): frozenset({("root", n)}) for t, n in root_tensors}
+        self.root_users: dict[str, set] = {}
+        # where each layer's inputs were made: a layer's output, the model input, or glue run
+        # before the n-th layer call (a cut at layer boundaries puts that glue in that layer's stage)
+        self.calls: list[str] = []
+        self.made: dict[int, int] = {}
+        self.made_by: dict[int, str] = {}
+        self.input_ids: set[int] = set()
+        self.homes: dict[str, list] = {}
+        self.hooking = False
+        self.glue_reads: dict[int, list] = {}  # n -> where what glue before the n-th call reads was made
+
+    def _made_where(self, obj) -> list:
+        return [self.made_by.get(id(x), INPUT if id(x) in self.input_ids else self.made.get(id(x)))
+                for x in _tensors(obj)]
+
+    def _sources(self, obj) -> frozenset:
+        return frozenset().union(*(self.sources.get(id(t), frozenset()) for t in _tensors(obj)))
+
+    def consume(self, obj, consumer: str) -> None:
+        """`consumer` (a layer, or the model output) reads `obj`: record what it derives from."""
+        for src in self._sources(obj):
+            if src[0] == "root":
+                self.root_users.setdefault(src[1], set()).add(consumer)
+            else:
+                self.traces[src[0]].consumers.setdefault(src[1], set()).add(consumer)
 
     # -- where work goes
     def _target(self) -> LayerTrace:
@@ -192,12 +240,25 @@ class _Recorder(TorchFunctionMode):
         self.pending_roots = []
 
     # -- module hooks
+    def _quiet(self, hook):
+        """The hook, with the tensor attributes it reads kept out of the glue's data flow."""
+        def quiet(*args):
+            self.hooking = True
+            try:
+                return hook(*args)
+            finally:
+                self.hooking = False
+        return quiet
+
     def pre_hook(self, name: str):
         def hook(module, args, kwargs):
             self._settle_flops()
             t = self.traces[name]
             if not self.stack:
                 self._flush_pending(t)
+                self.consume((args, kwargs), name)
+                self.homes.setdefault(name, []).extend(self._made_where((args, kwargs)))
+                self.calls.append(name)
             if t.calls == 0:
                 self.order.append(name)
                 ins = _tensors((args, kwargs))
@@ -206,7 +267,7 @@ class _Recorder(TorchFunctionMode):
                 t.input_keys = frozenset(_storage_key(x) for x in ins)
             t.calls += 1
             self.stack.append(name)
-        return hook
+        return self._quiet(hook)
 
     def post_hook(self, name: str):
         def hook(module, args, kwargs, output):
@@ -217,8 +278,28 @@ class _Recorder(TorchFunctionMode):
                 if outs:
                     t.out_shape, t.out_dtype = tuple(outs[0].shape), dtype_name(outs[0].dtype)
                 t.out_bytes = sum(_nbytes(x) for x in outs)
+                t.out_kind, leaves = _structure(output)
+                t.out_leaves = tuple(None if x is None else (tuple(x.shape), dtype_name(x.dtype), x.requires_grad)
+                                     for x in leaves)
             self.stack.pop()
-        return hook
+            if not self.stack and t.out_kind != "other":  # each output leaf derives from itself
+                for i, x in enumerate(_structure(output)[1]):
+                    if x is not None:
+                        self.sources[id(x)] = frozenset({(name, i)})
+                        self.made_by[id(x)] = name
+                        self.made.pop(id(x), None)
+                        self.keep.append(x)
+        return self._quiet(hook)
+
+    def input_homes(self) -> dict[str, tuple]:
+        """Layer -> the layers (or `input`) whose stage holds each of its tensor inputs when the
+        model is cut at layer boundaries: a layer's output its own, glue its next layer's."""
+        def home(h):
+            return self.calls[h] if isinstance(h, int) and h < len(self.calls) else h if isinstance(h, str) else None
+        for n, reads in self.glue_reads.items():  # glue runs in the stage of the layer called next
+            if n < len(self.calls):
+                self.homes[self.calls[n]].extend(reads)
+        return {name: tuple(dict.fromkeys(x for x in map(home, hs) if x is not None)) for name, hs in self.homes.items()}
 
     def finish(self):
         self._settle_flops()
@@ -258,7 +339,17 @@ class _Recorder(TorchFunctionMode):
                         self.pending_roots.append(name)
         if func is torch.nn.functional.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not self.stack and not self.hooking:  # glue: what it makes derives from what it reads
+            srcs = self._sources((args, kwargs))
+            if _tensors(out):  # a shape read (x.size(1)) carries no data
+                self.glue_reads.setdefault(len(self.calls), []).extend(self._made_where((args, kwargs)))
+            for t in _tensors(out):
+                if srcs:
+                    self.sources[id(t)] = srcs | self.sources.get(id(t), frozenset())
+                self.made[id(t)] = len(self.calls)  # made before the next layer call
+                self.keep.append(t)
+        return out
 
     def _sdpa(self, func, args, kwargs):
         # Meta runs the math kernel, which saves the T x T attention matrix; the
@@ -285,26 +376,28 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
     root_params = {id(p): n for n, p in list(module.named_parameters()) + list(module.named_buffers())
                    if id(p) not in in_layers}
     skip = {_storage_key(p) for p in list(module.parameters()) + list(module.buffers())}
+    roots = [(p, n) for n, p in module.named_parameters() if id(p) not in in_layers]
     gm = fx_graph(module, layers) if use_fx else None
     if gm is not None:
-        rec = _Recorder(mods, root_params, skip)
+        rec = _Recorder(mods, root_params, skip, roots)
         try:
-            output = _run(rec, mods, lambda: _ShapeProp(gm).propagate(*args))
+            output = _run(rec, mods, lambda: _ShapeProp(gm).propagate(*args), args)
         except Exception:  # ShapeProp can fail where the module itself runs: try that
             gm = None
     if gm is None:
-        rec = _Recorder(mods, root_params, skip)
+        rec = _Recorder(mods, root_params, skip, roots)
         try:
-            output = _run(rec, mods, lambda: module(*args))
+            output = _run(rec, mods, lambda: module(*args), args)
         except Exception as e:
             raise ForwardFailed(e, rec.stack[-1] if rec.stack else None) from None
     return TraceResult(order=rec.order, layers=rec.traces, output=output,
                        traced_with="fx" if gm is not None else "hooks",
                        inputs=layer_inputs(gm, set(layers)) if gm is not None else {},
-                       root_consumers=rec.root_consumers)
+                       root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes())
 
 
-def _run(rec: _Recorder, mods: dict, forward):
+def _run(rec: _Recorder, mods: dict, forward, inputs=()):
+    rec.input_ids = {id(x) for x in _tensors(inputs)}
     handles = []
     for name, m in mods.items():
         handles.append(m.register_forward_pre_hook(rec.pre_hook(name), with_kwargs=True))
@@ -313,6 +406,7 @@ def _run(rec: _Recorder, mods: dict, forward):
         with torch.enable_grad(), rec.flops, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             output = forward()
         rec.finish()
+        rec.consume(output, OUTPUT)
         return output
     finally:
         for h in handles:

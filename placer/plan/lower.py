@@ -25,6 +25,7 @@ from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
 from placer.modes import MODES, Lowering
 from placer.plan.attach import Attached
+from placer.plan.crossings import crossings, lockstep, per_microbatch
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, layer_range, transfer_kind, union
 from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
@@ -115,13 +116,50 @@ def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbyte
 
 
 def insert_copies(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
-    """COPY (activation forward, its gradient backward) between segments on two single devices."""
+    """COPY (activation forward, its gradient backward) between segments on two single devices;
+    for a module model in lockstep, one per crossing tensor and receiving device (plan/crossings.py)."""
+    if lockstep(spec, plan.segments):  # (a GPipe pipeline's: insert_pipeline's sends)
+        return plan if plan.schedule else _crossing_copies(plan, graph)
     return _transitions(plan, graph, copies=True)
+
+
+def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
+    """One COPY per crossing tensor and receiving device (attrs: `of` the producing layer, its
+    output `leaf`, `from` its segment), at the points the lockstep program moves it: forward after
+    the producer's segment and before the consumer's; the gradient after every later segment's
+    backward on the receiving device and before the producer's backward."""
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    segs = plan.segments
+    found = crossings(segs, graph)
+
+    def xing(o: Op, phase: str, src: int) -> bool:
+        return o.attrs.get("from") == src and o.phase == phase
+
+    for c in found:
+        attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
+        fwd = Op(kind=OpKind.COPY, devices=(c.src_device, c.dst_device), segment=c.dst, phase="fwd", tensor="act",
+                 bytes=c.bytes, route=segs[c.dst].route, src=(c.src_device,), dst=(c.dst_device,), attrs=attrs)
+        lst = ops[c.src_device]
+        lst.insert(_found(_last(lst, lambda o: _is_compute(o, c.src, ("fwd",)) or xing(o, "fwd", c.src))) + 1, fwd)
+        lst = ops[c.dst_device]
+        lst.insert(_found(_first(lst, lambda o: _is_compute(o, c.dst, ("fwd",)))), fwd)
+    for c in sorted((c for c in found if c.grad), key=lambda c: -c.src):
+        attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
+        bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, c.src_device), segment=c.dst, phase="bwd", tensor="grad",
+                 bytes=c.bytes, route=segs[c.dst].route, src=(c.dst_device,), dst=(c.src_device,), attrs=attrs)
+        lst = ops[c.dst_device]
+        lst.insert(_found(_last(lst, lambda o: (o.kind == OpKind.COMPUTE and o.segment > c.src and o.phase in BWD)
+                                or (o.phase == "bwd" and "from" in o.attrs))) + 1, bwd)
+        lst = ops[c.src_device]
+        lst.insert(_found(_first(lst, lambda o: _is_compute(o, c.src, BWD))), bwd)
+    return plan.with_ops(ops)
 
 
 def insert_splits(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     """SPLIT / MERGE / RESPLIT where consecutive segments use different groups or modes, and
     where a spatial last segment's output meets for the loss."""
+    if lockstep(spec, plan.segments):  # one device per segment: copies only
+        return plan
     plan = _transitions(plan, graph, copies=False)
     ops = {d: list(v) for d, v in plan.ops.items()}
     _loss_gather(plan, graph, ops)
@@ -269,9 +307,20 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     if not plan.schedule:
         return plan
     m, segs = plan.microbatches, plan.segments
-    out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV)] after that work
+    out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV, its segment)] after that work
     need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
-    for prev, cur in zip(segs, segs[1:]):
+    for c in crossings(segs, graph) if lockstep(spec, segs) else ():  # a module model's GPipe in lockstep
+        n, attrs = per_microbatch(c, plan.batch_size, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
+        flows = [("fwd", c.src, c.dst, c.src_device, c.dst_device, "act")]
+        flows += [("bwd", c.dst, c.src, c.dst_device, c.src_device, "grad")] if c.grad else []
+        for flow, a_k, b_k, a, b, what in flows:
+            for mb in range(m):
+                kw: dict = dict(devices=(a, b), segment=c.dst, phase=flow, tensor=what, bytes=n, microbatch=mb,
+                                    route=segs[c.dst].route, src=(a,), dst=(b,), attrs=attrs)
+                out.setdefault((a, a_k, flow, mb), []).append(
+                    (Op(kind=OpKind.SEND, **kw), Op(kind=OpKind.RECV, **kw), b_k))
+                need[(b, b_k, flow, mb)] += 1
+    for prev, cur in zip(segs, segs[1:]) if not lockstep(spec, segs) else ():
         src, dst = in_layout(prev), in_layout(cur)
         if src == dst:  # consecutive stages on the same group (the turn of a V schedule)
             continue
@@ -283,7 +332,7 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
                     common: dict = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=what, bytes=nbytes,
                                   microbatch=mb, route=cur.route, src=(a,), dst=(b,))
                     out.setdefault((a, a_seg.index, flow, mb), []).append(
-                        (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common)))
+                        (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common), b_seg.index))
                     need[(b, b_seg.index, flow, mb)] += 1
     lists = {d: plan.ops.get(d, ()) for d in plan.devices}
     last = {(d, o.segment, _flow(o.phase), o.microbatch): i for d, lst in lists.items() for i, o in enumerate(lst)}
@@ -301,11 +350,11 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
                 continue
             new[d].append(op)
             if last.get(key) == pos[d]:
-                for send, recv in out.get(key, ()):
+                for send, recv, b_seg in out.get(key, ()):
                     new[d].append(send)
                     b = recv.devices[-1]
                     new[b].append(recv)
-                    got[(b, recv.segment - (recv.phase != "fwd"), recv.phase, recv.microbatch)] += 1
+                    got[(b, b_seg, recv.phase, recv.microbatch)] += 1
             pos[d] += 1
             progress = True
         if not progress:

@@ -119,7 +119,8 @@ def _segments(plan: Plan) -> Problem | None:
                 continue
             if op.segment == 0:
                 return "V003", f"op {i} on {d}: segment 0 has no segment before it to receive from", [(d, i)]
-            prev = plan.segments[op.segment - 1]
+            # a tensor crossing in lockstep (plan/crossings.py) comes from the segment that made it
+            prev = plan.segments[op.attrs.get("from", op.segment - 1)]
             src, dst = (prev, seg) if op.phase == "fwd" else (seg, prev)
             bad = [x for x in (op.src or op.devices[:1]) if x not in src.devices] + \
                   [x for x in (op.dst or op.devices[-1:]) if x not in dst.devices]
@@ -204,9 +205,12 @@ def _pairs(plan: Plan) -> Problem | None:
 
 def _boundaries(plan: Plan, complete: bool) -> Problem | None:
     counts: dict[tuple, list] = {}
+    crossing = False
     for d in plan.devices:
         for i, op in enumerate(plan.ops.get(d, ())):
-            if op.owner == d and (op.kind in TRANSFERS or op.kind in P2P):
+            if "from" in op.attrs:  # one per crossing tensor (plan/crossings.py): as many as the trace finds
+                crossing = True
+            elif op.owner == d and (op.kind in TRANSFERS or op.kind in P2P):
                 counts.setdefault((op.segment, op.phase, op.microbatch, op.kind in P2P), []).append((d, i, op))
     segs = plan.segments
     for prev, cur in zip(segs, segs[1:]):
@@ -228,14 +232,14 @@ def _boundaries(plan: Plan, complete: bool) -> Problem | None:
                         return "V006", f"micro-batch {mb} is sent ({phase}) between stages {prev.name!r} and " \
                                        f"{cur.name!r} from {stray[0][2].devices[0]} to {stray[0][2].devices[1]}, " \
                                        "which the layouts do not call for", [stray[0][:2]]
-                    if complete and pairs and not sends:
+                    if complete and pairs and not sends and not crossing:
                         return "V006", f"micro-batch {mb} is never sent ({phase}) from stage {prev.name!r} to " \
                                        f"{cur.name!r}", []
                 continue
             if len(xfers) > 1 or (xfers and not changes):
                 why = "more than one transfer" if len(xfers) > 1 else "a transfer where the layout does not change"
                 return "V006", f"{phase} boundary {prev.name!r} -> {cur.name!r} has {why}", [x[:2] for x in xfers]
-            if complete and changes and not xfers:
+            if complete and changes and not xfers and not crossing:
                 return "V006", f"{phase} boundary {prev.name!r} -> {cur.name!r} changes devices or layout but " \
                                "has no copy, split, merge or re-split", []
     return None

@@ -133,6 +133,8 @@ def _group_ops(plan: Plan):
         if op.kind in TRANSITIONS:
             # a backward copy folds into its forward one, micro-batches into one node
             key = (op.kind in P2P, frozenset(op.devices))
+            if "of" in op.attrs:  # a module model's crossing tensor (plan/crossings.py): a node each
+                key += (op.attrs["of"], op.attrs["leaf"], op.attrs["from"])
             table = trans.setdefault(op.segment, {})
         elif "tie" in op.attrs:
             continue  # drawn as the edge between the tied layers (_tie_edges)
@@ -152,6 +154,8 @@ def _group_ops(plan: Plan):
 def _transition_label(m: _Merged, plan: Plan) -> list[str]:
     op = m.op
     head = _NAMES[op.kind] + (f" {op.tensor}" if op.tensor else "")
+    if "of" in op.attrs:
+        head += f" {op.attrs['of']}[{op.attrs['leaf']}]"
     src, dst = _ends(op, plan)
     if op.kind in (OpKind.SPLIT, OpKind.MERGE, OpKind.RESPLIT):
         dims = {OpKind.SPLIT: (None, op.dst_dim), OpKind.MERGE: (op.src_dim, None),
@@ -335,7 +339,10 @@ def placement_dot(plan: Plan, graph=None, estimate=None) -> str:
             style = "filled" if m.has_fwd else "filled,dashed"
             out.append(f"  {node} [shape={_SHAPES[m.op.kind]}, style=\"{style}\", fillcolor=\"#f2f2f2\", "
                        f"{_MARGINS.get(m.op.kind, '')}label={_q(*_transition_label(m, plan))}];")
-            if not any(b == j for _, b in feeds):
+            if "of" in m.op.attrs:  # from the layer that makes it, however many segments back
+                frm = plan.segments[m.op.attrs["from"]]
+                out.append(f"  s{frm.index}_l{frm.layers.index(m.op.attrs['of'])} -> {node};")
+            elif not any(b == j for _, b in feeds):
                 out.append(f"  {prev} -> {node};")
             out += [f"  {node} -> t{seg.index}_{k};" for a, k in sorted(feeds) if a == j]
             if not any(a == j for a, _ in feeds):

@@ -35,7 +35,7 @@ MODES = [
     ("mlp_group_transitions", "split and merge between groups", 3),
     ("mlp_prefetch", "prefetch 4 batches in a thread", 2),
     ("mlp_user_data", "user data module", 2),
-    ("tinygpt", "module model cut by torch.distributed.pipelining", 3),
+    ("tinygpt", "module model in lockstep, no torch.export (its root pos with blocks.0)", 3),
     ("cnn_channel", "channel-split convs (BatchNorm, pool), then a one-device classifier", 2),
     ("mlp_tensor", "tensor parallel Linear pairs (DTensor), then a one-device head", 2),
     ("cnn_spatial", "spatial halo split of a conv stack with a pool, then a one-device head", 2),

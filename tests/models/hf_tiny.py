@@ -3,6 +3,7 @@
 Dropout is off (a placed run must match one device exactly). GPT-2's embeddings are untied
 (`tie_word_embeddings=False`): tied weights across segments are another test's subject.
 """
+import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -69,3 +70,52 @@ class WrappedGPT2(nn.Module):
 
     def forward(self, idx):
         return self.gpt(idx).logits
+
+
+class SharedBias(nn.Module):
+    """A parent's own parameter (`bias`) added in forward before two layers: placed on two
+    devices, each would train its own copy (P082)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(self.a(x + self.bias) + self.bias)
+
+
+class Pair(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return {"h": self.fc(x)}
+
+
+class DictLayer(nn.Module):
+    """A placed layer that returns a mapping: the devices without it cannot rebuild it (P081)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.pair = Pair(d)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.head(self.pair(x)["h"])
+
+
+class Skip(nn.Module):
+    """A skip connection over a segment: `embed`'s output reaches `head` directly as well."""
+
+    def __init__(self, vocab: int = 32, d: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.mid = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        return self.head(self.mid(x) + x)

@@ -16,6 +16,7 @@ def tied_copies(held):
 def sum_tied_grads(copies, group=None):
     """Give every copy of one tied parameter the sum of all copies' gradients: this rank's
     added here, then over `group` (the ranks holding a copy; None: all on this rank)."""
+    copies = list({id(p): p for p in copies}.values())  # in lockstep, segments on one rank share one
     if not copies:
         return
     grad = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in copies)

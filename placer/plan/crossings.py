@@ -1,0 +1,134 @@
+"""What crosses a segment boundary in a module model, found by the trace.
+
+A module model (`model.module`) whose segments sit on one device each, without a pipeline or with
+a GPipe one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
+embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
+output leaf that a layer on another device reads (directly or through glue: a hidden state,
+rotary `cos`/`sin`, a skip connection) crosses to that device, once per device and call. Masks
+and positions built from the batch are computed on every device and never cross. The trace
+(`LayerInfo.consumers`) says which leaves reach which layers; `crossings` turns that into one
+transfer per tensor and receiving device, which the plan counts and the program sends.
+
+What lockstep cannot run is refused before any worker starts: a placed layer whose output is
+not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
+parent's own parameter whose glue feeds layers on several devices (P082: each would train its
+own copy). Other placements of module models are cut by torch.distributed.pipelining, which
+passes one tensor between stages: a cut where the trace sees more is refused (P083).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from placer.diagnostics import Diagnostic
+from placer.model.graph import INPUT, OUTPUT, ModelGraph
+from placer.plan.ir import PlacedSegment
+
+ITEMSIZE = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
+            "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+@dataclass(frozen=True)
+class Crossing:
+    layer: str
+    """The layer whose output leaf crosses."""
+    leaf: int
+    """The leaf's index in that output (0 for a tensor; `cos` is 0, `sin` 1 of a rotary pair)."""
+    src: int
+    """The producing segment."""
+    dst: int
+    """The first segment on the receiving device that reads it."""
+    src_device: str
+    dst_device: str
+    shape: tuple
+    """On the global batch."""
+    dtype: str
+    grad: bool
+    """Whether its gradient goes back (it requires grad where it is made)."""
+    calls: int = 1
+
+    @property
+    def bytes(self) -> int:
+        """Per step: every call's output crosses."""
+        return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 4) * self.calls
+
+
+def lockstep(spec, segments) -> bool:
+    """Whether a module model runs in lockstep: several segments, one device each, and no
+    pipeline or a GPipe one (placer's micro-batch loops)."""
+    return (not spec.model.inline and len(segments) > 1 and all(len(s.devices) == 1 for s in segments)
+            and (spec.pipeline is None or spec.pipeline.schedule == "gpipe"))
+
+
+def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
+    """Bytes of one micro-batch's copy: a leaf whose dim 0 is the batch is cut m ways (rotary
+    cos / sin, [1, seq, d], is not)."""
+    return c.bytes // m if c.shape and c.shape[0] == batch_size else c.bytes
+
+
+def crossings(segments, graph: ModelGraph) -> list[Crossing]:
+    """Every output leaf that reaches a layer (or the loss) on another device, per receiving
+    device, producers in model order."""
+    seg_of = {layer: s for s in segments for layer in s.layers}
+    out = []
+    for s in segments:
+        for layer in s.layers:
+            info = graph.layer(layer)
+            for leaf, users in info.consumers:
+                spec_leaf = info.out_leaves[leaf] if leaf < len(info.out_leaves) else None
+                if spec_leaf is None:
+                    continue
+                dsts: dict[str, PlacedSegment] = {}
+                for u in users:
+                    t = segments[-1] if u == OUTPUT else seg_of[u]
+                    if t.devices[0] != s.devices[0]:
+                        dsts.setdefault(t.devices[0], t)
+                shape, dtype, grad = spec_leaf
+                out += [Crossing(layer, leaf, s.index, t.index, s.devices[0], d, tuple(shape), dtype,
+                                 bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"), info.calls)
+                        for d, t in dsts.items()]
+    return out
+
+
+def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
+    """P081 / P082 where lockstep cannot run the placement; P083 where the pipelining cut that
+    runs it instead would have to pass more than one tensor into a stage."""
+    if spec.model.inline or len(segments) < 2:
+        return []
+    seg_of = {layer: s for s in segments for layer in s.layers}
+    if lockstep(spec, segments):
+        out = []
+        for s in segments:
+            for layer in s.layers:
+                info = graph.layer(layer)
+                if info.out_kind == "other":
+                    out.append(Diagnostic(
+                        "P081", f"layer {layer!r} ({info.op}) returns neither a tensor nor a tuple / list of tensors; "
+                        "the devices that do not run it cannot rebuild its output", spec.placement[s.index].loc,
+                        "place its children instead, or the layers around it in one segment"))
+        for r in graph.root_params:
+            users = {(segments[-1] if u == OUTPUT else seg_of[u]).devices[0] for u in r.users if u in seg_of or
+                     u == OUTPUT}
+            if r.trainable and len(users) > 1:
+                out.append(Diagnostic(
+                    "P082", f"parameter {r.name!r} belongs to no placed layer, and the parent's forward feeds it to "
+                    f"layers on {len(users)} devices ({', '.join(sorted(users))}); each would train its own copy",
+                    spec.placement[0].loc, "move it into a submodule and place that, or place its users on one device"))
+        return out
+    out = []
+    for k, seg in enumerate(segments[1:], 1):
+        made = [h for layer in seg.layers for h in graph.layer(layer).homes
+                if (segments[0] if h == INPUT else seg_of[h]).index != k]
+        made = list(dict.fromkeys(made))
+        prev = segments[k - 1].layers[-1]
+        if made and made != [prev]:
+            s = spec.placement[k]
+            out.append(Diagnostic(
+                "P083", f"segment {s.name!r} reads tensors made in earlier segments at {', '.join(made)} (a layer's "
+                "output, or the parent's work before it: a mask, rotary, a skip connection); a pipeline schedule or "
+                "a multi-device segment cuts a module model with torch.distributed.pipelining, which passes exactly "
+                f"one: {prev}'s output", s.loc,
+                "place the module model one device per segment, without a pipeline or with schedule gpipe "
+                "(lockstep passes any crossing), or cut where only the hidden state crosses"))
+    return out
+

@@ -1,0 +1,152 @@
+"""What crosses a segment boundary in a module model (placer/plan/crossings.py): the trace
+follows data through the parent's glue, the plan has one copy per crossing tensor and
+receiving device, and placements lockstep cannot run are refused before any worker."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from placer.cli.main import main
+from placer.codegen.program import generate
+from placer.diagnostics import PlanError
+from placer.model.build import build_graph, deep_check
+from placer.plan.ir import OpKind
+from placer.plan.lower import lower
+from placer.plan.place import place
+from placer.plan.text import format_plan, parse_plan
+from placer.spec.check import load_spec
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+LLAMA = MODELS / "hf_llama_layerwise.yaml"
+
+
+def spec_file(tmp_path: Path, model: str, kwargs: str, inp: str, placement: str, extra: str = "") -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(f"""placer: 1
+name: crossing
+model:
+  module: {MODELS / 'hf_tiny.py'}:{model}
+  kwargs: {kwargs}
+  input: {inp}
+  target: {{shape: [B], dtype: int64, high: 8}}
+  loss: CrossEntropyLoss
+devices: [cpu, cpu:1]
+placement:
+{placement}
+{extra}training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1}}, seed: 0}}
+""")
+    return path
+
+
+def lowered(path: Path):
+    spec = load_spec(str(path))
+    graph = build_graph(spec)
+    return spec, graph, lower(place(spec, graph), spec, graph)
+
+
+def crossing_copies(plan, phase: str) -> list:
+    return sorted(((op.attrs["of"], op.attrs["leaf"], op.src[0], op.dst[0], op.bytes) for op in plan.unique_ops()
+                   if op.kind == OpKind.COPY and op.phase == phase), key=str)
+
+
+def test_llama_rotary_cos_and_sin_reach_every_decoder_layer():
+    graph = build_graph(load_spec(str(LLAMA)))
+    rotary = graph.layer("model.rotary_emb")
+    assert rotary.out_kind == "tuple" and [leaf[2] for leaf in rotary.out_leaves] == [False, False]  # no_grad
+    assert rotary.consumers == ((0, ("model.layers.0", "model.layers.1")), (1, ("model.layers.0", "model.layers.1")))
+    assert graph.layer("model.layers.1").consumers == ((0, ("model.norm",)),)
+    assert graph.layer("lm_head").consumers == ((0, ("output",)),)
+
+
+def test_llama_layerwise_plans_one_copy_per_crossing_tensor():
+    """Before: one copy of the last layer's output (8 KiB); now cos and sin cross too, and only
+    the hidden state's gradient goes back (rotary runs under no_grad)."""
+    _, _, plan = lowered(LLAMA)
+    cos_sin = 1 * 16 * 8 * 4  # [1, seq, head_dim] float32
+    assert crossing_copies(plan, "fwd") == sorted([
+        ("model.layers.0", 0, "cpu", "cpu:1", 4 * 16 * 32 * 4),
+        ("model.rotary_emb", 0, "cpu", "cpu:1", cos_sin), ("model.rotary_emb", 1, "cpu", "cpu:1", cos_sin)], key=str)
+    assert crossing_copies(plan, "bwd") == [("model.layers.0", 0, "cpu:1", "cpu", 4 * 16 * 32 * 4)]
+    assert parse_plan(format_plan(plan)) == plan
+
+
+def test_a_skip_connection_crosses_only_to_devices_that_lack_it(tmp_path):
+    """embed's output reaches mid (cpu:1) and, through the parent's `+ x`, head (back on cpu):
+    it crosses to cpu:1 only; mid's output crosses back for head."""
+    path = spec_file(tmp_path, "Skip", "{vocab: 32, d: 8}", "{shape: [B], dtype: int64, high: 32}", """\
+  - {layers: embed, device: cpu}
+  - {layers: mid, device: cpu:1}
+  - {layers: head, device: cpu}""")
+    _, graph, plan = lowered(path)
+    assert graph.layer("embed").consumers == ((0, ("mid", "head")),)
+    assert crossing_copies(plan, "fwd") == [("embed", 0, "cpu", "cpu:1", 4 * 8 * 4), ("mid", 0, "cpu:1", "cpu", 128)]
+    assert crossing_copies(plan, "bwd") == [("embed", 0, "cpu:1", "cpu", 128), ("mid", 0, "cpu", "cpu:1", 128)]
+
+
+def test_a_parents_parameter_feeding_two_devices_is_refused(tmp_path):
+    path = spec_file(tmp_path, "SharedBias", "{d: 8}", "{shape: [B, 8]}", """\
+  - {layers: a, device: cpu}
+  - {layers: b, device: cpu:1}""")
+    diags = [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
+    assert [d.code for d in diags] == ["P082"] and "'bias'" in diags[0].message
+    with pytest.raises(PlanError) as e:
+        generate(load_spec(str(path)))
+    assert e.value.diagnostics[0].code == "P082"
+    on_one = spec_file(tmp_path, "SharedBias", "{d: 8}", "{shape: [B, 8]}", """\
+  - {layers: a, device: cpu}
+  - {layers: b, device: cpu}""")
+    assert not [d for d in deep_check(load_spec(str(on_one))) if d.severity == "error"]
+
+
+def test_a_layer_returning_a_mapping_is_refused(tmp_path):
+    path = spec_file(tmp_path, "DictLayer", "{d: 8}", "{shape: [B, 8]}", """\
+  - {layers: pair, device: cpu}
+  - {layers: head, device: cpu:1}""")
+    result = CliRunner().invoke(main, ["validate", str(path), "--deep"])
+    assert result.exit_code == 1 and "error[P081]: layer 'pair' (Pair)" in result.output, result.output
+
+
+def test_a_pipeline_cut_that_would_pass_several_tensors_is_refused_before_the_workers(tmp_path):
+    """torch's schedules cut a module model with torch.distributed.pipelining, which passes one
+    tensor into each stage: the workers died there ("takes 3 tensors"); now validate --deep and
+    generate name what crosses."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(LLAMA.read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py")) +
+                    "pipeline: {microbatches: 2, schedule: 1f1b}\n")
+    result = CliRunner().invoke(main, ["validate", str(path), "--deep"])
+    assert result.exit_code == 1 and "error[P083]: segment 'back' reads tensors made in earlier segments at " \
+        "model.layers.0, model.rotary_emb" in result.output, result.output
+    with pytest.raises(PlanError) as e:
+        generate(load_spec(str(path)))
+    assert e.value.diagnostics[0].code == "P083"
+
+
+def test_the_diagram_draws_each_crossing_tensor_from_the_layer_that_makes_it():
+    from placer.render.dot import placement_dot
+
+    _, graph, plan = lowered(LLAMA)
+    dot = placement_dot(plan, graph)
+    labels = [line for line in dot.splitlines() if "shape=cds" in line]
+    assert len(labels) == 3 and all("cpu -> cpu:1" in x for x in labels)
+    assert "copy act model.rotary_emb[1]" in dot and "fwd 8.0 KiB, bwd 8.0 KiB" in dot
+    # rotary_emb is layer 1 of segment 0, model.layers.0 layer 2
+    assert dot.count("  s0_l1 -> t1_") == 2 and dot.count("  s0_l2 -> t1_") == 1
+
+
+def test_gpt2s_mask_made_before_the_cut_is_seen_under_a_pipeline(tmp_path):
+    """GPT2Model builds its causal mask in its own forward (glue, before wpe runs) and hands it to
+    every block: cut by torch.distributed.pipelining for torch's 1F1B, the back stage would take the
+    mask too; GPipe runs in lockstep, where each rank builds the mask."""
+    graph = build_graph(load_spec(str(MODELS / "hf_gpt2_layerwise.yaml")))
+    assert graph.layer("transformer.h.1").homes == ("transformer.h.0", "transformer.wpe")
+    path = tmp_path / "spec.yaml"
+    path.write_text((MODELS / "hf_gpt2_layerwise.yaml").read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
+                    + "pipeline: {microbatches: 2, schedule: 1f1b}\n")
+    diags = [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
+    assert [d.code for d in diags] == ["P083"]
+    gpipe = path.read_text().replace("1f1b", "gpipe")  # placer's GPipe loops run it in lockstep
+    path.write_text(gpipe)
+    assert not [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
+    assert "at transformer.h.0, transformer.wpe" in diags[0].message and "transformer.h.0's output" in diags[0].message
