@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from placer.cli.main import main
 from placer.codegen.program import generate
-from placer.diagnostics import PlanError
+from placer.diagnostics import PlacerError
 from placer.model.build import build_graph, deep_check
 from placer.plan.ir import OpKind
 from placer.plan.lower import lower
@@ -91,7 +91,7 @@ def test_a_parents_parameter_feeding_two_devices_is_refused(tmp_path):
   - {layers: b, device: cpu:1}""")
     diags = [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
     assert [d.code for d in diags] == ["P082"] and "'bias'" in diags[0].message
-    with pytest.raises(PlanError) as e:
+    with pytest.raises(PlacerError) as e:  # validate --deep's errors, raised before planning
         generate(load_spec(str(path)))
     assert e.value.diagnostics[0].code == "P082"
     on_one = spec_file(tmp_path, "SharedBias", "{d: 8}", "{shape: [B, 8]}", """\
@@ -118,7 +118,7 @@ def test_a_pipeline_cut_that_would_pass_several_tensors_is_refused_before_the_wo
     result = CliRunner().invoke(main, ["validate", str(path), "--deep"])
     assert result.exit_code == 1 and "error[P083]: segment 'back' reads tensors made in earlier segments at " \
         "model.layers.0, model.rotary_emb" in result.output, result.output
-    with pytest.raises(PlanError) as e:
+    with pytest.raises(PlacerError) as e:  # validate --deep's errors, raised before planning
         generate(load_spec(str(path)))
     assert e.value.diagnostics[0].code == "P083"
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from placer.cli.main import main
 from placer.cli.run_cmd import check_failure, check_hint
 from placer.codegen.program import generate
-from placer.diagnostics import PlanError
+from placer.diagnostics import PlacerError
 from placer.estimate.memory import memory
 from placer.launch.check import compare
 from placer.model.build import build_graph, deep_check
@@ -128,7 +128,7 @@ def test_a_tie_placer_cannot_keep_is_refused_before_any_worker(tmp_path):
     (diag,) = [d for d in deep_check(load_spec(path)) if d.code == "P080"]
     assert "'wte.weight'" in diag.message and "'wte' (segment 'front')" in diag.message
     assert "'lm_head' (segment 'back')" in diag.message and diag.loc.line == 11
-    with pytest.raises(PlanError) as e:
+    with pytest.raises(PlacerError) as e:  # validate --deep's errors, raised before planning
         generate(load_spec(path))
     assert e.value.diagnostics[0].code == "P080"
 
