@@ -53,8 +53,12 @@ class TrainWriter:
     """Whether the step calls every optimizer of the rank in one loop (torch's pipeline schedules)."""
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=()):
+                 microbatches: int = 0, tied=(), training=None):
         self.segs, self.world, self.devices = segs, world, devices
+        self.scheduled = training is not None and training.lr_schedule is not None
+        """training.lr_schedule: every optimizer gets a scheduler, stepped after it."""
+        self.clip = training.clip_grad_norm if training is not None else None
+        """training.clip_grad_norm: the global norm is clipped between the gradient syncs and the steps."""
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches
@@ -109,7 +113,7 @@ class TrainWriter:
         head.indent()('"""One worker (rank) of the placed training run; torchrun starts one per device."""')
         self.setup()
         c("")
-        c("first, losses = resume_checkpoint(args, rank, modules, optimizers)  # step 0 unless resuming"
+        c(f"first, losses = resume_checkpoint(args, rank, modules, optimizers{self.sched_arg})  # step 0 unless resuming"
           if self.checkpoint else "first, losses = 0, []  # no checkpoints: a restart starts at step 0")
         c("data = batches(args.steps, first)", "start = time.perf_counter()",
           "batch_losses = BatchLosses(losses, args, rank, start)  # summed off the critical path")
@@ -151,13 +155,19 @@ class TrainWriter:
         c("own = {}  # name -> parameter, for those this rank owns (saved at the end)",
           "if args.grads and not resuming(args):  # run --check compares the first step's gradients too",
           "    record_first_grads(own)")
+        if self.clip is not None:
+            c("norm_params = []  # the parameters whose gradients this rank counts in the global norm")
         for seg in self.segs:
             self.setup_segment(seg)
         c(*ties.emit_setup(self.tied))
+        if self.clip is not None:
+            c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
           f"modules = [m for m in {self.tuple_of('seg')} if m is not None]")
-        if self.checkpoint or self.steps_all:
+        if self.checkpoint or self.steps_all or self.scheduled or self.clip is not None:
             c(f"optimizers = [o for o in {self.tuple_of('opt')} if o is not None]")
+        if self.scheduled:
+            c("schedulers = [make_scheduler(o) for o in optimizers]  # training.lr_schedule, one per optimizer")
         if self.gathered:
             self.owned()
 
@@ -210,8 +220,32 @@ class TrainWriter:
                 c(f"    opt{k} = make_optimizer(seg{k}.parameters())")
             else:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
+        self.norm_share(seg)
         if cond:
             c.dedent()
+
+    def norm_share(self, seg: Seg) -> None:
+        """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
+        if self.clip is not None and seg.has_params:
+            self.c(f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})")
+
+    @property
+    def sched_arg(self) -> str:
+        return ", schedulers" if self.scheduled else ""
+
+    def clip_and_step(self) -> None:
+        """With clip_grad_norm: the global norm over every rank's synced gradients, clipped, then
+        every optimizer's step; and with lr_schedule every scheduler's step after its optimizer's."""
+        c = self.c
+        if self.clip is not None:
+            c("", "# the global gradient norm (each parameter counted once, wherever it lives), clipped as",
+              "# torch.nn.utils.clip_grad_norm_ does on one device; then every optimizer steps",
+              'with timer("comm"):',
+              "    grad_norm = clip_global_grad_norm(norm_params, [p for m in modules for p in m.parameters()], "
+              "CLIP_GRAD_NORM)",
+              "for opt in optimizers:", "    opt.step()")
+        if self.scheduled:
+            c("for scheduler in schedulers:  # training.lr_schedule: once per optimizer step", "    scheduler.step()")
 
     def step(self) -> None:
         c, segs = self.c, self.segs
@@ -233,9 +267,14 @@ class TrainWriter:
             for seg in reversed(segs[1:]):
                 self.backward(seg)
         c(*ties.emit_sync(self.tied))
-        c("", "# gradient sync and optimizer steps, segment by segment")
+        c("", "# gradient sync and optimizer steps, segment by segment" if self.clip is None else
+          "# gradient sync, segment by segment")
+        at = len(c.lines)
         for seg in segs:
             self.sync(seg)
+        if len(c.lines) == at:  # nothing to sync here (DDP and FSDP synced during backward)
+            del c.lines[at - 2:]
+        self.clip_and_step()
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()")
         self.add_loss()
@@ -244,10 +283,11 @@ class TrainWriter:
         """Hand the step's `total` to batch_losses (summed while the next step trains); a
         checkpoint waits for it, as it saves every loss so far."""
         c = self.c
-        c("batch_losses.add(step, total)  # all-reduced while the next step trains; NaN/inf: stop")
+        norm = ", grad_norm" if self.clip is not None else ""
+        c(f"batch_losses.add(step, total{norm})  # all-reduced while the next step trains; NaN/inf: stop")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:", "    batch_losses.settle()",
-              "    save_checkpoint(args.out, step, rank, modules, optimizers, losses)")
+              f"    save_checkpoint(args.out, step, rank, modules, optimizers, losses{self.sched_arg})")
 
     def gpipe_step(self) -> None:
         """GPipe on placer's own copies: every micro-batch forward, then every one backward. Each
@@ -366,7 +406,10 @@ class TrainWriter:
         if not seg.has_params:
             return
         ranks, lines = MODES[seg.mode].emit_sync(seg)
-        self.when(ranks, *lines)
+        if self.clip is not None:  # the steps come after the global norm (P092: sync helpers that step are refused)
+            lines = [line for line in lines if line != f"opt{seg.k}.step()"]
+        if lines:
+            self.when(ranks, *lines)
 
     def finish(self) -> None:
         c = self.c
@@ -408,6 +451,7 @@ class TrainWriter:
 
 
 def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=()) -> str:
-    """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`)."""
-    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied).write()
+                 microbatches: int = 0, tied=(), training=None) -> str:
+    """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`);
+    `training`: the spec's training options (lr_schedule, clip_grad_norm)."""
+    return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied, training).write()

@@ -308,6 +308,7 @@ def _check_names(spec: Spec) -> list[Diagnostic]:
         diags.append(D("P052", f"optimizer {opt.op!r} is not in torch.optim",
                        spec.doc.loc(("training", "optimizer", "op")),
                        name_hint("optimizers", opt.op, sorted(torch_names.OPTIMIZERS))))
+    diags += _check_training(spec)
     for key in ("input", "target"):
         t = getattr(m, key)
         if t.dtype in INT_DTYPES and t.dtype != "bool" and t.high is None:
@@ -320,6 +321,46 @@ def _check_names(spec: Spec) -> list[Diagnostic]:
             if spec.file not in ("<stdin>", "<spec>") and not os.path.isfile(full):
                 diags.append(D("P054", f"{path}.module file {rel!r} does not exist (relative to the spec)",
                                spec.doc.loc(tuple(path.split(".")) + ("module",)), f"looked for {full}"))
+    return diags
+
+
+# Schedulers a spec cannot build: they take callables, other schedulers or a metric per step.
+SPEC_LESS_SCHEDULERS = {
+    "LambdaLR": "takes a Python function", "MultiplicativeLR": "takes a Python function",
+    "ChainedScheduler": "takes other schedulers", "SequentialLR": "takes other schedulers",
+    "ReduceLROnPlateau": "steps on a validation metric",
+}
+
+
+def _check_training(spec: Spec) -> list[Diagnostic]:
+    """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
+    gradients of every segment before any step; P093: options not run yet."""
+    t, diags = spec.training, []
+    sched = t.lr_schedule
+    if sched and sched.op not in torch_names.LR_SCHEDULERS:
+        diags.append(D("P090", f"lr_schedule {sched.op!r} is not in torch.optim.lr_scheduler",
+                       spec.doc.loc(("training", "lr_schedule", "op")),
+                       name_hint("schedulers", sched.op, sorted(set(torch_names.LR_SCHEDULERS) - set(SPEC_LESS_SCHEDULERS)))))
+    elif sched and sched.op in SPEC_LESS_SCHEDULERS:
+        diags.append(D("P091", f"lr_schedule {sched.op!r} {SPEC_LESS_SCHEDULERS[sched.op]}: a spec cannot build it",
+                       spec.doc.loc(("training", "lr_schedule", "op")),
+                       "use one that takes plain values: CosineAnnealingLR, StepLR, LinearLR, OneCycleLR, ..."))
+    if t.clip_grad_norm is not None:
+        for seg in spec.placement:
+            if seg.mode == "data" and seg.parallel.sync in ("parameter_server", "broadcast"):
+                diags.append(D("P092", f"segment {seg.name!r}: clip_grad_norm needs every gradient before any step, "
+                               f"and sync {seg.parallel.sync!r} steps as it syncs", seg.parallel.loc,
+                               "use sync allreduce (the default) in this segment, or leave clip_grad_norm out"))
+    if t.precision != "fp32":
+        diags.append(D("P093", f"precision {t.precision!r} is not run by this placer yet",
+                       spec.doc.loc(("training", "precision")), "use precision fp32 (the default)"))
+    if t.accumulate != 1:
+        diags.append(D("P093", f"accumulate {t.accumulate} is not run by this placer yet",
+                       spec.doc.loc(("training", "accumulate")), "use accumulate 1 (the default)"))
+    for seg in spec.placement:
+        if seg.recompute:
+            diags.append(D("P093", f"segment {seg.name!r}: recompute is not run by this placer yet",
+                           spec.doc.loc(("placement", seg.index, "recompute")), "leave recompute out"))
     return diags
 
 
