@@ -316,7 +316,22 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     return plan.with_ops(new)
 
 
-PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline, insert_ties)
+def insert_grad_norm(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
+    """training.clip_grad_norm: one ALL_REDUCE of a float32 (each device's sum of the squared
+    gradients it counts) over every device, after every gradient sync and before any step."""
+    if spec.training.clip_grad_norm is None:
+        return plan
+    op = Op(kind=OpKind.ALL_REDUCE, devices=plan.devices, segment=len(plan.segments) - 1, phase="step",
+            tensor="grad_norm", bytes=4, attrs={"grad_norm": True})
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    for d in plan.devices:
+        lst = ops.setdefault(d, [])
+        at = next((i for i, o in enumerate(lst) if o.kind == OpKind.STEP), len(lst))
+        lst.insert(at, op)
+    return plan.with_ops(ops)
+
+
+PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline, insert_ties, insert_grad_norm)
 
 
 def lower(plan: Plan, spec: Spec, graph: ModelGraph, passes=PASSES) -> Plan:

@@ -1,0 +1,85 @@
+"""`placer run --check` with the training options on: `clip_grad_norm` (with a max norm small
+enough that it clips every step) and `lr_schedule`, in every kind of placement whose
+parameters live in a different way (layer-wise segments, DDP replicas, ZeRO, FSDP shards,
+tensor-parallel DTensors, channel slices, a torch pipeline schedule). The run and the
+one-device reference agree on every loss and parameter, and on the global gradient norm of
+every step: counting a replica twice or a shard once would change it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from placer.cli.main import main
+
+try:
+    from .test_run_modes import assert_sends_what_the_plan_says
+except ImportError:  # run as a top-level module
+    from test_run_modes import assert_sends_what_the_plan_says
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+CLIP = 0.01
+OPTIONS = ["--set", f"training.clip_grad_norm={CLIP}",
+           "--set", "training.lr_schedule={op: LinearLR, kwargs: {start_factor: 0.25, total_iters: 4}}"]
+SGD = ["--set", "training.optimizer={op: SGD, lr: 0.5}"]  # Adam would hide a wrong clip factor
+
+# (spec under specs/, how its parameters live)
+PLACEMENTS = [
+    ("mlp_layerwise_direct", "layer-wise: each parameter on one rank"),
+    ("mlp_data_allreduce_no_overlap", "data: a replica on each rank, gradients all-reduced"),
+    ("mlp_data_shard_optimizer", "ZeRO-1: DDP replicas, optimizer state sharded"),
+    ("mlp_data_shard_full", "FSDP2: every parameter a Shard(0) DTensor"),
+    ("mlp_tensor", "tensor: column / row Linear pairs (DTensor), a replicated bias, a one-device head"),
+    ("cnn_channel", "channel: slices of every conv, whole layers after, a one-device head"),
+    ("mlp_pipeline_1f1b", "pipeline: torch's 1F1B schedule over two stages"),
+]
+
+
+def norms(run: Path) -> list[float]:
+    return [json.loads(line)["grad_norm"] for line in (run / "progress.jsonl").read_text().splitlines()
+            if "grad_norm" in line]
+
+
+def run_check(spec: Path, run_dir: Path, *extra: str):
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--steps", str(STEPS), "--run-dir", str(run_dir),
+                                       *extra])
+    assert result.exit_code == 0, result.output + ((run_dir / "run.log").read_text()
+                                                   if (run_dir / "run.log").exists() else "")
+    assert json.loads((run_dir / "check.json").read_text())["ok"]
+    return result
+
+
+@pytest.mark.parametrize("spec,what", PLACEMENTS, ids=[p[0] for p in PLACEMENTS])
+def test_clipping_and_schedule_match_one_device(spec, what, tmp_path):
+    run = tmp_path / "run"
+    run_check(ROOT / "specs" / f"{spec}.yaml", run, *OPTIONS, *SGD)
+    got, want = norms(run), norms(run / "reference")
+    assert len(got) == len(want) == STEPS
+    assert all(n > 10 * CLIP for n in want), want  # the clip bites at every step
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("how", [(), ("--set", "pipeline={microbatches: 2, schedule: 1f1b}")],
+                         ids=["layerwise", "1f1b"])
+def test_clipping_counts_a_tied_parameter_once(how, tmp_path):
+    """GPT-2's tied wte / lm_head, a copy in each of two segments: it counts once in the norm."""
+    pytest.importorskip("transformers")
+    run = tmp_path / "run"
+    run_check(ROOT / "tests/cases/valid/hf_gpt2_tied/spec.yaml", run, *OPTIONS, *how)
+    torch.testing.assert_close(torch.tensor(norms(run)), torch.tensor(norms(run / "reference")), rtol=1e-5, atol=0)
+
+
+def test_the_plan_sends_what_the_run_sends_with_clipping(tmp_path):
+    """The norm's all-reduce (4 bytes from every device) is in the plan, and the run sends it."""
+    spec = tmp_path / "spec.yaml"
+    text = (ROOT / "specs" / "mlp_layerwise_direct.yaml").read_text()
+    spec.write_text(text.replace("training:\n", f"training:\n  clip_grad_norm: {CLIP}\n", 1))
+    run = tmp_path / "run"
+    run_check(spec, run)
+    assert_sends_what_the_plan_says("clip", spec, json.loads((run / "metrics.json").read_text()))
