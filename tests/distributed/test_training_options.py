@@ -83,3 +83,24 @@ def test_the_plan_sends_what_the_run_sends_with_clipping(tmp_path):
     run = tmp_path / "run"
     run_check(spec, run)
     assert_sends_what_the_plan_says("clip", spec, json.loads((run / "metrics.json").read_text()))
+
+
+def test_resume_restores_the_schedule(tmp_path):
+    """A run resumed from its step-2 checkpoint ends bit for bit as the uninterrupted run: the
+    checkpoint holds each scheduler's state (LinearLR's factor depends on its step count)."""
+    try:
+        from .test_resume import assert_same_run, interrupted_copy, placer_run
+    except ImportError:  # run as a top-level module
+        from test_resume import assert_same_run, interrupted_copy, placer_run
+
+    spec, args = "specs/mlp_layerwise_direct.yaml", ["--steps", "5", "--set", "training.checkpoint.every=2", *OPTIONS]
+    whole = tmp_path / "whole"
+    r = placer_run(spec, *args, "--run-dir", str(whole))
+    assert r.returncode == 0, r.stderr
+    run = interrupted_copy(whole, tmp_path / "run", keep_upto=2)
+    r = placer_run(spec, *args, "--resume", str(run))
+    assert r.returncode == 0, r.stderr
+    assert "resumed from the checkpoint at step 2 of 5" in r.stdout
+    assert_same_run(whole, run)
+    saved = torch.load(whole / "ckpt" / "step_2" / "rank0.pt", weights_only=True)
+    assert [s["last_epoch"] for s in saved["schedulers"]] == [2]
