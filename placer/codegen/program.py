@@ -111,6 +111,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
     used |= {"ties"} if tied else set()
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
+    used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
+        segs, len(devices), devices, False, False).syncs_in_backward else set()
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
@@ -253,7 +255,8 @@ def constants(spec: Spec, devices, out_dir: str | None) -> str:
       f"STEPS = {t.steps!r}",
       f"SEED = {t.seed!r}",
       f"PREFETCH = {t.prefetch!r}  # batches made ahead in a background thread (0: none)",
-      f"CLIP_GRAD_NORM = {t.clip_grad_norm!r}  # the global gradient norm is clipped to this (None: not clipped)")
+      f"CLIP_GRAD_NORM = {t.clip_grad_norm!r}  # the global gradient norm is clipped to this (None: not clipped)",
+      f"ACCUMULATE = {t.accumulate!r}  # micro-steps per step, each on BATCH_SIZE / ACCUMULATE rows")
     if t.checkpoint:
         c(f"CHECKPOINT_DIR = {t.checkpoint.dir!r}  # relative to --out",
           f"CHECKPOINT_EVERY = {t.checkpoint.every!r}",

@@ -152,10 +152,11 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
     """The lowered plan's segments in rank terms. `loops`: a gpipe pipeline written as
     micro-batch loops (no DDP: it would all-reduce after every micro-batch's backward)."""
     devices = rank_order(spec.devices)
-    m = spec.pipeline.microbatches if spec.pipeline else 1
+    # the rows one forward sees: a pipeline's micro-batch, or one of accumulate's micro-steps
+    m = (spec.pipeline.microbatches if spec.pipeline else 1) * spec.training.accumulate
 
     def per_step(shape) -> tuple:
-        """A global-batch shape as one forward sees it: a micro-batch's rows in a pipeline."""
+        """A global-batch shape as one forward sees it: a micro-batch's (or micro-step's) rows."""
         return (shape[0] // m, *shape[1:]) if shape else ()
     out: list[Seg] = []
     any_params = False

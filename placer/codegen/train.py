@@ -59,6 +59,8 @@ class TrainWriter:
         """training.lr_schedule: every optimizer gets a scheduler, stepped after it."""
         self.clip = training.clip_grad_norm if training is not None else None
         """training.clip_grad_norm: the global norm is clipped between the gradient syncs and the steps."""
+        self.accumulate = training.accumulate if training is not None else 1
+        """training.accumulate: micro-steps per step (not with a pipeline: P095)."""
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches
@@ -258,14 +260,10 @@ class TrainWriter:
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
         if self.microbatches:
             self.gpipe_step()
+        elif self.accumulate > 1:
+            self.accumulate_step()
         else:
-            c("", "# forward, segment by segment")
-            for seg in segs:
-                self.forward(seg)
-            self.loss(backward=True)
-            c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
-            for seg in reversed(segs[1:]):
-                self.backward(seg)
+            self.forward_backward()
         c(*ties.emit_sync(self.tied))
         c("", "# gradient sync and optimizer steps, segment by segment" if self.clip is None else
           "# gradient sync, segment by segment")
@@ -278,6 +276,37 @@ class TrainWriter:
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()")
         self.add_loss()
+
+    def forward_backward(self) -> None:
+        c, segs = self.c, self.segs
+        c("", "# forward, segment by segment")
+        for seg in segs:
+            self.forward(seg)
+        self.loss(backward=True)
+        c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
+        for seg in reversed(segs[1:]):
+            self.backward(seg)
+
+    @property
+    def syncs_in_backward(self) -> bool:
+        """Whether a segment's gradients are summed during backward (DDP, FSDP2)."""
+        return any(data.uses_ddp(s) or (s.shard == "full" and s.has_params and len(s.ranks) > 1) for s in self.segs)
+
+    def accumulate_step(self) -> None:
+        """training.accumulate: the step's batch in N micro-steps whose gradients add up in
+        .grad (each loss is its rows' share of the whole batch's mean); DDP and FSDP2 sum
+        over their group in the last micro-step's backward only, the other syncs follow it."""
+        c, n = self.c, self.accumulate
+        c("", f"# accumulate: {n} micro-steps of {self.segs[0].in_shape[0]} rows, their gradients added up",
+          f"xs, ys, micro_losses = x.chunk({n}), y.chunk({n}), []", f"for micro in range({n}):").indent()
+        c("x, y = xs[micro], ys[micro]")
+        if self.syncs_in_backward:
+            c(f"with gradient_sync(modules, micro == {n - 1}):  # DDP / FSDP2 sum over their group: on the last").indent()
+        self.forward_backward()
+        if self.syncs_in_backward:
+            c.dedent()
+        c("micro_losses.append(loss)").dedent()
+        c("loss = None if micro_losses[0] is None else sum(micro_losses)  # this rank's share of the batch's loss")
 
     def add_loss(self) -> None:
         """Hand the step's `total` to batch_losses (summed while the next step trains); a

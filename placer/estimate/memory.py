@@ -146,7 +146,8 @@ def activations(plan: Plan, graph: ModelGraph) -> dict[str, int]:
             if op.kind != OpKind.COMPUTE or op.phase in ("bwd_weight",):
                 continue
             seg = plan.segments[op.segment]
-            b = saved_bytes(plan, graph, seg, plan.chunk_layers(op)) // (seg.degree * m)
+            # one micro-batch's (a pipeline's, or one of accumulate's micro-steps) at a time
+            b = saved_bytes(plan, graph, seg, plan.chunk_layers(op)) // (seg.degree * m * plan.accumulate)
             live += b if op.phase == "fwd" else -b
             peak = max(peak, live)
         out[dev] = peak

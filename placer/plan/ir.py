@@ -149,6 +149,9 @@ class Plan:
     microbatches: int = 1
     schedule: str | None = None
     batch_size: int = 0
+    accumulate: int = 1
+    """training.accumulate: micro-steps per step, each on batch_size / accumulate rows; ops once
+    per step, their bytes summed over the micro-steps (a per-micro-step gather N times)."""
 
     def rank(self, device: str) -> int:
         return self.devices.index(device)

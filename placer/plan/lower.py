@@ -191,31 +191,34 @@ def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
     return out
 
 
-def _instantiate(entries, src: Op, m: int, part: str) -> list[Op]:
-    """Attached ops for one COMPUTE op: its micro-batch, activation bytes / m in a pipeline."""
+def _instantiate(entries, src: Op, m: int, part: str, repeat: int = 1) -> list[Op]:
+    """Attached ops for one COMPUTE op: its micro-batch, activation bytes / m in a pipeline.
+    `repeat` (accumulate's micro-steps): a layer's parameter gathers and statistics run once per
+    micro-step, its gradient reduction once, after the last (DDP no_sync, FSDP2's gradient sync off)."""
     out = []
     for op, scale, weight in entries:
         if (part == "bwd_input" and weight) or (part == "bwd_weight" and not weight):
             continue
-        out.append(op.with_(bytes=op.bytes // m if scale else op.bytes, microbatch=src.microbatch))
+        nbytes = op.bytes // m if scale else op.bytes * (1 if weight else repeat)
+        out.append(op.with_(bytes=nbytes, microbatch=src.microbatch))
     return out
 
 
-def _expand(op: Op, seg: PlacedSegment, a: Attached, m: int) -> list[Op]:
+def _expand(op: Op, seg: PlacedSegment, a: Attached, m: int, repeat: int = 1) -> list[Op]:
     """A segment's COMPUTE op split into chunks, with the collectives between them."""
     starts = sorted({0} | {c for c in a.cuts if 0 < c < len(seg.layers)})
     chunks = [(s, e) for s, e in zip(starts, starts[1:] + [len(seg.layers)])]
     out = []
     if op.phase == "fwd":
         for s, e in chunks:
-            out += _instantiate(a.pre_fwd.get(s, []), op, m, "fwd")
+            out += _instantiate(a.pre_fwd.get(s, []), op, m, "fwd", repeat)
             out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
-            out += _instantiate(sum((a.post_fwd.get(i, []) for i in range(s, e)), []), op, m, "fwd")
+            out += _instantiate(sum((a.post_fwd.get(i, []) for i in range(s, e)), []), op, m, "fwd", repeat)
         return out
     for s, e in reversed(chunks):
-        out += _instantiate(a.pre_bwd.get(s, []), op, m, op.phase)
+        out += _instantiate(a.pre_bwd.get(s, []), op, m, op.phase, repeat)
         out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
-        out += _instantiate(sum((a.post_bwd.get(i, []) for i in range(s, e)), []), op, m, op.phase)
+        out += _instantiate(sum((a.post_bwd.get(i, []) for i in range(s, e)), []), op, m, op.phase, repeat)
     return out
 
 
@@ -236,7 +239,7 @@ def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
             for i, o in enumerate(lst):
                 if o.kind == OpKind.COMPUTE and o.segment == s:
                     new += a.seg_pre_fwd if i == first else []
-                    new += _expand(o, seg, a, m)
+                    new += _expand(o, seg, a, m, plan.accumulate)
                     new += a.seg_post_bwd if i == last else []
                 elif o.kind == OpKind.STEP and o.segment == s:
                     new += a.step_pre + [o] + a.step_post

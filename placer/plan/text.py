@@ -123,6 +123,8 @@ def format_plan(plan: Plan, marks=()) -> str:
     head = [f"plan {enc(plan.name)}", _kv("batch", plan.batch_size), _kv("microbatches", plan.microbatches)]
     if plan.schedule is not None:
         head.append(_kv("schedule", plan.schedule))
+    if plan.accumulate != 1:
+        head.append(_kv("accumulate", plan.accumulate))
     lines = [" ".join(head), "devices " + _names(plan.devices)]
     lines += [format_segment(s) for s in plan.segments]
     for dev in plan.devices:
@@ -229,5 +231,5 @@ def parse_plan(text: str) -> Plan:
     schedule = dec(head["schedule"]) if "schedule" in head else None
     plan = Plan(name=head["name"], devices=devices, segments=tuple(segments),
                 microbatches=int(head.get("microbatches", 1)), schedule=schedule,
-                batch_size=int(head.get("batch", 0)))
+                batch_size=int(head.get("batch", 0)), accumulate=int(head.get("accumulate", 1)))
     return plan.with_ops(ops)

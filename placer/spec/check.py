@@ -334,7 +334,8 @@ SPEC_LESS_SCHEDULERS = {
 
 def _check_training(spec: Spec) -> list[Diagnostic]:
     """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
-    gradients of every segment before any step; P093: options not run yet."""
+    gradients of every segment before any step; P093: options not run yet; P094 / P095: the
+    micro-steps of accumulate split the batch evenly, and not a pipeline's."""
     t, diags = spec.training, []
     sched = t.lr_schedule
     if sched and sched.op not in torch_names.LR_SCHEDULERS:
@@ -347,16 +348,24 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                        "use one that takes plain values: CosineAnnealingLR, StepLR, LinearLR, OneCycleLR, ..."))
     if t.clip_grad_norm is not None:
         for seg in spec.placement:
-            if seg.mode == "data" and seg.parallel.sync in ("parameter_server", "broadcast"):
+            if seg.parallel.sync in ("parameter_server", "broadcast"):  # (data's options only)
                 diags.append(D("P092", f"segment {seg.name!r}: clip_grad_norm needs every gradient before any step, "
                                f"and sync {seg.parallel.sync!r} steps as it syncs", seg.parallel.loc,
                                "use sync allreduce (the default) in this segment, or leave clip_grad_norm out"))
     if t.precision != "fp32":
         diags.append(D("P093", f"precision {t.precision!r} is not run by this placer yet",
                        spec.doc.loc(("training", "precision")), "use precision fp32 (the default)"))
-    if t.accumulate != 1:
-        diags.append(D("P093", f"accumulate {t.accumulate} is not run by this placer yet",
-                       spec.doc.loc(("training", "accumulate")), "use accumulate 1 (the default)"))
+    if t.accumulate > 1 and t.batch_size % t.accumulate:
+        diags.append(D("P094", f"batch_size {t.batch_size} is not divisible by accumulate {t.accumulate}",
+                       spec.doc.loc(("training", "accumulate")),
+                       f"each micro-step takes batch_size / accumulate rows: use a batch_size that is a multiple of "
+                       f"{t.accumulate}"))
+    if t.accumulate > 1 and spec.pipeline:
+        diags.append(D("P095", f"accumulate {t.accumulate} with a pipeline: a pipeline already accumulates the "
+                       "gradients of its micro-batches", spec.doc.loc(("training", "accumulate")),
+                       f"leave accumulate out and set pipeline.microbatches to {t.accumulate} x "
+                       f"{spec.pipeline.microbatches} = {t.accumulate * spec.pipeline.microbatches}: the same step, "
+                       "in micro-batches of the same rows"))
     for seg in spec.placement:
         if seg.recompute:
             diags.append(D("P093", f"segment {seg.name!r}: recompute is not run by this placer yet",

@@ -104,3 +104,24 @@ def test_resume_restores_the_schedule(tmp_path):
     assert_same_run(whole, run)
     saved = torch.load(whole / "ckpt" / "step_2" / "rank0.pt", weights_only=True)
     assert [s["last_epoch"] for s in saved["schedulers"]] == [2]
+
+
+# (spec under specs/, how its gradients are summed over a group)
+ACCUMULATING = [
+    ("mlp_group_transitions", "DDP: no_sync in all micro-steps but the last"),
+    ("mlp_data_shard_full", "FSDP2: gradient sync off but in the last; parameters gathered every micro-step"),
+    ("mlp_data_sync_batchnorm", "all-reduce after the micro-steps; BatchNorm statistics in every micro-step"),
+    ("mlp_tensor", "tensor pairs: activations all-reduced in every micro-step"),
+]
+
+
+@pytest.mark.parametrize("spec,what", ACCUMULATING, ids=[a[0] for a in ACCUMULATING])
+def test_accumulation_matches_one_device_and_sends_what_the_plan_says(spec, what, tmp_path):
+    """accumulate: 2 against a reference that takes the same micro-steps; gradients are summed
+    over the group once per step, so the run sends exactly the plan's bytes (a sync in every
+    micro-step would send more)."""
+    path, run = tmp_path / "spec.yaml", tmp_path / "run"
+    path.write_text((ROOT / "specs" / f"{spec}.yaml").read_text().replace("training:\n", "training:\n  accumulate: 2\n", 1)
+                    .replace("models/", str(ROOT / "specs" / "models") + "/"))
+    run_check(path, run)
+    assert_sends_what_the_plan_says(spec, path, json.loads((run / "metrics.json").read_text()))

@@ -16,8 +16,11 @@ def reference(args):
     for step in range(args.steps):
         x, y = next(data)
         optimizer.zero_grad(set_to_none=True)
-        loss = compute_loss(model(x.to(device)), y.to(device))
-        loss.backward()
+        loss = 0.0
+        for xm, ym in zip(x.chunk(ACCUMULATE), y.chunk(ACCUMULATE)):  # training.accumulate's micro-steps
+            micro = compute_loss(model(xm.to(device)), ym.to(device)) * (xm.shape[0] / BATCH_SIZE)
+            micro.backward()  # the gradients add up in .grad
+            loss += micro.detach()
         grad_norm = None
         if CLIP_GRAD_NORM is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM).item()
