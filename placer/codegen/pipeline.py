@@ -69,6 +69,8 @@ class PipelineWriter(TrainWriter):
                 c(f"own.update(named_params(seg{k}, model))")
             c(f"opt{k} = make_optimizer(seg{k}.parameters())")
         self.norm_share(seg)
+        if seg.recompute:
+            c(f"seg{k} = Recomputed(seg{k})  # recompute: backward runs the stage's forward again")
         c.dedent()
 
     def setup(self) -> None:

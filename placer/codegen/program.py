@@ -111,6 +111,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
     used |= {"ties"} if tied else set()
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
+    used |= {"recompute"} if pl and any(s.recompute for s in segs) else set()
     used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
         segs, len(devices), devices, False, False).syncs_in_backward else set()
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
@@ -122,7 +123,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [
         header(spec, program, segs, filename),
-        *imports(piece_imports, ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
+        *imports(piece_imports + (["import torch.utils.checkpoint"] if any(s.recompute for s in segs) else []),
+                 ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
         model_source(spec, graph), data_source(spec), stages_source(spec, segs, cut),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied, spec.training) if pl else
         train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, spec.training),

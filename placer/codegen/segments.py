@@ -71,6 +71,8 @@ class Seg:
     group's bands: the loss takes rows)."""
     pairs: tuple = ()
     """tensor: the Linear pairs the plan all-reduces, as (column, row) child names of the stage."""
+    recompute: bool = False
+    """Activation checkpointing: the forward runs again in backward (torch.utils.checkpoint)."""
 
     @property
     def replicated(self) -> bool:
@@ -201,6 +203,7 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             dim=None if dim is None else dim % len(shape),  # -1 is W of NCHW: 3
             moved_in=k in moved, loss_gather=k in gathered,
             pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),  # () but in tensor
+            recompute=placed.recompute,
         ))
         any_params |= n_params > 0
         # the plan moves what the program copies: a move exactly where the layouts differ

@@ -387,7 +387,7 @@ class TrainWriter:
         if k == 0:
             x = "x" if len(seg.ranks) == 1 or seg.replicated else \
                 f"local_slice(x, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
-            c(f"h0 = {self.guarded(f'seg0({x}.to(device))', seg.ranks)}")
+            c(*self.recompute_note(seg), f"h0 = {self.guarded(self.call(seg, f'{x}.to(device)'), seg.ranks)}")
             return
         prev = self.segs[k - 1]
         if self.relaid(prev, seg):
@@ -406,7 +406,19 @@ class TrainWriter:
               f"                      {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
                 self.when(seg.ranks, f"a{k}.requires_grad_()")
-        c(f"h{k} = {self.guarded(f'seg{k}(a{k})', seg.ranks)}")
+        c(*self.recompute_note(seg), f"h{k} = {self.guarded(self.call(seg, f'a{k}'), seg.ranks)}")
+
+    @staticmethod
+    def call(seg: Seg, arg: str) -> str:
+        """Segment k's forward on `arg`: recomputed in backward where the spec says `recompute`."""
+        if seg.recompute:
+            return f"torch.utils.checkpoint.checkpoint(seg{seg.k}, {arg}, use_reentrant=False)"
+        return f"seg{seg.k}({arg})"
+
+    @staticmethod
+    def recompute_note(seg: Seg) -> list[str]:
+        return [f"# recompute: segment {seg.k} keeps only its input; backward runs its forward again"] \
+            if seg.recompute else []
 
     def backward(self, seg: Seg) -> None:
         c, k = self.c, seg.k

@@ -47,6 +47,12 @@ class Mode:
         """The mode's rules on an inline model's layer input shapes (name -> shape without batch)."""
         return []
 
+    def recompute_blocker(self, p) -> str | None:
+        """Why a segment of this mode (`p`: its Parallel options) cannot be recomputed
+        (`recompute: true`), or None: recomputing a forward that communicates would repeat
+        its collectives in backward, which neither the program nor the plan does yet."""
+        return None
+
     def data_degree(self, n: int) -> int:
         """Into how many parts the segment's group cuts the batch."""
         return 1

@@ -107,6 +107,9 @@ class Channel(Mode):
     whole_on_each = True
     module_models = False
 
+    def recompute_blocker(self, p):
+        return "its forward all-gathers the channel slices"
+
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

@@ -150,6 +150,11 @@ class Data(Mode):
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, pipelined)
 
+    def recompute_blocker(self, p):
+        if p.shard == "full":
+            return "FSDP2 gathers the parameters in its forward"
+        return "SyncBatchNorm all-reduces statistics in its forward" if p.sync_batchnorm else None
+
     def data_degree(self, n):
         return n
 

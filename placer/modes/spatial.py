@@ -110,6 +110,9 @@ class Spatial(Mode):
     options_keys = ("dim",)
     module_models = False
 
+    def recompute_blocker(self, p):
+        return "its forward exchanges halo rows"
+
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

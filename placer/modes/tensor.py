@@ -105,6 +105,9 @@ class Tensor(Mode):
     whole_on_each = True
     module_models = False
 
+    def recompute_blocker(self, p):
+        return "its forward all-reduces each pair's output"
+
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

@@ -61,6 +61,9 @@ class PlacedSegment:
     """How this segment's input arrives: direct | via_host."""
     stage: int | None = None
     """Pipeline stage index, when the spec has a pipeline."""
+    recompute: bool = False
+    """Activation checkpointing: forward keeps the segment's input only; backward recomputes
+    the forward (one more forward's FLOPs) and holds its activations while it runs."""
 
     @property
     def degree(self) -> int:

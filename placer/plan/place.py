@@ -52,7 +52,7 @@ def placed_segments(spec: Spec, graph: ModelGraph, layers: list[list[str]] | Non
         PlacedSegment(index=seg.index, name=seg.name, layers=tuple(names), devices=tuple(seg.devices),
                       mode=seg.mode, options=MODES[seg.mode].options(seg.parallel, names, graph),
                       route=seg.route or spec.route,
-                      stage=seg.index if spec.pipeline else None)
+                      stage=seg.index if spec.pipeline else None, recompute=seg.recompute)
         for seg, names in zip(spec.placement, layers))
 
 

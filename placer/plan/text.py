@@ -27,7 +27,7 @@ _BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/\-]*")
 _KEYWORDS = {"null", "true", "false", "NaN", "Infinity"}
 _TOKEN = re.compile(r'(?:[^\s"]|"(?:[^"\\]|\\.)*")+')
 OP_FIELDS = ("mb", "bytes", "dim", "route", "src_dim", "dst_dim", "devices")
-SEGMENT_FIELDS = ("mode", "route", "stage", "layers")
+SEGMENT_FIELDS = ("mode", "route", "stage", "layers", "recompute")
 
 
 def _json(token: str):
@@ -111,6 +111,8 @@ def format_segment(seg: PlacedSegment) -> str:
         parts.append(_kv("route", seg.route))
     if seg.stage is not None:
         parts.append(_kv("stage", seg.stage))
+    if seg.recompute:
+        parts.append(_kv("recompute", True))
     parts.append("layers=" + _names(seg.layers))
     _check_keys(seg.options, SEGMENT_FIELDS, "segment option")
     parts += [_kv(k, v) for k, v in seg.options.items()]
@@ -196,6 +198,7 @@ def parse_segment(tokens: list[str], lineno: int) -> PlacedSegment:
         index=int(tokens[1]), name=dec(tokens[2]), devices=devs,
         mode=dec(kv.pop("mode", "none")), route=dec(kv.pop("route", "direct")),
         stage=dec(kv.pop("stage")) if "stage" in kv else None, layers=_parse_names(kv.pop("layers")),
+        recompute=bool(dec(kv.pop("recompute", "false"))),
         options={k: dec(v) for k, v in kv.items()},
     )
 

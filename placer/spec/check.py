@@ -334,7 +334,7 @@ SPEC_LESS_SCHEDULERS = {
 
 def _check_training(spec: Spec) -> list[Diagnostic]:
     """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
-    gradients of every segment before any step; P093: options not run yet; P094 / P095: the
+    gradients of every segment before any step; P093 / P096: options not run yet; P094 / P095: the
     micro-steps of accumulate split the batch evenly, and not a pipeline's."""
     t, diags = spec.training, []
     sched = t.lr_schedule
@@ -367,9 +367,12 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                        f"{spec.pipeline.microbatches} = {t.accumulate * spec.pipeline.microbatches}: the same step, "
                        "in micro-batches of the same rows"))
     for seg in spec.placement:
-        if seg.recompute:
-            diags.append(D("P093", f"segment {seg.name!r}: recompute is not run by this placer yet",
-                           spec.doc.loc(("placement", seg.index, "recompute")), "leave recompute out"))
+        why = MODES[seg.mode].recompute_blocker(seg.parallel) if seg.recompute and len(seg.devices) > 1 else None
+        if why:
+            diags.append(D("P096", f"segment {seg.name!r}: recompute of a {seg.mode} segment is not run by this "
+                           f"placer yet: {why}, and recomputing would repeat that in backward",
+                           spec.doc.loc(("placement", seg.index, "recompute")),
+                           "recompute the one-device or data-parallel segments around it instead"))
     return diags
 
 

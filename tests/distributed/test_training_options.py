@@ -125,3 +125,16 @@ def test_accumulation_matches_one_device_and_sends_what_the_plan_says(spec, what
                     .replace("models/", str(ROOT / "specs" / "models") + "/"))
     run_check(path, run)
     assert_sends_what_the_plan_says(spec, path, json.loads((run / "metrics.json").read_text()))
+
+
+@pytest.mark.parametrize("spec,sets", [
+    ("mlp_group_transitions", ["placement.1.recompute=true", "placement.2.recompute=true"]),  # DDP, one device
+    ("mlp_pipeline_1f1b", ["placement.0.recompute=true"]),  # a stage under torch's 1F1B schedule
+], ids=["ddp_and_one_device", "1f1b_stage"])
+def test_recomputed_segments_match_one_device(spec, sets, tmp_path):
+    run = tmp_path / "run"
+    run_check(ROOT / "specs" / f"{spec}.yaml", run, *[a for s in sets for a in ("--set", s)])
+    program = (run / "program.py").read_text()
+    calls, wrapped = program.count("torch.utils.checkpoint.checkpoint("), program.count("= Recomputed(seg")
+    assert (wrapped, calls) == ((len(sets), 1) if "pipeline" in spec else (0, len(sets)))
+    assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", json.loads((run / "metrics.json").read_text()))

@@ -104,3 +104,22 @@ def test_training_diagnostics(parallel, extra, code, words):
     diags = [d for d in validate_document(doc)[1] if d.code == code]
     assert len(diags) == 1 and diags[0].severity == "error", diags
     assert words in diags[0].message + " " + (diags[0].hint or ""), diags[0]
+
+
+def test_recompute_keeps_the_segment_input_and_adds_a_forward():
+    spec = str(ROOT / "specs" / "mlp_pipeline_1f1b.yaml")
+    plain, again = api.plan(spec), api.plan(spec, ["placement.0.recompute=true"])
+    d0, d1 = again.plan.devices
+    assert again.estimate.per_device[d0].activation_bytes < plain.estimate.per_device[d0].activation_bytes
+    assert again.estimate.per_device[d1].activation_bytes == plain.estimate.per_device[d1].activation_bytes
+    f0, f1 = plain.estimate.per_device[d0].flops, again.estimate.per_device[d0].flops
+    assert f1 * 3 == f0 * 4  # forward + backward (2x) + the forward again
+    assert again.plan.segments[0].recompute and parse_plan(format_plan(again.plan)) == again.plan
+    assert "recompute" not in format_plan(plain.plan)
+
+
+def test_recompute_of_a_segment_whose_forward_communicates_is_refused():
+    doc = load.load_text(SPEC.replace("PARALLEL", "tensor").replace("EXTRA", "").replace(
+        "parallel: tensor}", "parallel: tensor, recompute: true}"), "<spec>")
+    (d,) = [d for d in validate_document(doc)[1] if d.code == "P096"]
+    assert "all-reduces each pair's output" in d.message
