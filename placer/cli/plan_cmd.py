@@ -69,6 +69,7 @@ def table(plan, graph, est, timeline=None) -> str:
              f"{units.count(len(plan.segments), 'segment')} on {units.count(len(plan.devices), 'device')}, "
              f"batch {plan.batch_size}"
              + (f" in {plan.accumulate} micro-steps of {plan.batch_size // plan.accumulate}" if plan.accumulate > 1 else "")
+             + (f", {plan.precision} autocast" if plan.precision != "fp32" else "")
              + (f", pipeline {plan.schedule} x{plan.microbatches} micro-batches" if plan.schedule else "")]
     lines.append("")
     seg_rows = [["segment", "devices", "mode", "layers"]]

@@ -258,7 +258,8 @@ def constants(spec: Spec, devices, out_dir: str | None) -> str:
       f"SEED = {t.seed!r}",
       f"PREFETCH = {t.prefetch!r}  # batches made ahead in a background thread (0: none)",
       f"CLIP_GRAD_NORM = {t.clip_grad_norm!r}  # the global gradient norm is clipped to this (None: not clipped)",
-      f"ACCUMULATE = {t.accumulate!r}  # micro-steps per step, each on BATCH_SIZE / ACCUMULATE rows")
+      f"ACCUMULATE = {t.accumulate!r}  # micro-steps per step, each on BATCH_SIZE / ACCUMULATE rows",
+      f"PRECISION = {t.precision!r}  # bf16: forward and loss under autocast; parameters and optimizer state float32")
     if t.checkpoint:
         c(f"CHECKPOINT_DIR = {t.checkpoint.dir!r}  # relative to --out",
           f"CHECKPOINT_EVERY = {t.checkpoint.every!r}",

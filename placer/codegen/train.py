@@ -60,6 +60,8 @@ class TrainWriter:
         self.clip = training.clip_grad_norm if training is not None else None
         """training.clip_grad_norm: the global norm is clipped between the gradient syncs and the steps."""
         self.accumulate = training.accumulate if training is not None else 1
+        self.bf16 = training is not None and training.precision == "bf16"
+        """precision bf16: every segment's forward and the loss under autocast (not with a pipeline: P093)."""
         """training.accumulate: micro-steps per step (not with a pipeline: P095)."""
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
@@ -362,8 +364,10 @@ class TrainWriter:
             c("# (reaching its own slices of the parameters); it counts once, on the first")
         whole_y = len(last.ranks) == 1 or last.replicated or last.loss_gather
         y = "y" if whole_y else f"local_slice(y, {list(last.ranks)}, rank)"
-        self.when(last.ranks[:1] if out == "out" else last.ranks,
-                  f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)",
+        line = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
+        if self.bf16:
+            line = f"with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16\n    {line}"
+        self.when(last.ranks[:1] if out == "out" else last.ranks, *line.split("\n"),
                   *(["loss.backward()"] if backward else []))
         if backward:
             self.loss_backward(computed=True)
@@ -387,7 +391,7 @@ class TrainWriter:
         if k == 0:
             x = "x" if len(seg.ranks) == 1 or seg.replicated else \
                 f"local_slice(x, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
-            c(*self.recompute_note(seg), f"h0 = {self.guarded(self.call(seg, f'{x}.to(device)'), seg.ranks)}")
+            self.forward_line(seg, f"{x}.to(device)")
             return
         prev = self.segs[k - 1]
         if self.relaid(prev, seg):
@@ -406,7 +410,21 @@ class TrainWriter:
               f"                      {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
                 self.when(seg.ranks, f"a{k}.requires_grad_()")
-        c(*self.recompute_note(seg), f"h{k} = {self.guarded(self.call(seg, f'a{k}'), seg.ranks)}")
+        self.forward_line(seg, f"a{k}")
+
+    def forward_line(self, seg: Seg, arg: str) -> None:
+        """`h{k} = seg{k}(arg)` on the segment's ranks. With precision bf16 under autocast, the
+        output cast back to float32 to cross to the next segment (exact: autocast rounds it to
+        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is."""
+        c, call = self.c, self.call(seg, arg)
+        c(*self.recompute_note(seg))
+        if not self.bf16:
+            c(f"h{seg.k} = {self.guarded(call, seg.ranks)}")
+            return
+        if seg.k < len(self.segs) - 1 and seg.out_dtype == "float32":
+            call += ".float()"
+        c("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16",
+          f"    h{seg.k} = {self.guarded(call, seg.ranks)}")
 
     @staticmethod
     def call(seg: Seg, arg: str) -> str:

@@ -33,6 +33,8 @@ class Mode:
     """Every device of the group holds the whole input and output activation (channel, tensor)."""
     module_models = True
     """Whether the program can split a module model's (`model.module`) segment this way."""
+    forward_sends_activations = False
+    """Whether the group's forward communicates activations (channel, tensor, spatial)."""
 
     # -- validate -----------------------------------------------------------------------------------
     def check_options(self, spec, seg) -> list[Diagnostic]:

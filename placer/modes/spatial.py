@@ -109,6 +109,7 @@ class Spatial(Mode):
     name = "spatial"
     options_keys = ("dim",)
     module_models = False
+    forward_sends_activations = True
 
     def recompute_blocker(self, p):
         return "its forward exchanges halo rows"

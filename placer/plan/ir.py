@@ -153,6 +153,8 @@ class Plan:
     schedule: str | None = None
     batch_size: int = 0
     accumulate: int = 1
+    precision: str = "fp32"
+    """training.precision: bf16 keeps the activations autocast makes in bfloat16 (half the bytes)."""
     """training.accumulate: micro-steps per step, each on batch_size / accumulate rows; ops once
     per step, their bytes summed over the micro-steps (a per-micro-step gather N times)."""
 

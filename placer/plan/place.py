@@ -99,7 +99,8 @@ def place(spec: Spec, graph: ModelGraph, layers: list[list[str]] | None = None) 
         ops[op.devices[0]].append(op)
     plan = Plan(name=spec.name, devices=tuple(spec.devices), segments=segments,
                 microbatches=pl.microbatches if pl else 1, schedule=pl.schedule if pl else None,
-                batch_size=spec.training.batch_size, accumulate=spec.training.accumulate)
+                batch_size=spec.training.batch_size, accumulate=spec.training.accumulate,
+                precision=spec.training.precision)
     return plan.with_ops(ops)
 
 

@@ -127,6 +127,8 @@ def format_plan(plan: Plan, marks=()) -> str:
         head.append(_kv("schedule", plan.schedule))
     if plan.accumulate != 1:
         head.append(_kv("accumulate", plan.accumulate))
+    if plan.precision != "fp32":
+        head.append(_kv("precision", plan.precision))
     lines = [" ".join(head), "devices " + _names(plan.devices)]
     lines += [format_segment(s) for s in plan.segments]
     for dev in plan.devices:
@@ -234,5 +236,6 @@ def parse_plan(text: str) -> Plan:
     schedule = dec(head["schedule"]) if "schedule" in head else None
     plan = Plan(name=head["name"], devices=devices, segments=tuple(segments),
                 microbatches=int(head.get("microbatches", 1)), schedule=schedule,
-                batch_size=int(head.get("batch", 0)), accumulate=int(head.get("accumulate", 1)))
+                batch_size=int(head.get("batch", 0)), accumulate=int(head.get("accumulate", 1)),
+                precision=dec(head["precision"]) if "precision" in head else "fp32")
     return plan.with_ops(ops)

@@ -138,3 +138,26 @@ def test_recomputed_segments_match_one_device(spec, sets, tmp_path):
     calls, wrapped = program.count("torch.utils.checkpoint.checkpoint("), program.count("= Recomputed(seg")
     assert (wrapped, calls) == ((len(sets), 1) if "pipeline" in spec else (0, len(sets)))
     assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", json.loads((run / "metrics.json").read_text()))
+
+
+@pytest.mark.parametrize("spec", ["mlp_layerwise_direct", "mlp_group_transitions", "mlp_data_shard_full"])
+def test_bf16_matches_a_bf16_reference_under_the_tolerance_it_states(spec, tmp_path):
+    """precision bf16: autocast in every segment's forward and the loss, on one device too; the
+    check states its looser tolerance. The same reference in float32 differs by more than the
+    float32 tolerance, so autocast did take effect."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    result = run_check(ROOT / "specs" / f"{spec}.yaml", run, "--set", "training.precision=bf16")
+    assert "check: the run against the one-device reference (rtol 0.02, atol 0.002)" in result.output
+    assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", json.loads((run / "metrics.json").read_text()))
+    program = (run / "program.py").read_text()
+    assert program.count('PRECISION = "bf16"') == 1
+    fp32 = run / "program_fp32.py"
+    fp32.write_text(program.replace('PRECISION = "bf16"', 'PRECISION = "fp32"'))
+    subprocess.run([sys.executable, str(fp32), "--reference", "--simulate", "--steps", str(STEPS), "--out",
+                    str(tmp_path / "fp32")], check=True, capture_output=True, timeout=300)
+    bf16_losses = json.loads((run / "reference" / "metrics.json").read_text())["losses"]
+    fp32_losses = json.loads((tmp_path / "fp32" / "metrics.json").read_text())["losses"]
+    assert any(abs(a - b) > 4e-5 + 1e-5 * abs(b) for a, b in zip(bf16_losses, fp32_losses))  # float32's tolerance

@@ -97,13 +97,22 @@ EXTRA
     ("data", "  accumulate: 2\npipeline: {microbatches: 2, schedule: gpipe}", "P095", "pipeline.microbatches to 2 x 2"),
     ("{mode: data, sync: broadcast}", "  clip_grad_norm: 1.0", "P092", "sync 'broadcast' steps as it syncs"),
     ("data", "  lr_schedule: {op: ReduceLROnPlateau}", "P091", "steps on a validation metric"),
-    ("data", "  precision: bf16", "P093", "precision 'bf16' is not run"),
+    ("data", "  precision: bf16\npipeline: {microbatches: 2, schedule: gpipe}", "P093", "with a pipeline is not run"),
+    ("tensor", "  precision: bf16", "P093", "its forward sends activations"),
 ])
 def test_training_diagnostics(parallel, extra, code, words):
     doc = load.load_text(SPEC.replace("PARALLEL", parallel).replace("EXTRA", extra), "<spec>")
     diags = [d for d in validate_document(doc)[1] if d.code == code]
     assert len(diags) == 1 and diags[0].severity == "error", diags
     assert words in diags[0].message + " " + (diags[0].hint or ""), diags[0]
+
+
+def test_bf16_halves_the_activations():
+    plain, bf16 = api.plan(LAYERWISE), api.plan(LAYERWISE, ["training.precision=bf16"])
+    for d in plain.plan.devices:
+        assert bf16.estimate.per_device[d].activation_bytes == plain.estimate.per_device[d].activation_bytes // 2 > 0
+    assert parse_plan(format_plan(bf16.plan)) == bf16.plan and "precision=" in format_plan(bf16.plan)
+    assert "autocast" in api.generate(LAYERWISE, overrides=["training.precision=bf16"])
 
 
 def test_recompute_keeps_the_segment_input_and_adds_a_forward():

@@ -18,7 +18,8 @@ def reference(args):
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for xm, ym in zip(x.chunk(ACCUMULATE), y.chunk(ACCUMULATE)):  # training.accumulate's micro-steps
-            micro = compute_loss(model(xm.to(device)), ym.to(device)) * (xm.shape[0] / BATCH_SIZE)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
+                micro = compute_loss(model(xm.to(device)), ym.to(device)) * (xm.shape[0] / BATCH_SIZE)
             micro.backward()  # the gradients add up in .grad
             loss += micro.detach()
         grad_norm = None
