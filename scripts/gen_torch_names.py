@@ -83,6 +83,7 @@ def collect() -> dict:
     import torch
     import torch.nn as nn
     import torch.optim as optim
+    import torch.optim.lr_scheduler as lr_scheduler
     from torch.nn.modules.loss import _Loss
 
     def classes(ns, base):
@@ -101,6 +102,7 @@ def collect() -> dict:
         "NN_MODULES": modules,
         "NN_LOSSES": [n for n in modules if issubclass(getattr(nn, n), _Loss)],
         "OPTIMIZERS": classes(optim, optim.Optimizer),
+        "LR_SCHEDULERS": classes(lr_scheduler, lr_scheduler.LRScheduler),
     }
 
 
@@ -129,7 +131,7 @@ def render(names: dict) -> str:
         '"""Names of torch classes a spec may use, known without importing torch.\n'
         "\n"
         "Plain `placer validate` never imports torch; it checks `model.layers[].op`,\n"
-        "`model.loss` and `training.optimizer.op` against these sets.\n"
+        "`model.loss`, `training.optimizer.op` and `training.lr_schedule.op` against these sets.\n"
         '"""\n'
         "from __future__ import annotations\n"
         "\n"
@@ -152,6 +154,12 @@ def render(names: dict) -> str:
             "OPTIMIZERS",
             '"""Public classes in `torch.optim` that subclass `Optimizer` (`Optimizer` itself excluded)."""',
             names["OPTIMIZERS"],
+        )
+        + "\n"
+        + _frozenset(
+            "LR_SCHEDULERS",
+            '"""Public classes in `torch.optim.lr_scheduler` that subclass `LRScheduler` (itself excluded)."""',
+            names["LR_SCHEDULERS"],
         )
         + "\n"
         + "NN_MODULE_KINDS: dict[str, str] = {\n"

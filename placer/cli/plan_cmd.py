@@ -91,6 +91,8 @@ def table(plan, graph, est, timeline=None) -> str:
     lines = [f"plan {plan.name}: {units.count(graph.total_params, 'parameter')}, "
              f"{units.count(len(plan.segments), 'segment')} on {units.count(len(plan.devices), 'device')}, "
              f"batch {plan.batch_size}"
+             + (f" in {plan.accumulate} micro-steps of {plan.batch_size // plan.accumulate}" if plan.accumulate > 1 else "")
+             + (f", {plan.precision} autocast" if plan.precision != "fp32" else "")
              + (f", pipeline {plan.schedule} x{plan.microbatches} micro-batches" if plan.schedule else "")]
     lines.append("")
     seg_rows = [["segment", "devices", "mode", "layers"]]
@@ -99,6 +101,7 @@ def table(plan, graph, est, timeline=None) -> str:
         opts = {k: v for k, v in s.options.items() if k in ("sync", "server", "shard", "dim")
                 and v not in (None, "none", "allreduce")}
         mode += "".join(f" {k}={v}" for k, v in opts.items())
+        mode = f"{mode} recompute".strip() if s.recompute else mode
         where = ",".join(s.devices) + (" (via host)" if s.route == "via_host" and s.index else "")
         layers = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]}..{s.layers[-1]} ({len(s.layers)})"
         seg_rows.append([f"{s.index} {s.name}" + (f" [stage {s.stage}]" if s.stage is not None else ""),

@@ -32,8 +32,8 @@ class PipelineWriter(TrainWriter):
     steps_all = True
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, schedule: str,
-                 microbatches: int, tied=()):
-        super().__init__(segs, world, devices, cut, checkpoint, tied=tied)
+                 microbatches: int, tied=(), training=None):
+        super().__init__(segs, world, devices, cut, checkpoint, tied=tied, training=training)
         self.schedule, self.microbatches = schedule, microbatches
         self.pipelines = pipelines(segs)
         self.degree = len(segs[0].ranks)
@@ -55,6 +55,7 @@ class PipelineWriter(TrainWriter):
             c(f"stage = {seg.func}(model).to(device)", *MODES[seg.mode].emit_stage(seg, self.checkpoint))
             if seg.has_params:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
+            self.norm_share(seg)
             c.dedent()
             return
         if self.cut:
@@ -67,6 +68,9 @@ class PipelineWriter(TrainWriter):
             else:
                 c(f"own.update(named_params(seg{k}, model))")
             c(f"opt{k} = make_optimizer(seg{k}.parameters())")
+        self.norm_share(seg)
+        if seg.recompute:
+            c(f"seg{k} = Recomputed(seg{k})  # recompute: backward runs the stage's forward again")
         c.dedent()
 
     def setup(self) -> None:
@@ -117,7 +121,9 @@ class PipelineWriter(TrainWriter):
                     self.when(seg.ranks, 'with timer("comm"):',
                               f"    all_reduce_grads(seg{seg.k}.parameters(), g{seg.k}, bucket_mb={seg.bucket_mb!r})")
         c(*ties.emit_sync(self.tied))
-        c("for opt in optimizers:", "    opt.step()")
+        if self.clip is None:
+            c("for opt in optimizers:", "    opt.step()")
+        self.clip_and_step()
         c("", "# the loss of the whole batch: ranks without the last stage add 0")
         if self.replicated:
             c("# (every pipeline computes the same losses: pipeline 0's count)",
@@ -138,6 +144,7 @@ class PipelineWriter(TrainWriter):
 
 
 def pipeline_train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, schedule: str,
-                          microbatches: int, tied=()) -> str:
-    return PipelineWriter(segs, len(devices), devices, cut, checkpoint, schedule, microbatches, tied).write()
+                          microbatches: int, tied=(), training=None) -> str:
+    return PipelineWriter(segs, len(devices), devices, cut, checkpoint, schedule, microbatches, tied,
+                          training).write()
 

@@ -48,6 +48,30 @@ def check_optimizer(spec: Spec) -> None:
     raise SpecError(Diagnostic("G004", f"torch.optim.{opt.op} rejects {what}: {why}", spec.doc.loc(path), hint))
 
 
+def check_lr_schedule(spec: Spec) -> None:
+    """Build the spec's lr_schedule on an SGD of one parameter and step it twice: a kwarg of
+    the wrong name or type (`T_max: "ten"`) fails here, located at lr_schedule (G006)."""
+    import torch
+
+    sched = spec.training.lr_schedule
+    if sched is None:
+        return
+    cls = getattr(torch.optim.lr_scheduler, sched.op, None)
+    if not isinstance(cls, type):  # an unknown name is P090's (validate) to report
+        return
+    try:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=spec.training.optimizer.lr or 0.1)
+        scheduler = cls(optimizer, **sched.kwargs)
+        for _ in range(2):
+            optimizer.step()
+            scheduler.step()
+    except Exception as e:  # whatever torch raises for a bad argument
+        known = [p for p in inspect.signature(cls).parameters if p not in ("self", "optimizer")]
+        raise SpecError(Diagnostic("G006", f"torch.optim.lr_scheduler.{sched.op} rejects its kwargs: "
+                                   f"{type(e).__name__}: {e}", spec.doc.loc(("training", "lr_schedule")),
+                                   f"it takes {', '.join(known)}")) from None
+
+
 def parse_program(text: str, spec: Spec) -> None:
     """The generated text must parse; if not, report it (G005) rather than crash."""
     try:

@@ -99,6 +99,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     plan = lower(place(spec, graph), spec, graph)
     with defer_compile_imports():  # torch.optim's constructors are wrapped as meta kernels are
         preflight.check_optimizer(spec)
+        preflight.check_lr_schedule(spec)
     devices = rank_order(spec.devices)
     ls = crossings.lockstep(spec, plan.segments)  # a module model: runtime/lockstep.py, GPipe as loops
     pl = spec.pipeline if spec.pipeline and not ls and torch_schedules_take(spec) else None  # else: micro-batch loops
@@ -116,6 +117,10 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
     used |= {"ties"} if tied else set()
     used |= {"lockstep"} if ls else set()
+    used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
+    used |= {"recompute"} if pl and any(s.recompute for s in segs) else set()
+    used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
+        segs, len(devices), devices, False, False).syncs_in_backward else set()
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
@@ -125,11 +130,12 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [
         header(spec, program, segs, filename),
-        *imports(piece_imports, ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
+        *imports(piece_imports + (["import torch.utils.checkpoint"] if any(s.recompute for s in segs) else []),
+                 ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
         model_source(spec, graph), data_source(spec),
         stages_source(spec, segs, cut, lockstep_source(plan, graph, segs, devices) if ls else None),
-        pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied) if pl else
-        train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, ls),
+        pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied, spec.training) if pl else
+        train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, ls, spec.training),
         "# " + "=" * 76 + "\n# Below: placer's runtime, the same in every program that uses it\n"
         "# (placer/codegen/templates and placer/codegen/runtime)",
         (TEMPLATES / "helpers.py").read_text(),
@@ -258,7 +264,10 @@ def constants(spec: Spec, devices, out_dir: str | None) -> str:
       f"BATCH_SIZE = {t.batch_size!r}  # the global batch",
       f"STEPS = {t.steps!r}",
       f"SEED = {t.seed!r}",
-      f"PREFETCH = {t.prefetch!r}  # batches made ahead in a background thread (0: none)")
+      f"PREFETCH = {t.prefetch!r}  # batches made ahead in a background thread (0: none)",
+      f"CLIP_GRAD_NORM = {t.clip_grad_norm!r}  # the global gradient norm is clipped to this (None: not clipped)",
+      f"ACCUMULATE = {t.accumulate!r}  # micro-steps per step, each on BATCH_SIZE / ACCUMULATE rows",
+      f"PRECISION = {t.precision!r}  # bf16: forward and loss under autocast; parameters and optimizer state float32")
     if t.checkpoint:
         c(f"CHECKPOINT_DIR = {t.checkpoint.dir!r}  # relative to --out",
           f"CHECKPOINT_EVERY = {t.checkpoint.every!r}",
@@ -301,6 +310,15 @@ def model_source(spec: Spec, graph) -> str:
     kwargs = optimizer_kwargs(spec)
     c("", "", "def make_optimizer(params):", f"    return torch.optim.{opt.op}({call_args(['PARAMS'], kwargs)})"
       .replace("'PARAMS'", "params"))
+    c("", "", "def make_scheduler(optimizer):")
+    sched = spec.training.lr_schedule
+    if sched is None:
+        c("    return None  # no training.lr_schedule")
+    else:
+        _dotted(sched.op, "lr_schedule", sched.loc)
+        c('    """training.lr_schedule: stepped once after every step of the optimizer."""',
+          f"    return torch.optim.lr_scheduler.{sched.op}({call_args(['OPT'], sched.kwargs)})"
+          .replace("'OPT'", "optimizer"))
     _dotted(spec.model.loss, "loss", spec.doc.loc(("model", "loss")))
     c("", "", f"loss_fn = nn.{spec.model.loss}()", "", "")
     out, tgt, why = _loss_reshape(spec, graph)

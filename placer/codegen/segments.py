@@ -71,6 +71,8 @@ class Seg:
     group's bands: the loss takes rows)."""
     pairs: tuple = ()
     """tensor: the Linear pairs the plan all-reduces, as (column, row) child names of the stage."""
+    recompute: bool = False
+    """Activation checkpointing: the forward runs again in backward (torch.utils.checkpoint)."""
 
     @property
     def replicated(self) -> bool:
@@ -152,10 +154,11 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
     """The lowered plan's segments in rank terms. `loops`: a gpipe pipeline written as
     micro-batch loops (no DDP: it would all-reduce after every micro-batch's backward)."""
     devices = rank_order(spec.devices)
-    m = spec.pipeline.microbatches if spec.pipeline else 1
+    # the rows one forward sees: a pipeline's micro-batch, or one of accumulate's micro-steps
+    m = (spec.pipeline.microbatches if spec.pipeline else 1) * spec.training.accumulate
 
     def per_step(shape) -> tuple:
-        """A global-batch shape as one forward sees it: a micro-batch's rows in a pipeline."""
+        """A global-batch shape as one forward sees it: a micro-batch's (or micro-step's) rows."""
         return (shape[0] // m, *shape[1:]) if shape else ()
     out: list[Seg] = []
     any_params = False
@@ -200,6 +203,7 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             dim=None if dim is None else dim % len(shape),  # -1 is W of NCHW: 3
             moved_in=k in moved, loss_gather=k in gathered,
             pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),  # () but in tensor
+            recompute=placed.recompute,
         ))
         any_params |= n_params > 0
         # the plan moves what the program copies: a move exactly where the layouts differ

@@ -63,3 +63,14 @@ def emit_sync(pts: list[ProgramTie]) -> list[str]:
         else:
             lines.append(f"sum_tied_grads(list(tied{i}.values()))  # {t.name}")
     return lines
+
+
+def emit_norm_once(pts: list[ProgramTie]) -> list[str]:
+    """With clip_grad_norm: a tied parameter counts once in the global norm, as its first copy."""
+    lines = []
+    for i, t in enumerate(pts):
+        k, _, first = t.copies[0]
+        lines += [f"# {t.name} counts once in the gradient norm: as its copy in segment {k}",
+                  f"norm_params = [p for p in norm_params if p is tied{i}.get({first!r}) or "
+                  f"all(p is not q for q in tied{i}.values())]"]
+    return lines

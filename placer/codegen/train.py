@@ -53,10 +53,18 @@ class TrainWriter:
     """Whether the step calls every optimizer of the rank in one loop (torch's pipeline schedules)."""
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=(), lockstep: bool = False):
+                 microbatches: int = 0, tied=(), lockstep: bool = False, training=None):
         self.segs, self.world, self.devices = segs, world, devices
         self.lockstep = lockstep
         """A module model run in lockstep (runtime/lockstep.py): every rank runs the whole forward."""
+        self.scheduled = training is not None and training.lr_schedule is not None
+        """training.lr_schedule: every optimizer gets a scheduler, stepped after it."""
+        self.clip = training.clip_grad_norm if training is not None else None
+        """training.clip_grad_norm: the global norm is clipped between the gradient syncs and the steps."""
+        self.accumulate = training.accumulate if training is not None else 1
+        """training.accumulate: micro-steps per step (not with a pipeline: P095)."""
+        self.bf16 = training is not None and training.precision == "bf16"
+        """precision bf16: every segment's forward and the loss under autocast (not with a pipeline: P093)."""
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches
@@ -111,7 +119,7 @@ class TrainWriter:
         head.indent()('"""One worker (rank) of the placed training run; torchrun starts one per device."""')
         self.setup()
         c("")
-        c("first, losses = resume_checkpoint(args, rank, modules, optimizers)  # step 0 unless resuming"
+        c(f"first, losses = resume_checkpoint(args, rank, modules, optimizers{self.sched_arg})  # step 0 unless resuming"
           if self.checkpoint else "first, losses = 0, []  # no checkpoints: a restart starts at step 0")
         c("data = batches(args.steps, first)", "start = time.perf_counter()",
           "batch_losses = BatchLosses(losses, args, rank, start)  # summed off the critical path")
@@ -158,16 +166,22 @@ class TrainWriter:
         c("own = {}  # name -> parameter, for those this rank owns (saved at the end)",
           "if args.grads and not resuming(args):  # run --check compares the first step's gradients too",
           "    record_first_grads(own)")
+        if self.clip is not None:
+            c("norm_params = []  # the parameters whose gradients this rank counts in the global norm")
         for seg in self.segs:
             self.setup_segment(seg)
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
               "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
+        if self.clip is not None:
+            c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
           f"modules = [m for m in {self.tuple_of('seg')} if m is not None]")
-        if self.checkpoint or self.steps_all:
+        if self.checkpoint or self.steps_all or self.scheduled or self.clip is not None:
             c(f"optimizers = [o for o in {self.tuple_of('opt')} if o is not None]")
+        if self.scheduled:
+            c("schedulers = [make_scheduler(o) for o in optimizers]  # training.lr_schedule, one per optimizer")
         if self.gathered:
             self.owned()
 
@@ -220,8 +234,32 @@ class TrainWriter:
                 c(f"    opt{k} = make_optimizer(seg{k}.parameters())")
             else:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
+        self.norm_share(seg)
         if cond:
             c.dedent()
+
+    def norm_share(self, seg: Seg) -> None:
+        """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
+        if self.clip is not None and seg.has_params:
+            self.c(f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})")
+
+    @property
+    def sched_arg(self) -> str:
+        return ", schedulers" if self.scheduled else ""
+
+    def clip_and_step(self) -> None:
+        """With clip_grad_norm: the global norm over every rank's synced gradients, clipped, then
+        every optimizer's step; and with lr_schedule every scheduler's step after its optimizer's."""
+        c = self.c
+        if self.clip is not None:
+            c("", "# the global gradient norm (each parameter counted once, wherever it lives), clipped as",
+              "# torch.nn.utils.clip_grad_norm_ does on one device; then every optimizer steps",
+              'with timer("comm"):',
+              "    grad_norm = clip_global_grad_norm(norm_params, [p for m in modules for p in m.parameters()], "
+              "CLIP_GRAD_NORM)",
+              "for opt in optimizers:", "    opt.step()")
+        if self.scheduled:
+            c("for scheduler in schedulers:  # training.lr_schedule: once per optimizer step", "    scheduler.step()")
 
     def step(self) -> None:
         c, segs = self.c, self.segs
@@ -236,18 +274,19 @@ class TrainWriter:
             self.lockstep_step()
         elif self.microbatches:
             self.gpipe_step()
+        elif self.accumulate > 1:
+            self.accumulate_step()
         else:
-            c("", "# forward, segment by segment")
-            for seg in segs:
-                self.forward(seg)
-            self.loss(backward=True)
-            c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
-            for seg in reversed(segs[1:]):
-                self.backward(seg)
+            self.forward_backward()
         c(*ties.emit_sync(self.tied))
-        c("", "# gradient sync and optimizer steps, segment by segment")
+        c("", "# gradient sync and optimizer steps, segment by segment" if self.clip is None else
+          "# gradient sync, segment by segment")
+        at = len(c.lines)
         for seg in segs:
             self.sync(seg)
+        if len(c.lines) == at:  # nothing to sync here (DDP and FSDP synced during backward)
+            del c.lines[at - 2:]
+        self.clip_and_step()
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()")
         self.add_loss()
@@ -273,14 +312,46 @@ class TrainWriter:
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
 
+    def forward_backward(self) -> None:
+        c, segs = self.c, self.segs
+        c("", "# forward, segment by segment")
+        for seg in segs:
+            self.forward(seg)
+        self.loss(backward=True)
+        c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
+        for seg in reversed(segs[1:]):
+            self.backward(seg)
+
+    @property
+    def syncs_in_backward(self) -> bool:
+        """Whether a segment's gradients are summed during backward (DDP, FSDP2)."""
+        return any(data.uses_ddp(s) or (s.shard == "full" and s.has_params and len(s.ranks) > 1) for s in self.segs)
+
+    def accumulate_step(self) -> None:
+        """training.accumulate: the step's batch in N micro-steps whose gradients add up in
+        .grad (each loss is its rows' share of the whole batch's mean); DDP and FSDP2 sum
+        over their group in the last micro-step's backward only, the other syncs follow it."""
+        c, n = self.c, self.accumulate
+        c("", f"# accumulate: {n} micro-steps of {self.segs[0].in_shape[0]} rows, their gradients added up",
+          f"xs, ys, micro_losses = x.chunk({n}), y.chunk({n}), []", f"for micro in range({n}):").indent()
+        c("x, y = xs[micro], ys[micro]")
+        if self.syncs_in_backward:
+            c(f"with gradient_sync(modules, micro == {n - 1}):  # DDP / FSDP2 sum over their group: on the last").indent()
+        self.forward_backward()
+        if self.syncs_in_backward:
+            c.dedent()
+        c("micro_losses.append(loss)").dedent()
+        c("loss = None if micro_losses[0] is None else sum(micro_losses)  # this rank's share of the batch's loss")
+
     def add_loss(self) -> None:
         """Hand the step's `total` to batch_losses (summed while the next step trains); a
         checkpoint waits for it, as it saves every loss so far."""
         c = self.c
-        c("batch_losses.add(step, total)  # all-reduced while the next step trains; NaN/inf: stop")
+        norm = ", grad_norm" if self.clip is not None else ""
+        c(f"batch_losses.add(step, total{norm})  # all-reduced while the next step trains; NaN/inf: stop")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:", "    batch_losses.settle()",
-              "    save_checkpoint(args.out, step, rank, modules, optimizers, losses)")
+              f"    save_checkpoint(args.out, step, rank, modules, optimizers, losses{self.sched_arg})")
 
     def gpipe_step(self) -> None:
         """GPipe on placer's own copies: every micro-batch forward, then every one backward. Each
@@ -326,8 +397,10 @@ class TrainWriter:
             c("# (reaching its own slices of the parameters); it counts once, on the first")
         whole_y = len(last.ranks) == 1 or last.replicated or last.loss_gather
         y = "y" if whole_y else f"local_slice(y, {list(last.ranks)}, rank)"
-        self.when(last.ranks[:1] if out == "out" else last.ranks,
-                  f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)",
+        line = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
+        if self.bf16:
+            line = f"with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16\n    {line}"
+        self.when(last.ranks[:1] if out == "out" else last.ranks, *line.split("\n"),
                   *(["loss.backward()"] if backward else []))
         if backward:
             self.loss_backward(computed=True)
@@ -351,7 +424,7 @@ class TrainWriter:
         if k == 0:
             x = "x" if len(seg.ranks) == 1 or seg.replicated else \
                 f"local_slice(x, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
-            c(f"h0 = {self.guarded(f'seg0({x}.to(device))', seg.ranks)}")
+            self.forward_line(seg, f"{x}.to(device)")
             return
         prev = self.segs[k - 1]
         if self.relaid(prev, seg):
@@ -370,7 +443,33 @@ class TrainWriter:
               f"                      {self.dtype_arg(seg)}route={self.route(seg)}, device=device)")
             if seg.grad_in:
                 self.when(seg.ranks, f"a{k}.requires_grad_()")
-        c(f"h{k} = {self.guarded(f'seg{k}(a{k})', seg.ranks)}")
+        self.forward_line(seg, f"a{k}")
+
+    def forward_line(self, seg: Seg, arg: str) -> None:
+        """`h{k} = seg{k}(arg)` on the segment's ranks. With precision bf16 under autocast, the
+        output cast back to float32 to cross to the next segment (exact: autocast rounds it to
+        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is."""
+        c, call = self.c, self.call(seg, arg)
+        c(*self.recompute_note(seg))
+        if not self.bf16:
+            c(f"h{seg.k} = {self.guarded(call, seg.ranks)}")
+            return
+        if seg.k < len(self.segs) - 1 and seg.out_dtype == "float32":
+            call += ".float()"
+        c("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16",
+          f"    h{seg.k} = {self.guarded(call, seg.ranks)}")
+
+    @staticmethod
+    def call(seg: Seg, arg: str) -> str:
+        """Segment k's forward on `arg`: recomputed in backward where the spec says `recompute`."""
+        if seg.recompute:
+            return f"torch.utils.checkpoint.checkpoint(seg{seg.k}, {arg}, use_reentrant=False)"
+        return f"seg{seg.k}({arg})"
+
+    @staticmethod
+    def recompute_note(seg: Seg) -> list[str]:
+        return [f"# recompute: segment {seg.k} keeps only its input; backward runs its forward again"] \
+            if seg.recompute else []
 
     def backward(self, seg: Seg) -> None:
         c, k = self.c, seg.k
@@ -399,7 +498,10 @@ class TrainWriter:
         if not seg.has_params:
             return
         ranks, lines = MODES[seg.mode].emit_sync(seg)
-        self.when(ranks, *lines)
+        if self.clip is not None:  # the steps come after the global norm (P092: sync helpers that step are refused)
+            lines = [line for line in lines if line != f"opt{seg.k}.step()"]
+        if lines:
+            self.when(ranks, *lines)
 
     def finish(self) -> None:
         c = self.c
@@ -443,8 +545,9 @@ class TrainWriter:
 
 
 def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=(), lockstep: bool = False) -> str:
+                 microbatches: int = 0, tied=(), lockstep: bool = False, training=None) -> str:
     """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`);
-    `lockstep`: one run in lockstep (runtime/lockstep.py)."""
+    `lockstep`: one run in lockstep (runtime/lockstep.py); `training`: the spec's training
+    options (lr_schedule, clip_grad_norm, accumulate, precision)."""
     return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied,
-                       lockstep).write()
+                       lockstep, training).write()

@@ -28,7 +28,9 @@ def flops(plan: Plan, graph: ModelGraph) -> dict[str, int]:
             if op.kind == OpKind.COMPUTE:
                 seg = plan.segments[op.segment]
                 fwd = sum(graph.layer(l).flops for l in plan.chunk_layers(op))
-                total += BACKWARD_FACTOR[op.phase] * fwd // (seg.degree * plan.microbatches)
+                # a recomputed segment's backward runs its forward again first
+                factor = BACKWARD_FACTOR[op.phase] + (seg.recompute and op.phase in ("bwd", "bwd_input"))
+                total += factor * fwd // (seg.degree * plan.microbatches)
         out[dev] = total
     return out
 

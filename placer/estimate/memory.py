@@ -146,7 +146,14 @@ def activations(plan: Plan, graph: ModelGraph) -> dict[str, int]:
             if op.kind != OpKind.COMPUTE or op.phase in ("bwd_weight",):
                 continue
             seg = plan.segments[op.segment]
-            b = saved_bytes(plan, graph, seg, plan.chunk_layers(op)) // (seg.degree * m)
+            share = seg.degree * m * plan.accumulate  # one micro-batch's (a pipeline's, or a micro-step's)
+            share *= 2 if plan.precision == "bf16" else 1  # autocast saves bfloat16 activations
+            b = saved_bytes(plan, graph, seg, plan.chunk_layers(op)) // share
+            if seg.recompute:  # forward keeps the chunk's input; backward holds b again while it runs
+                kept = graph.layer(plan.chunk_layers(op)[0]).in_bytes // share
+                if op.phase != "fwd":
+                    peak = max(peak, live + b)
+                b = kept
             live += b if op.phase == "fwd" else -b
             peak = max(peak, live)
         out[dev] = peak

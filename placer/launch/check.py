@@ -16,6 +16,10 @@ from pathlib import Path
 
 RTOL = 1e-5
 ATOL = 4e-5
+BF16_RTOL, BF16_ATOL = 2e-2, 2e-3
+"""precision bf16: the run and the bf16 reference round the same products to bfloat16 (8 bits of
+mantissa) after sums over other rows (each rank's) and in another order: agreement to about
+bfloat16's resolution, 2**-8 ~ 4e-3, a few roundings deep."""
 GRAD_RTOL = 10
 """A gradient matches when max |diff| <= GRAD_RTOL * rtol * max |reference gradient| + atol / 1000
 (1e-4 of its largest element by default: sums over ranks add in another order)."""

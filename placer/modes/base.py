@@ -33,6 +33,8 @@ class Mode:
     """Every device of the group holds the whole input and output activation (channel, tensor)."""
     module_models = True
     """Whether the program can split a module model's (`model.module`) segment this way."""
+    forward_sends_activations = False
+    """Whether the group's forward communicates activations (channel, tensor, spatial)."""
 
     # -- validate -----------------------------------------------------------------------------------
     def check_options(self, spec, seg) -> list[Diagnostic]:
@@ -46,6 +48,12 @@ class Mode:
     def check_shapes(self, seg, seg_layers, shapes_in: dict) -> list[Diagnostic]:
         """The mode's rules on an inline model's layer input shapes (name -> shape without batch)."""
         return []
+
+    def recompute_blocker(self, p) -> str | None:
+        """Why a segment of this mode (`p`: its Parallel options) cannot be recomputed
+        (`recompute: true`), or None: recomputing a forward that communicates would repeat
+        its collectives in backward, which neither the program nor the plan does yet."""
+        return None
 
     def data_degree(self, n: int) -> int:
         """Into how many parts the segment's group cuts the batch."""

@@ -106,6 +106,10 @@ class Channel(Mode):
     name = "channel"
     whole_on_each = True
     module_models = False
+    forward_sends_activations = True
+
+    def recompute_blocker(self, p):
+        return "its forward all-gathers the channel slices"
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

@@ -138,14 +138,22 @@ class Data(Mode):
         if p.shard != "none" and p.sync != "allreduce":
             diags.append(Diagnostic("P025", f"segment {seg.name!r}: shard {p.shard!r} needs sync 'allreduce', not "
                                     f"{p.sync!r}", p.loc, "sharding splits what all-reduce replicas hold"))
-        if spec.training.batch_size % n and not spec.pipeline:
-            diags.append(Diagnostic("P030", f"batch_size {spec.training.batch_size} is not divisible by the {n} "
-                                    f"devices of data segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
-                                    f"use a multiple of {n}"))
+        t = spec.training
+        rows = t.batch_size // t.accumulate  # a micro-step's (P094 when accumulate does not divide it)
+        if rows % n and not spec.pipeline and t.batch_size % t.accumulate == 0:
+            what = f"batch_size {t.batch_size}" + (f" / accumulate {t.accumulate} = {rows}" if t.accumulate > 1 else "")
+            diags.append(Diagnostic("P030", f"{what} is not divisible by the {n} devices of data segment "
+                                    f"{seg.name!r}", spec.doc.loc(("training", "batch_size")),
+                                    f"use a multiple of {n * t.accumulate}"))
         return diags
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, pipelined)
+
+    def recompute_blocker(self, p):
+        if p.shard == "full":
+            return "FSDP2 gathers the parameters in its forward"
+        return "SyncBatchNorm all-reduces statistics in its forward" if p.sync_batchnorm else None
 
     def data_degree(self, n):
         return n

@@ -109,6 +109,10 @@ class Spatial(Mode):
     name = "spatial"
     options_keys = ("dim",)
     module_models = False
+    forward_sends_activations = True
+
+    def recompute_blocker(self, p):
+        return "its forward exchanges halo rows"
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

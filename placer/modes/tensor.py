@@ -104,6 +104,10 @@ class Tensor(Mode):
     name = "tensor"
     whole_on_each = True
     module_models = False
+    forward_sends_activations = True
+
+    def recompute_blocker(self, p):
+        return "its forward all-reduces each pair's output"
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

@@ -61,6 +61,9 @@ class PlacedSegment:
     """How this segment's input arrives: direct | via_host."""
     stage: int | None = None
     """Pipeline stage index, when the spec has a pipeline."""
+    recompute: bool = False
+    """Activation checkpointing: forward keeps the segment's input only; backward recomputes
+    the forward (one more forward's FLOPs) and holds its activations while it runs."""
 
     @property
     def degree(self) -> int:
@@ -149,6 +152,11 @@ class Plan:
     microbatches: int = 1
     schedule: str | None = None
     batch_size: int = 0
+    accumulate: int = 1
+    precision: str = "fp32"
+    """training.precision: bf16 keeps the activations autocast makes in bfloat16 (half the bytes)."""
+    """training.accumulate: micro-steps per step, each on batch_size / accumulate rows; ops once
+    per step, their bytes summed over the micro-steps (a per-micro-step gather N times)."""
 
     def rank(self, device: str) -> int:
         return self.devices.index(device)

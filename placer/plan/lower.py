@@ -229,31 +229,34 @@ def param_bytes(seg: PlacedSegment, graph: ModelGraph) -> dict[str, int]:
     return out
 
 
-def _instantiate(entries, src: Op, m: int, part: str) -> list[Op]:
-    """Attached ops for one COMPUTE op: its micro-batch, activation bytes / m in a pipeline."""
+def _instantiate(entries, src: Op, m: int, part: str, repeat: int = 1) -> list[Op]:
+    """Attached ops for one COMPUTE op: its micro-batch, activation bytes / m in a pipeline.
+    `repeat` (accumulate's micro-steps): a layer's parameter gathers and statistics run once per
+    micro-step, its gradient reduction once, after the last (DDP no_sync, FSDP2's gradient sync off)."""
     out = []
     for op, scale, weight in entries:
         if (part == "bwd_input" and weight) or (part == "bwd_weight" and not weight):
             continue
-        out.append(op.with_(bytes=op.bytes // m if scale else op.bytes, microbatch=src.microbatch))
+        nbytes = op.bytes // m if scale else op.bytes * (1 if weight else repeat)
+        out.append(op.with_(bytes=nbytes, microbatch=src.microbatch))
     return out
 
 
-def _expand(op: Op, seg: PlacedSegment, a: Attached, m: int) -> list[Op]:
+def _expand(op: Op, seg: PlacedSegment, a: Attached, m: int, repeat: int = 1) -> list[Op]:
     """A segment's COMPUTE op split into chunks, with the collectives between them."""
     starts = sorted({0} | {c for c in a.cuts if 0 < c < len(seg.layers)})
     chunks = [(s, e) for s, e in zip(starts, starts[1:] + [len(seg.layers)])]
     out = []
     if op.phase == "fwd":
         for s, e in chunks:
-            out += _instantiate(a.pre_fwd.get(s, []), op, m, "fwd")
+            out += _instantiate(a.pre_fwd.get(s, []), op, m, "fwd", repeat)
             out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
-            out += _instantiate(sum((a.post_fwd.get(i, []) for i in range(s, e)), []), op, m, "fwd")
+            out += _instantiate(sum((a.post_fwd.get(i, []) for i in range(s, e)), []), op, m, "fwd", repeat)
         return out
     for s, e in reversed(chunks):
-        out += _instantiate(a.pre_bwd.get(s, []), op, m, op.phase)
+        out += _instantiate(a.pre_bwd.get(s, []), op, m, op.phase, repeat)
         out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
-        out += _instantiate(sum((a.post_bwd.get(i, []) for i in range(s, e)), []), op, m, op.phase)
+        out += _instantiate(sum((a.post_bwd.get(i, []) for i in range(s, e)), []), op, m, op.phase, repeat)
     return out
 
 
@@ -274,7 +277,7 @@ def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
             for i, o in enumerate(lst):
                 if o.kind == OpKind.COMPUTE and o.segment == s:
                     new += a.seg_pre_fwd if i == first else []
-                    new += _expand(o, seg, a, m)
+                    new += _expand(o, seg, a, m, plan.accumulate)
                     new += a.seg_post_bwd if i == last else []
                 elif o.kind == OpKind.STEP and o.segment == s:
                     new += a.step_pre + [o] + a.step_post
@@ -365,7 +368,22 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     return plan.with_ops(new)
 
 
-PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline, insert_ties)
+def insert_grad_norm(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
+    """training.clip_grad_norm: one ALL_REDUCE of a float32 (each device's sum of the squared
+    gradients it counts) over every device, after every gradient sync and before any step."""
+    if spec.training.clip_grad_norm is None:
+        return plan
+    op = Op(kind=OpKind.ALL_REDUCE, devices=plan.devices, segment=len(plan.segments) - 1, phase="step",
+            tensor="grad_norm", bytes=4, attrs={"grad_norm": True})
+    ops = {d: list(v) for d, v in plan.ops.items()}
+    for d in plan.devices:
+        lst = ops.setdefault(d, [])
+        at = next((i for i, o in enumerate(lst) if o.kind == OpKind.STEP), len(lst))
+        lst.insert(at, op)
+    return plan.with_ops(ops)
+
+
+PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline, insert_ties, insert_grad_norm)
 
 
 def lower(plan: Plan, spec: Spec, graph: ModelGraph, passes=PASSES) -> Plan:

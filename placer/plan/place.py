@@ -52,7 +52,7 @@ def placed_segments(spec: Spec, graph: ModelGraph, layers: list[list[str]] | Non
         PlacedSegment(index=seg.index, name=seg.name, layers=tuple(names), devices=tuple(seg.devices),
                       mode=seg.mode, options=MODES[seg.mode].options(seg.parallel, names, graph),
                       route=seg.route or spec.route,
-                      stage=seg.index if spec.pipeline else None)
+                      stage=seg.index if spec.pipeline else None, recompute=seg.recompute)
         for seg, names in zip(spec.placement, layers))
 
 
@@ -99,7 +99,8 @@ def place(spec: Spec, graph: ModelGraph, layers: list[list[str]] | None = None) 
         ops[op.devices[0]].append(op)
     plan = Plan(name=spec.name, devices=tuple(spec.devices), segments=segments,
                 microbatches=pl.microbatches if pl else 1, schedule=pl.schedule if pl else None,
-                batch_size=spec.training.batch_size)
+                batch_size=spec.training.batch_size, accumulate=spec.training.accumulate,
+                precision=spec.training.precision)
     return plan.with_ops(ops)
 
 

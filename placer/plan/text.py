@@ -27,7 +27,7 @@ _BARE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/\-]*")
 _KEYWORDS = {"null", "true", "false", "NaN", "Infinity"}
 _TOKEN = re.compile(r'(?:[^\s"]|"(?:[^"\\]|\\.)*")+')
 OP_FIELDS = ("mb", "bytes", "dim", "route", "src_dim", "dst_dim", "devices")
-SEGMENT_FIELDS = ("mode", "route", "stage", "layers")
+SEGMENT_FIELDS = ("mode", "route", "stage", "layers", "recompute")
 
 
 def _json(token: str):
@@ -111,6 +111,8 @@ def format_segment(seg: PlacedSegment) -> str:
         parts.append(_kv("route", seg.route))
     if seg.stage is not None:
         parts.append(_kv("stage", seg.stage))
+    if seg.recompute:
+        parts.append(_kv("recompute", True))
     parts.append("layers=" + _names(seg.layers))
     _check_keys(seg.options, SEGMENT_FIELDS, "segment option")
     parts += [_kv(k, v) for k, v in seg.options.items()]
@@ -123,6 +125,10 @@ def format_plan(plan: Plan, marks=()) -> str:
     head = [f"plan {enc(plan.name)}", _kv("batch", plan.batch_size), _kv("microbatches", plan.microbatches)]
     if plan.schedule is not None:
         head.append(_kv("schedule", plan.schedule))
+    if plan.accumulate != 1:
+        head.append(_kv("accumulate", plan.accumulate))
+    if plan.precision != "fp32":
+        head.append(_kv("precision", plan.precision))
     lines = [" ".join(head), "devices " + _names(plan.devices)]
     lines += [format_segment(s) for s in plan.segments]
     for dev in plan.devices:
@@ -194,6 +200,7 @@ def parse_segment(tokens: list[str], lineno: int) -> PlacedSegment:
         index=int(tokens[1]), name=dec(tokens[2]), devices=devs,
         mode=dec(kv.pop("mode", "none")), route=dec(kv.pop("route", "direct")),
         stage=dec(kv.pop("stage")) if "stage" in kv else None, layers=_parse_names(kv.pop("layers")),
+        recompute=bool(dec(kv.pop("recompute", "false"))),
         options={k: dec(v) for k, v in kv.items()},
     )
 
@@ -229,5 +236,6 @@ def parse_plan(text: str) -> Plan:
     schedule = dec(head["schedule"]) if "schedule" in head else None
     plan = Plan(name=head["name"], devices=devices, segments=tuple(segments),
                 microbatches=int(head.get("microbatches", 1)), schedule=schedule,
-                batch_size=int(head.get("batch", 0)))
+                batch_size=int(head.get("batch", 0)), accumulate=int(head.get("accumulate", 1)),
+                precision=dec(head["precision"]) if "precision" in head else "fp32")
     return plan.with_ops(ops)

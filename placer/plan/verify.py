@@ -106,8 +106,8 @@ def _segments(plan: Plan) -> Problem | None:
         for i, op in enumerate(plan.ops.get(d, ())):
             if not 0 <= op.segment < n:
                 return "V003", f"op {i} on {d} names segment {op.segment}, the plan has {n}", [(d, i)]
-            if "tie" in op.attrs:  # a tied parameter's all-reduce spans the segments holding a copy (plan/ties.py)
-                continue
+            if "tie" in op.attrs or "grad_norm" in op.attrs:  # spans segments: a tie's copies (plan/ties.py),
+                continue  # or every device (the gradient norm, plan/lower.py)
             seg = plan.segments[op.segment]
             allowed = set(seg.devices) | ({seg.server} if seg.server else set())
             # a last segment's output meeting for the loss moves within the segment's group

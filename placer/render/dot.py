@@ -136,8 +136,8 @@ def _group_ops(plan: Plan):
             if "of" in op.attrs:  # a module model's crossing tensor (plan/crossings.py): a node each
                 key += (op.attrs["of"], op.attrs["leaf"], op.attrs["from"])
             table = trans.setdefault(op.segment, {})
-        elif "tie" in op.attrs:
-            continue  # drawn as the edge between the tied layers (_tie_edges)
+        elif "tie" in op.attrs or "grad_norm" in op.attrs:
+            continue  # a tie: the edge between the tied layers (_tie_edges); the gradient norm: 4 bytes
         elif op.kind in COLLECTIVES:
             # one node per collective kind and layer it serves (tensor-parallel pairs, halos, FSDP
             # gathers), gradient buckets of a segment together

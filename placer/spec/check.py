@@ -10,6 +10,7 @@ import os
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
 from placer.modes import MODES
+from placer.plan.crossings import lockstep
 from placer.plan.schedules import SCHEDULES
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Spec, from_document
@@ -308,6 +309,7 @@ def _check_names(spec: Spec) -> list[Diagnostic]:
         diags.append(D("P052", f"optimizer {opt.op!r} is not in torch.optim",
                        spec.doc.loc(("training", "optimizer", "op")),
                        name_hint("optimizers", opt.op, sorted(torch_names.OPTIMIZERS))))
+    diags += _check_training(spec)
     for key in ("input", "target"):
         t = getattr(m, key)
         if t.dtype in INT_DTYPES and t.dtype != "bool" and t.high is None:
@@ -320,6 +322,72 @@ def _check_names(spec: Spec) -> list[Diagnostic]:
             if spec.file not in ("<stdin>", "<spec>") and not os.path.isfile(full):
                 diags.append(D("P054", f"{path}.module file {rel!r} does not exist (relative to the spec)",
                                spec.doc.loc(tuple(path.split(".")) + ("module",)), f"looked for {full}"))
+    return diags
+
+
+# Schedulers a spec cannot build: they take callables, other schedulers or a metric per step.
+SPEC_LESS_SCHEDULERS = {
+    "LambdaLR": "takes a Python function", "MultiplicativeLR": "takes a Python function",
+    "ChainedScheduler": "takes other schedulers", "SequentialLR": "takes other schedulers",
+    "ReduceLROnPlateau": "steps on a validation metric",
+}
+
+
+def _check_training(spec: Spec) -> list[Diagnostic]:
+    """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
+    gradients of every segment before any step; P093 / P096: options not run yet; P094 / P095: the
+    micro-steps of accumulate split the batch evenly, and not a pipeline's."""
+    t, diags = spec.training, []
+    sched = t.lr_schedule
+    if sched and sched.op not in torch_names.LR_SCHEDULERS:
+        diags.append(D("P090", f"lr_schedule {sched.op!r} is not in torch.optim.lr_scheduler",
+                       spec.doc.loc(("training", "lr_schedule", "op")),
+                       name_hint("schedulers", sched.op, sorted(set(torch_names.LR_SCHEDULERS) - set(SPEC_LESS_SCHEDULERS)))))
+    elif sched and sched.op in SPEC_LESS_SCHEDULERS:
+        diags.append(D("P091", f"lr_schedule {sched.op!r} {SPEC_LESS_SCHEDULERS[sched.op]}: a spec cannot build it",
+                       spec.doc.loc(("training", "lr_schedule", "op")),
+                       "use one that takes plain values: CosineAnnealingLR, StepLR, LinearLR, OneCycleLR, ..."))
+    if t.clip_grad_norm is not None:
+        for seg in spec.placement:
+            if seg.parallel.sync in ("parameter_server", "broadcast"):  # (data's options only)
+                diags.append(D("P092", f"segment {seg.name!r}: clip_grad_norm needs every gradient before any step, "
+                               f"and sync {seg.parallel.sync!r} steps as it syncs", seg.parallel.loc,
+                               "use sync allreduce (the default) in this segment, or leave clip_grad_norm out"))
+    if t.precision != "fp32" and spec.pipeline:
+        diags.append(D("P093", f"precision {t.precision!r} with a pipeline is not run by this placer yet",
+                       spec.doc.loc(("training", "precision")), "use precision fp32 (the default) here"))
+    for seg in spec.placement:
+        if t.precision != "fp32" and MODES[seg.mode].forward_sends_activations and len(seg.devices) > 1:
+            diags.append(D("P093", f"segment {seg.name!r}: precision {t.precision!r} in a {seg.mode} segment is not "
+                           "run by this placer yet: its forward sends activations, which bf16 would halve",
+                           spec.doc.loc(("training", "precision")), "use precision fp32 (the default) here"))
+    if t.accumulate > 1 and t.batch_size % t.accumulate:
+        diags.append(D("P094", f"batch_size {t.batch_size} is not divisible by accumulate {t.accumulate}",
+                       spec.doc.loc(("training", "accumulate")),
+                       f"each micro-step takes batch_size / accumulate rows: use a batch_size that is a multiple of "
+                       f"{t.accumulate}"))
+    if t.accumulate > 1 and spec.pipeline:
+        diags.append(D("P095", f"accumulate {t.accumulate} with a pipeline: a pipeline already accumulates the "
+                       "gradients of its micro-batches", spec.doc.loc(("training", "accumulate")),
+                       f"leave accumulate out and set pipeline.microbatches to {t.accumulate} x "
+                       f"{spec.pipeline.microbatches} = {t.accumulate * spec.pipeline.microbatches}: the same step, "
+                       "in micro-batches of the same rows"))
+    for seg in spec.placement:
+        why = MODES[seg.mode].recompute_blocker(seg.parallel) if seg.recompute and len(seg.devices) > 1 else None
+        if why:
+            diags.append(D("P096", f"segment {seg.name!r}: recompute of a {seg.mode} segment is not run by this "
+                           f"placer yet: {why}, and recomputing would repeat that in backward",
+                           spec.doc.loc(("placement", seg.index, "recompute")),
+                           "recompute the one-device or data-parallel segments around it instead"))
+    if lockstep(spec, spec.placement):
+        unrun = [(k, what) for k, what, on in (
+            ("precision", f"precision {t.precision!r}", t.precision != "fp32"),
+            ("accumulate", f"accumulate {t.accumulate}", t.accumulate > 1)) if on]
+        unrun += [(None, f"recompute in segment {seg.name!r}") for seg in spec.placement if seg.recompute]
+        for key, what in unrun:
+            diags.append(D("P097", f"{what} with a module model placed one device per segment (run in lockstep) "
+                           "is not run by this placer yet", spec.doc.loc(("training", key)) if key else spec.model.loc,
+                           "leave it out here, or give the model as inline layers"))
     return diags
 
 

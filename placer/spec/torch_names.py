@@ -3,7 +3,7 @@
 """Names of torch classes a spec may use, known without importing torch.
 
 Plain `placer validate` never imports torch; it checks `model.layers[].op`,
-`model.loss` and `training.optimizer.op` against these sets.
+`model.loss`, `training.optimizer.op` and `training.lr_schedule.op` against these sets.
 """
 from __future__ import annotations
 
@@ -227,6 +227,27 @@ OPTIMIZERS: frozenset[str] = frozenset(
     }
 )
 """Public classes in `torch.optim` that subclass `Optimizer` (`Optimizer` itself excluded)."""
+
+LR_SCHEDULERS: frozenset[str] = frozenset(
+    {
+        "ChainedScheduler",
+        "ConstantLR",
+        "CosineAnnealingLR",
+        "CosineAnnealingWarmRestarts",
+        "CyclicLR",
+        "ExponentialLR",
+        "LambdaLR",
+        "LinearLR",
+        "MultiStepLR",
+        "MultiplicativeLR",
+        "OneCycleLR",
+        "PolynomialLR",
+        "ReduceLROnPlateau",
+        "SequentialLR",
+        "StepLR",
+    }
+)
+"""Public classes in `torch.optim.lr_scheduler` that subclass `LRScheduler` (itself excluded)."""
 
 NN_MODULE_KINDS: dict[str, str] = {
     "AlphaDropout": "dropout",

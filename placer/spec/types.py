@@ -94,6 +94,8 @@ class Segment:
     parallel: Parallel
     route: str | None = None
     """Per-segment copy route for its input; None means the spec-wide route."""
+    recompute: bool = False
+    """Activation checkpointing: the segment's activations are recomputed in backward."""
     loc: Loc = field(default_factory=Loc, compare=False)
     device_locs: tuple[Loc, ...] = ()
 
@@ -113,6 +115,14 @@ class Pipeline:
 class Optimizer:
     op: str
     lr: float | None = None
+    kwargs: dict = field(default_factory=dict)
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRSchedule:
+    op: str
+    """A `torch.optim.lr_scheduler` class name."""
     kwargs: dict = field(default_factory=dict)
     loc: Loc = field(default_factory=Loc, compare=False)
 
@@ -144,6 +154,13 @@ class Training:
     data: Data = field(default_factory=Data)
     prefetch: int = 2
     checkpoint: Checkpoint | None = None
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast; parameters, gradients and optimizer state stay float32)."""
+    accumulate: int = 1
+    """Micro-steps per optimizer step, each on batch_size / accumulate rows."""
+    clip_grad_norm: float | None = None
+    """The global gradient norm is clipped to this; None: no clipping."""
+    lr_schedule: LRSchedule | None = None
     loc: Loc = field(default_factory=Loc, compare=False)
 
 
@@ -238,12 +255,14 @@ def from_document(doc: Document) -> Spec:
             device_locs=dlocs,
             parallel=_parallel(doc, p + ("parallel",), s.get("parallel")),
             route=s.get("copies", {}).get("route"),
+            **_given(s, "recompute"),
             loc=doc.loc(p),
         ))
     t = d["training"]
     opt = t["optimizer"]
     data = t.get("data")  # absent or "synthetic": Data(); else the user's module
     ck = t.get("checkpoint")
+    sched = t.get("lr_schedule")
     rt = dict(d.get("runtime", {}))
     if "simulate" in rt:
         rt["simulate"] = {True: "always", False: "never"}.get(rt["simulate"], rt["simulate"])
@@ -264,7 +283,10 @@ def from_document(doc: Document) -> Spec:
             steps=t["steps"],
             optimizer=Optimizer(op=opt["op"], lr=opt.get("lr"), kwargs=dict(opt.get("kwargs", {})),
                                 loc=doc.loc(("training", "optimizer"))),
-            **_given(t, "seed", "prefetch"),
+            **_given(t, "seed", "prefetch", "precision", "accumulate"),
+            clip_grad_norm=float(t["clip_grad_norm"]) if "clip_grad_norm" in t else None,
+            lr_schedule=LRSchedule(op=sched["op"], kwargs=dict(sched.get("kwargs", {})),
+                                   loc=doc.loc(("training", "lr_schedule"))) if sched else None,
             data=Data(module=data["module"], kwargs=dict(data.get("kwargs", {})), loc=doc.loc(("training", "data")))
             if isinstance(data, dict) else Data(loc=doc.loc(("training", "data"))),
             checkpoint=Checkpoint(every=ck["every"], **_given(ck, "dir", "keep"),

@@ -150,3 +150,15 @@ def test_gpt2s_mask_made_before_the_cut_is_seen_under_a_pipeline(tmp_path):
     path.write_text(gpipe)
     assert not [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
     assert "at transformer.h.0, transformer.wpe" in diags[0].message and "transformer.h.0's output" in diags[0].message
+
+
+def test_training_options_lockstep_does_not_run_yet_are_refused_by_plain_validate(tmp_path):
+    path = spec_file(tmp_path, "SharedBias", "{d: 8}", "{shape: [B, 8]}", """\
+  - {layers: a, device: cpu, recompute: true}
+  - {layers: b, device: cpu:1}""")
+    text = path.read_text().replace("seed: 0}", "seed: 0, accumulate: 2, precision: bf16}")
+    path.write_text(text)
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 1
+    assert [line.split("]")[0][-4:] for line in result.output.splitlines() if "error[" in line] == ["P097"] * 3
+    assert "accumulate 2 with a module model placed one device per segment" in result.output

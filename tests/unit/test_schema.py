@@ -177,6 +177,9 @@ PY_DEFAULTS = {
     "#/$defs/pipeline/properties/schedule": (types.Pipeline, "schedule"),
     "#/$defs/training/properties/seed": (types.Training, "seed"),
     "#/$defs/training/properties/prefetch": (types.Training, "prefetch"),
+    "#/$defs/training/properties/precision": (types.Training, "precision"),
+    "#/$defs/training/properties/accumulate": (types.Training, "accumulate"),
+    "#/$defs/segment/properties/recompute": (types.Segment, "recompute"),
     "#/$defs/training/properties/data": None,  # "synthetic": Data() (checked below)
     **{f"#/$defs/runtime/properties/{k}": (types.Runtime, k)
        for k in ("backend", "simulate", "timeout_s", "max_restarts")},

@@ -53,6 +53,13 @@ def test_optimizers_match_installed_torch():
     assert {"SGD", "Adam", "AdamW"} <= torch_names.OPTIMIZERS
 
 
+def test_lr_schedulers_match_installed_torch():
+    from torch.optim import lr_scheduler
+
+    assert torch_names.LR_SCHEDULERS == _public_subclasses(lr_scheduler, lr_scheduler.LRScheduler), REGEN
+    assert {"CosineAnnealingLR", "StepLR", "LinearLR"} <= torch_names.LR_SCHEDULERS
+
+
 def test_version_header_names_installed_torch():
     assert torch_names.TORCH_VERSION == torch.__version__, REGEN
 

@@ -193,6 +193,10 @@ class ChannelSplit(nn.Sequential):
         self._plan = plan
         self._full = dict(named)  # plain dict: the full layers are not submodules
 
+    def sliced_parameters(self):
+        """The parameters of the split layers' shards (this rank's slices)."""
+        return [p for name, child in self.named_children() if child is not self._full[name] for p in child.parameters()]
+
     def _gather(self, x, split):
         return gather_channels(x, self.group, split[1], split[0], self.ranks)
 

@@ -1,9 +1,10 @@
-def save_checkpoint(out, step, rank, modules, optimizers, losses):
+def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=()):
     """Every rank saves what it holds, as plain tensors, to CHECKPOINT_DIR/step_N/rankR.pt:
     its modules' state (parameters and buffers; DTensor shards of FSDP and tensor parallel as
     their local pieces, so no device mesh is pickled), its optimizers' state (ZeRO: its own
-    shard's), its random number generator and the losses so far. The world and the placement
-    are fixed by the spec, so rank R's file is read back by rank R. A step directory counts
+    shard's) and their lr schedulers', its random number generator and the losses so far.
+    The world and the placement are fixed by the spec, so rank R's file is read back by rank
+    R. A step directory counts
     only once it holds COMPLETE (with every file's size), written after every rank's file;
     then old checkpoints are rotated (CHECKPOINT_KEEP)."""
     root = os.path.join(out or ".", CHECKPOINT_DIR)
@@ -20,6 +21,7 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses):
         "world": dist.get_world_size(),
         "modules": [local_tensors(m.state_dict()) for m in modules],
         "optimizers": [optimizer_state(opt) for opt in optimizers],
+        "schedulers": [scheduler.state_dict() for scheduler in schedulers],
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         "losses": list(losses),
@@ -94,12 +96,15 @@ def read_checkpoint(root, step, rank, world):
     return state, None
 
 
-def fits(state, modules, optimizers):
+def fits(state, modules, optimizers, schedulers=()):
     """None if the checkpoint holds what this rank's modules and optimizers hold (names and
     shapes), else what differs: it was written for another placement or model."""
     if len(state["modules"]) != len(modules) or len(state["optimizers"]) != len(optimizers):
         return (f"it holds {len(state['modules'])} module(s) and {len(state['optimizers'])} optimizer(s), "
                 f"this rank {len(modules)} and {len(optimizers)}")
+    saved_schedulers = len(state.get("schedulers", []))
+    if saved_schedulers != len(schedulers):
+        return f"it holds {saved_schedulers} lr scheduler(s), this rank {len(schedulers)}"
     for module, saved in zip(modules, state["modules"]):
         mine = local_tensors(module.state_dict())
         if set(mine) != set(saved):
@@ -115,8 +120,8 @@ def fits(state, modules, optimizers):
     return None
 
 
-def load_checkpoint(state, modules, optimizers):
-    """Copy a checkpoint's state into this rank's modules, optimizers and generators."""
+def load_checkpoint(state, modules, optimizers, schedulers=()):
+    """Copy a checkpoint's state into this rank's modules, optimizers, schedulers and generators."""
     with torch.no_grad():
         for module, saved in zip(modules, state["modules"]):
             for name, value in module.state_dict(keep_vars=True).items():
@@ -131,12 +136,14 @@ def load_checkpoint(state, modules, optimizers):
             entries[i][key] = DTensor.from_local(entries[i][key].to(p.device), p.device_mesh, p.placements,
                                                  run_check=False, shape=p.shape, stride=p.stride())
         inner.load_state_dict({"state": entries, "param_groups": saved["param_groups"]})
+    for scheduler, saved in zip(schedulers, state.get("schedulers", [])):
+        scheduler.load_state_dict(saved)
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng"])
 
 
-def resume_checkpoint(args, rank, modules, optimizers):
+def resume_checkpoint(args, rank, modules, optimizers, schedulers=()):
     """(first step, losses of the steps before it). A run started with --resume, or restarted
     by the launcher after a failure, continues from the newest checkpoint that is complete
     and readable on every rank (step 0 without one); otherwise it starts at step 0. Every rank
@@ -145,7 +152,7 @@ def resume_checkpoint(args, rank, modules, optimizers):
     if not resuming(args):
         return 0, []
     with uncounted():  # reading a checkpoint, not training: left out of the bytes sent
-        first, losses = choose_checkpoint(args, rank, modules, optimizers)
+        first, losses = choose_checkpoint(args, rank, modules, optimizers, schedulers)
     RESUMED_FROM = first
     if rank == 0:
         print(f"resuming from the checkpoint at step {first}" if first else
@@ -154,7 +161,7 @@ def resume_checkpoint(args, rank, modules, optimizers):
     return first, losses
 
 
-def choose_checkpoint(args, rank, modules, optimizers):
+def choose_checkpoint(args, rank, modules, optimizers, schedulers):
     """Load the newest checkpoint that is complete and readable on every rank: (its step, the
     losses before it), or (0, []) without one. One that does not fit this program stops the run."""
     world = dist.get_world_size()
@@ -164,7 +171,7 @@ def choose_checkpoint(args, rank, modules, optimizers):
     dist.all_gather_object(every, mine)  # several machines: a step complete on all of them
     for step in [s for s in mine if all(s in other for other in every)]:
         state, why = read_checkpoint(root, step, rank, world)
-        misfit = fits(state, modules, optimizers) if state is not None else None
+        misfit = fits(state, modules, optimizers, schedulers) if state is not None else None
         verdict = torch.tensor([2 if misfit else 0 if state is not None else 1])
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # 0: usable on every rank
         if verdict.item() == 2:
@@ -172,7 +179,7 @@ def choose_checkpoint(args, rank, modules, optimizers):
             detail = f": rank {rank}: {misfit}" if misfit else ""
             raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} does not fit this program{detail}")
         if verdict.item() == 0:
-            load_checkpoint(state, modules, optimizers)
+            load_checkpoint(state, modules, optimizers, schedulers)
             return step, state["losses"]
         if why:
             print(f"rank {rank}: the checkpoint at step {step} is not usable ({why}); trying an older one",

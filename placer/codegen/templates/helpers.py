@@ -139,20 +139,20 @@ class BatchLosses:
         self.losses, self.args, self.rank, self.start = losses, args, rank, start
         self.pending = None  # (step, its summed tensor, the all-reduce's work)
 
-    def add(self, step, total):
+    def add(self, step, total, grad_norm=None):
         self.settle()
-        self.pending = (step, total, dist.all_reduce(total, async_op=True))
+        self.pending = (step, total, dist.all_reduce(total, async_op=True), grad_norm)
 
     def settle(self):
         """Wait for the pending sum; append it and show it (rank 0)."""
         if self.pending is None:
             return
-        step, total, work = self.pending
+        step, total, work, grad_norm = self.pending
         self.pending = None
         work.wait()
         self.losses.append(finite_loss(total.item(), step))
         if self.rank == 0:
-            report_step(self.args.out, step, self.args.steps, self.losses[-1], self.start)
+            report_step(self.args.out, step, self.args.steps, self.losses[-1], self.start, grad_norm)
 
 
 RESUMED_FROM = 0  # the step this process started from: its checkpoint's when it resumed
@@ -164,11 +164,14 @@ def resuming(args):
     return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def report_step(out, step, steps, loss, start):
-    """Rank 0: one line per step on stdout and in OUT/progress.jsonl (what `placer run` shows)."""
+def report_step(out, step, steps, loss, start, grad_norm=None):
+    """Rank 0: one line per step on stdout and in OUT/progress.jsonl (what `placer run` shows);
+    with training.clip_grad_norm, the step's global gradient norm before clipping too."""
     elapsed = time.perf_counter() - start
     record = {"step": step + 1, "steps": steps, "loss": loss,
               "samples_per_s": (step + 1 - RESUMED_FROM) * BATCH_SIZE / elapsed, "elapsed_s": elapsed}
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm
     print(f"step {step + 1}/{steps}  loss {loss:.6f}  {record['samples_per_s']:.0f} samples/s",
           flush=True)
     report_event(out, record)

@@ -10,19 +10,29 @@ def reference(args):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(DEVICES)))
     model = build_model().to(device)
     optimizer = make_optimizer(model.parameters())
+    scheduler = make_scheduler(optimizer)  # None without training.lr_schedule
     losses, data = [], batches(args.steps)
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = next(data)
         optimizer.zero_grad(set_to_none=True)
-        loss = compute_loss(model(x.to(device)), y.to(device))
-        loss.backward()
-        if step == 0 and args.grads and args.out:
+        loss = 0.0
+        for xm, ym in zip(x.chunk(ACCUMULATE), y.chunk(ACCUMULATE)):  # training.accumulate's micro-steps
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
+                micro = compute_loss(model(xm.to(device)), ym.to(device)) * (xm.shape[0] / BATCH_SIZE)
+            micro.backward()  # the gradients add up in .grad
+            loss += micro.detach()
+        grad_norm = None
+        if CLIP_GRAD_NORM is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM).item()
+        if step == 0 and args.grads and args.out:  # as the step takes them (clipped)
             write_first_grads(args.out, {n: p.grad.detach().cpu().clone() for n, p in
                                          model.named_parameters(remove_duplicate=False) if p.grad is not None})
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(finite_loss(loss.item(), step))
-        report_step(args.out, step, args.steps, losses[-1], start)
+        report_step(args.out, step, args.steps, losses[-1], start, grad_norm)
     seconds = time.perf_counter() - start
     if args.out:
         # a tied parameter under each of its names: a placed run saves each copy under its own
