@@ -12,6 +12,7 @@ import time
 import click
 
 from placer import units
+from placer.cli.console import DETAIL, echo, verbosity_options
 from placer.cli.options import set_option
 
 JSON_FORMAT = "placer-plan/1"
@@ -221,9 +222,9 @@ def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> 
               help="Write the pipeline schedule chart: .svg, .png, .pdf (needs graphviz) or .txt.")
 @click.option("--deep", is_flag=True, help="Needed for `model.module` specs: building the model on the meta "
               "device RUNS THE USER'S MODEL CODE.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
 @set_option
-def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet, overrides):
+@verbosity_options
+def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, overrides):
     """Plan a spec: memory per device, communication ops and bytes, FLOPs and balance.
 
     Builds the model on the meta device (no weight memory; `model.module` specs
@@ -238,6 +239,9 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
       placer plan --plan-text specs/mlp_pipeline_1f1b.yaml
       placer plan specs/mlp_data_allreduce.yaml --set training.batch_size=256
       placer plan --deep --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
+
+    -q leaves out the progress messages on stderr (the plan itself is the result); -v adds
+    how long building and planning took.
     """
     import json
 
@@ -249,8 +253,9 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
     require_torch("placer plan")
 
     def say(msg: str) -> None:
-        if not quiet:
-            click.echo(f"placer: {msg}", err=True)
+        echo(f"placer: {msg}", err=True)
+
+    t0 = time.perf_counter()
 
     try:
         spec = load_and_warn(spec_path, overrides)
@@ -260,6 +265,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, quiet
                 spec.doc.loc(("model", "module")), "pass --deep to build it on the meta device (it runs "
                 "the model's __init__ and forward; no weights are allocated)"))
         graph, plan, est, timeline = build_and_plan(spec, progress=say)
+        echo(f"placer: planned in {time.perf_counter() - t0:.2f} s", level=DETAIL, err=True)
         _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say)
     except PlacerError as e:
         fail(e, fmt)

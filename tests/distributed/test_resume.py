@@ -105,7 +105,7 @@ def test_a_damaged_or_incomplete_checkpoint_is_passed_over(whole_runs, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "resumed from the checkpoint at step 2 of 6" in r.stdout
     assert any("rank 1: the checkpoint at step 4 is not usable (rank1.pt is" in p.read_text()
-               for p in (run / "logs").rglob("stderr.log"))
+               for p in (run / "logs").glob("*.log"))
     assert_same_run(whole, run)
 
 

@@ -35,13 +35,15 @@ def reference(args):
 
 
 def die_with_launcher():
-    """Started by `placer run` (PLACER_LAUNCHER_PID): end with it. Its Ctrl-C (SIGINT, passed on
+    """Started by `placer run` (PLACER_LAUNCHER_PID): write to its log, and end with it. Its Ctrl-C (SIGINT, passed on
     to the workers) ends this process at once, even inside a collective; and on Linux the kernel
     kills it when the launcher dies, SIGKILL included, rather than leave it training as an orphan."""
     launcher = os.environ.get("PLACER_LAUNCHER_PID")
     if not launcher:
         return
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.stdout.flush()
+    os.dup2(2, 1)  # placer run keeps one log per device, its stderr: prints join it in order
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
