@@ -25,7 +25,14 @@ def default_run_dir(name: str, node_rank: int) -> str:
     return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
 
 
-def summary_lines(metrics: dict, wall_s: float, attempts: int = 1) -> list[str]:
+MEASURES = {"cuda_max_memory_allocated": "the CUDA allocator's peak (torch.cuda.max_memory_allocated)",
+            "peak_rss_above_import": "the worker's peak RSS above its RSS right after importing torch (CPU "
+                                     "workers: it also holds gloo's buffers, the data and the allocator's slack)"}
+
+
+def summary_lines(metrics: dict, wall_s: float, attempts: int = 1, planned: dict | None = None) -> list[str]:
+    """The run's speed, then per device: bytes sent, time by kind, measured peak memory beside
+    the plan's estimate (`planned`: device -> bytes)."""
     steps, sps = metrics.get("steps", 0), metrics.get("steps_per_s") or 0.0
     first = metrics.get("resumed_from") or 0
     what = f"trained {steps} steps" if not first else \
@@ -34,15 +41,21 @@ def summary_lines(metrics: dict, wall_s: float, attempts: int = 1) -> list[str]:
     lines = [f"{what}: {sps:.2f} steps/s, {metrics.get('samples_per_s') or 0:.0f} samples/s "
              f"({metrics.get('wall_s', 0):.2f} s training{' in the last attempt' if attempts > 1 else ''}, "
              f"{wall_s:.1f} s with start-up{tries})",
-             f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8}"]
-    times = metrics.get("time_s", {})
+             f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8} "
+             f"{'peak memory':>12} {'planned':>10}"]
+    times, memory, planned = metrics.get("time_s", {}), metrics.get("peak_memory", {}), planned or {}
     for device in metrics.get("devices", []):
-        t = times.get(device, {})
+        t, m = times.get(device, {}), memory.get(device, {})
+        peak = units.size(m["peak_bytes"]) if "peak_bytes" in m else "-"
+        plan = units.size(planned[device]) if device in planned else "-"
         lines.append(f"{device:<16} {units.size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
-                     f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f}")
-    lines.append("(bytes: payload this rank handed to send / collectives; comm: time in copies and "
-                 "gradient syncs, waiting included; DDP's overlapped all-reduce and a pipeline schedule's sends "
-                 "count as compute)")
+                     f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f} "
+                     f"{peak:>12} {plan:>10}")
+    lines.append("(bytes: payload this rank handed to send / collectives; comm: time waiting in copies and "
+                 "gradient syncs, plus DDP's all-reduce from each bucket's launch to its completion while backward "
+                 "runs, which compute holds too; a pipeline schedule's sends count as compute)")
+    for measure in sorted({m.get("measure") for m in memory.values()} & set(MEASURES)):
+        lines.append(f"(peak memory: {MEASURES[measure]}; planned: placer plan's estimate for one step)")
     return lines
 
 
@@ -255,6 +268,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
                       nnodes, node_rank, rdzv_endpoint, resume=False, tolerance=(None, None)) -> dict:
     from placer.launch import run as launcher
     from placer.launch.logs import log_name
+    from placer.launch.metrics import MetricsWriter
 
     if binding.reason:
         console.say(binding.reason)
@@ -277,9 +291,23 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
 
     console.say(f"each worker's output: {run_dir / 'logs'}/<device>.log "
                 f"({', '.join(log_name(d) for d in program.devices[:2])}{', ...' if len(program.devices) > 2 else ''})")
-    result = launcher.launch(run_dir / "program.py", run_dir, binding, args, devices=list(program.devices),
-                             node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=restarts, resume=resume,
-                             on_progress=console.progress, on_restart=restarting, verbose=console.level > 0)
+    plots = MetricsWriter(run_dir, spec.training.batch_size, append=resume) if node_rank == 0 else None
+    if plots and plots.note:
+        console.say(plots.note)
+
+    def progress(record: dict) -> None:
+        if plots:
+            plots.add(record)
+        console.progress(record)
+
+    try:
+        result = launcher.launch(run_dir / "program.py", run_dir, binding, args, devices=list(program.devices),
+                                 node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=restarts,
+                                 resume=resume, on_progress=progress, on_restart=restarting,
+                                 verbose=console.level > 0)
+    finally:
+        if plots:
+            plots.close()
     outcome["metrics"] = result.metrics
     outcome["attempts"] = result.attempts
     stopped = _stopped(spec, run_dir)
@@ -299,7 +327,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
         console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt", level=RESULT)
         outcome["ok"] = True
         return outcome
-    for i, line in enumerate(summary_lines(result.metrics, result.wall_s, result.attempts)):
+    for i, line in enumerate(summary_lines(result.metrics, result.wall_s, result.attempts,
+                                           program.planned_memory)):
         console.say(line, level=RESULT if i == 0 else INFO)
     for line in detail_lines(result.metrics):
         console.say(line, level=DETAIL)

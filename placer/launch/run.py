@@ -89,7 +89,7 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
-           "stopped.json",
+           "stopped.json", "metrics.csv", "tensorboard",
            "reference", "reference.log", "check.json")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 

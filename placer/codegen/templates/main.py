@@ -57,6 +57,7 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     if args.reference or "RANK" in os.environ:  # the reference, or a worker started by torchrun
+        watch_lr()
         try:
             if args.reference:
                 reference(args)
