@@ -17,15 +17,24 @@ def bind_device(name, simulate):
 BOUND = {}  # "device": the torch device this process trains on (bind_device)
 
 
-def rss_peak():
-    """This process's peak resident memory in bytes so far (getrusage: KiB on Linux, bytes on macOS)."""
-    import resource
+def rss():
+    """(current, peak) resident bytes of this process: /proc/self/status on Linux (the peak since
+    reset_peak_rss), else getrusage's peak for both."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = {k: v.split()[0] for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+        return int(kib["VmRSS"]) * 1024, int(kib["VmHWM"]) * 1024
+    except (OSError, KeyError, ValueError):
+        import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        peak = peak if sys.platform == "darwin" else peak * 1024
+        return peak, peak
 
 
-RSS_AT_START = rss_peak()  # torch imported, nothing built yet: what a CPU worker's measure starts from
+RSS_AT_START = rss()[0]  # torch imported, nothing built yet: what a CPU worker's measure starts from
+with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # Linux: the peak (VmHWM) starts again from here, not from a spike while importing
 
 
 def peak_memory():
@@ -36,7 +45,7 @@ def peak_memory():
     device = BOUND.get("device")
     if device is not None and device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
-    return max(0, rss_peak() - RSS_AT_START), "peak_rss_above_import"
+    return max(0, rss()[1] - RSS_AT_START), "peak_rss_above_import"
 
 
 LR = {}  # "lr": the learning rate of the last optimizer step (watch_lr)
