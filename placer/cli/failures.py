@@ -83,8 +83,9 @@ def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int |
     if rest:
         def other(rank: int, code: int | None, tail: str) -> str:
             why = excerpt(tail, 1) if code is not None and code > 0 else []
-            return f"rank {rank} ({device(rank)}) {_how(code)}" + (f" ({why[0].strip()})" if why else "")
-        text += "\n  it took down " + "; ".join(other(r, c, t) for r, (c, t) in rest)
+            how = _how(code).removeprefix("was ")
+            return f"rank {rank} ({device(rank)}), {how}" + (f" ({why[0].strip()})" if why else "")
+        text += "\n  it took down: " + "; ".join(other(r, c, t) for r, (c, t) in rest)
     return Diagnostic("R020", text, Loc(spec.file),
                       f"its whole output is in {run_dir / 'logs' / log_name(device(first))}")
 

@@ -160,9 +160,11 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
-    (the run says so). The run directory keeps program.py, spec.yaml, run.log, logs/ (each
-    worker's output), progress.jsonl, metrics.json and final_params.pt; with --check also
-    reference/ (the one-device run) and check.json.
+    (the run says so). The run directory keeps program.py, spec.yaml, run.log,
+    logs/<device>.log (each worker's output), progress.jsonl, metrics.csv and tensorboard/
+    (per step: loss, lr, samples/s, step time, memory), metrics.json and final_params.pt;
+    with --check also reference/ (the one-device run) and check.json. -q prints only errors
+    and the result; -v adds torch elastic's log lines and bytes per call (docs/run.md).
 
     Ctrl-C (SIGINT) or SIGTERM stops the workers, says at which step, keeps the run
     directory and exits 130 or 143; workers also end if `placer run` is killed.

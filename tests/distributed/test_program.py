@@ -139,7 +139,7 @@ def test_a_failing_worker_is_named_with_its_error(tmp_path, two_cpu_spec):
     assert first.startswith("rank 1 (cpu:1) exited with code 1: RuntimeError: the data source ran dry at step 1\n")
     # once: rank 0 is listed as taken down, without its own traceback
     assert r.stderr.count("the data source ran dry") == 1 and r.stderr.count("error[R020]") == 1
-    assert "  it took down rank 0 (cpu) " in first
+    assert "  it took down: rank 0 (cpu), " in first
     assert f"hint: its whole output is in {tmp_path / 'run' / 'logs' / 'cpu-1.log'}" in first
     # nothing lost: the program, the spec and every worker's output stay in the run dir
     kept = {p.name for p in (tmp_path / "run").iterdir()}

@@ -21,7 +21,7 @@ def test_a_rank_that_aborted_comes_before_those_the_launcher_stopped():
     d = report({0: (TERM, ""), 1: (ABRT, "terminate called without an active exception"), 2: (TERM, "")})
     first, took = d.message.splitlines()
     assert first == "rank 1 (cuda:1) was stopped by SIGABRT: terminate called without an active exception"
-    assert took == "  it took down rank 0 (cuda:0) was stopped by SIGTERM; rank 2 (cuda:2) was stopped by SIGTERM"
+    assert took == "  it took down: rank 0 (cuda:0), stopped by SIGTERM; rank 2 (cuda:2), stopped by SIGTERM"
     assert d.code == "R020" and d.hint == f"its whole output is in {Path('run/logs/cuda-1.log')}"
 
 
@@ -56,9 +56,9 @@ def test_the_first_failure_shows_its_whole_message_once_and_names_the_ranks_it_t
     assert lines[0] == ("rank 1 (cuda:1) exited with code 1: ValueError: fully_shard does not support containers "
                         "that do not implement forward: ModuleList(")
     assert [line.removeprefix("    ") for line in lines[1:14]] == REPR.splitlines()  # the whole repr, not its tail
-    assert lines[14] == ("  it took down rank 0 (cuda:0) exited with code 1 (RuntimeError: [../third_party/gloo/gloo/"
+    assert lines[14] == ("  it took down: rank 0 (cuda:0), exited with code 1 (RuntimeError: [../third_party/gloo/gloo/"
                          "transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242); "
-                         "rank 2 (cuda:2) was stopped by SIGTERM")
+                         "rank 2 (cuda:2), stopped by SIGTERM")
     assert len(lines) == 15 and "C++ log line" not in d.message
     assert d.format().count("ValueError") == 1
 
