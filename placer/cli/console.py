@@ -141,9 +141,10 @@ class RunConsole:
                                 TextColumn("eta"), TimeRemainingColumn(),
                                 TextColumn("{task.fields[rate]:.2f} steps/s  loss {task.fields[loss]:.6f}"),
                                 console=Console(stderr=True), transient=False)
-            self.task = self.bar.add_task("train", total=steps, completed=self.first, rate=0.0, loss=float("nan"))
+            self.task = self.bar.add_task("train", total=steps, completed=step, rate=rate, loss=loss)
             self.bar.start()
-        self.bar.update(self.task, completed=step, rate=rate, loss=loss)
+        else:
+            self.bar.update(self.task, completed=step, rate=rate, loss=loss)
         if step == steps:
             self.end_bar()
 

@@ -257,8 +257,6 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         console.log += [d.format() for d in e.diagnostics]
         raise
     except launcher.Interrupted:
-        if console.tty:
-            click.echo(err=True)  # off the progress bar's line
         console.say(f"interrupted at step {console.step}; run directory kept: {run_dir}", err=True)
         console.said_interrupted = True
         raise
