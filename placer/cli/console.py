@@ -1,6 +1,6 @@
 """How the command line talks: -q / -v on every command, colour, and `placer run`'s progress.
 
-Every command takes -q (only errors and the final result) and -v (more detail; -vv more
+Every command takes -q (only errors, warnings and the final result) and -v (more detail; -vv more
 still). Colour goes to a terminal only (click strips it elsewhere) and never under NO_COLOR
 (https://no-color.org). Progress is rich's bar on a terminal, plain lines otherwise.
 """
@@ -30,7 +30,7 @@ def verbosity_options(f):
     f = click.option("-v", "--verbose", count=True, expose_value=False, callback=_store("placer.verbose"),
                      help="More detail (torch elastic's log lines, per-rank figures, timings); -vv more.")(f)
     return click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_store("placer.quiet"),
-                        help="Only errors and the final result.")(f)
+                        help="Only errors, warnings and the final result.")(f)
 
 
 def verbosity() -> int:
