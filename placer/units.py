@@ -26,3 +26,10 @@ def si(n: float) -> str:
 def count(n: int, noun: str) -> str:
     """`1 layer`, `12 layers`, `1,024 parameters`."""
     return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def seconds(t: float) -> str:
+    """Durations for people: 850 us, 16.9 ms, 1.23 s."""
+    if abs(t) < 1e-3:
+        return f"{t * 1e6:.0f} us"
+    return f"{t * 1e3:.3g} ms" if abs(t) < 1 else f"{t:.3g} s"

@@ -14,6 +14,7 @@ import click
 from placer import units
 from placer.cli.console import DETAIL, echo, verbosity_options
 from placer.cli.options import set_option
+from placer.estimate.hardware import CHOICES
 
 JSON_FORMAT = "placer-plan/1"
 
@@ -62,6 +63,28 @@ def comm_lines(plan, est) -> list[str]:
         rows.append([what, name, phase, ends, str(count), units.size(payload), units.size(moved)])
     rows.append(["total", "", "", "", str(len(est.comm.rows)), "", units.size(est.comm.total)])
     return _table(rows, {4, 5, 6}) if len(rows) > 2 else ["  (none)"]
+
+
+def time_lines(st) -> list[str]:
+    """The cost model's prediction: each device's step and the whole step."""
+    hw = st.hardware
+    rows = [["device", "compute", "comm", "overlapped", "optimizer", "idle", "finish"]]
+    for d, t in st.per_device.items():
+        idle = t.finish_s - t.compute_s - t.comm_s - t.step_s
+        rows.append([d] + [units.seconds(x) for x in (t.compute_s, t.comm_s, t.overlapped_s, t.step_s,
+                                                      max(0.0, idle), t.finish_s)])
+    return (["", f"predicted step time on {hw.name} ({hw.source}): {units.seconds(st.step_s)}, "
+             f"{st.critical} finishes last"] + _table(rows, set(range(1, 7)))
+            + ["  comm: copies and collectives a device waits for; overlapped: all-reduce beside the "
+               "backward; the step adds a fixed cost per step of " + units.seconds(hw.step_overhead)])
+
+
+def time_json(st) -> dict:
+    return {"hardware": st.hardware.name, "source": st.hardware.source, "step_s": st.step_s,
+            "critical": st.critical,
+            "devices": [{"device": d, "compute_s": t.compute_s, "comm_s": t.comm_s,
+                         "overlapped_s": t.overlapped_s, "optimizer_s": t.step_s, "finish_s": t.finish_s}
+                        for d, t in st.per_device.items()]}
 
 
 def table(plan, graph, est, timeline=None) -> str:
@@ -169,20 +192,32 @@ def to_json(plan, graph, est, timeline=None) -> dict:
 def build_and_plan(spec, progress=None):
     """(graph, lowered plan, estimate, pipeline timeline or None) of a loaded spec."""
     from placer.estimate.cost import estimate
-    from placer.model.build import build_graph
+    from placer.model.build import checked_graph
     from placer.plan.lower import lower
     from placer.plan.place import place
 
     t0 = time.perf_counter()
     if progress and not spec.model.inline:
         progress(f"building {spec.model.module} on the meta device ...")
-    graph = build_graph(spec)
+    graph = checked_graph(spec)  # what validate --deep refuses is refused here too
     if progress and not spec.model.inline:
         progress(f"built {len(graph.layers)} layers, {graph.total_params:,} parameters "
                  f"({time.perf_counter() - t0:.1f}s); planning ...")
     plan = lower(place(spec, graph), spec, graph)
     est = estimate(plan, graph, spec.training.optimizer)
     return graph, plan, est, _timeline(plan, graph)
+
+
+def predict(plan, graph, est, hardware: str, say=lambda msg: None):
+    """(StepTime, pipeline timeline in seconds or None) on a named hardware profile."""
+    from placer.estimate import hardware as hw_profiles
+    from placer.estimate.steptime import pipeline_seconds, step_time, workers_per_host
+
+    workers = workers_per_host(plan)
+    if hardware == "cpu" and not hw_profiles.is_cached(workers):
+        say("measuring this machine's CPU for the cost model (once; cached) ...")
+    hw = hw_profiles.profile(hardware, workers)
+    return step_time(plan, graph, est, hw), pipeline_seconds(plan, graph, hw)
 
 
 def _timeline(plan, graph):
@@ -222,9 +257,12 @@ def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> 
               help="Write the pipeline schedule chart: .svg, .png, .pdf (needs graphviz) or .txt.")
 @click.option("--deep", is_flag=True, help="Needed for `model.module` specs: building the model on the meta "
               "device RUNS THE USER'S MODEL CODE.")
+@click.option("--hardware", type=click.Choice(CHOICES), help="Predict each device's step time and the "
+              "whole step on this hardware: `cpu` is measured on this machine (once, about 15 s, then "
+              "cached), the GPUs are their data sheets' figures. The schedule chart's axis is then in seconds.")
 @set_option
 @verbosity_options
-def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, overrides):
+def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardware, overrides):
     """Plan a spec: memory per device, communication ops and bytes, FLOPs and balance.
 
     Builds the model on the meta device (no weight memory; `model.module` specs
@@ -239,6 +277,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, overr
       placer plan --plan-text specs/mlp_pipeline_1f1b.yaml
       placer plan specs/mlp_data_allreduce.yaml --set training.batch_size=256
       placer plan --deep --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
+      placer plan --hardware cpu specs/mlp_pipeline_1f1b.yaml   # predicted step time
 
     -q leaves out the progress messages on stderr (the plan itself is the result); -v adds
     how long building and planning took.
@@ -266,13 +305,20 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, overr
                 "the model's __init__ and forward; no weights are allocated)"))
         graph, plan, est, timeline = build_and_plan(spec, progress=say)
         echo(f"placer: planned in {time.perf_counter() - t0:.2f} s", level=DETAIL, err=True)
+        st = None
+        if hardware:
+            st, seconds = predict(plan, graph, est, hardware, say)
+            timeline = seconds or timeline
         _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say)
     except PlacerError as e:
         fail(e, fmt)
     if plan_text:
         click.echo(format_plan(plan), nl=False)
     elif fmt == "json":
-        click.echo(json.dumps(to_json(plan, graph, est, timeline), indent=2))
+        doc = to_json(plan, graph, est, timeline)
+        if st:
+            doc["time"] = time_json(st)
+        click.echo(json.dumps(doc, indent=2))
     else:
-        click.echo(table(plan, graph, est, timeline))
+        click.echo(table(plan, graph, est, timeline) + ("\n".join([""] + time_lines(st)) if st else ""))
     sys.exit(0)

@@ -91,12 +91,12 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     """The program for a valid spec, to be written as `filename` in `out_dir` (default: here):
     it finds the spec's files relative to itself. SpecError / PlanError for what cannot be
     generated."""
-    from placer.model.build import build_graph
+    from placer.model.build import checked_graph
     from placer.model.deferred import defer_compile_imports
     from placer.plan.lower import lower
     from placer.plan.place import place
 
-    graph = build_graph(spec)
+    graph = checked_graph(spec)  # what validate --deep refuses is refused here too
     plan = lower(place(spec, graph), spec, graph)
     with defer_compile_imports():  # torch.optim's constructors are wrapped as meta kernels are
         preflight.check_optimizer(spec)

@@ -419,6 +419,22 @@ def deep_check(spec: Spec) -> list[Diagnostic]:
         graph = build_graph(spec, module)
     except SpecError as e:
         return e.diagnostics
+    return _deep_diagnostics(spec, module, graph)
+
+
+@defer_compile_imports()
+def checked_graph(spec: Spec) -> ModelGraph:
+    """The spec's ModelGraph once `validate --deep`'s checks pass: plan, generate and run refuse
+    every spec that `validate --deep` refuses (SpecError with its errors), before planning."""
+    module = build_module(spec)
+    graph = build_graph(spec, module)
+    errors = [d for d in _deep_diagnostics(spec, module, graph) if d.severity == "error"]
+    if errors:
+        raise SpecError(errors)
+    return graph
+
+
+def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[Diagnostic]:
     diags = _check_loss(spec, graph)
     if not spec.model.inline:
         groups, sel = check.resolve_segments(spec, graph.names)

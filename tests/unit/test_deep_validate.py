@@ -199,3 +199,16 @@ def test_a_factory_function_is_a_model(tmp_path):
     (d,) = deep(write(tmp_path, GPT.replace("tinygpt.py:TinyGPT", "factory.py:not_a_model"),
                       **{"factory.py": FACTORY}))[1]
     assert d.code == "M004" and "returned a value of type int, not an nn.Module" in d.message
+
+
+@pytest.mark.parametrize("command", [["plan", "--deep"], ["generate", "-o", "{tmp}/program.py"]])
+def test_plan_and_generate_refuse_what_validate_deep_refuses(tmp_path, command):
+    text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
+                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
+    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+    validated = CliRunner().invoke(main, ["validate", "--deep", path])
+    assert validated.exit_code == 1 and "error[P028]" in validated.output
+    out = CliRunner().invoke(main, [c.format(tmp=tmp_path) for c in command] + [path])
+    assert out.exit_code == 1, out.output
+    assert f"{path}:{line_of(path, 'parallel: tensor')}" in out.output and "error[P028]" in out.output
+    assert "plan g:" not in out.output and not (tmp_path / "program.py").exists()

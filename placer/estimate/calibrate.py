@@ -1,0 +1,187 @@
+"""Measuring this machine's CPU for the cost model's `cpu` profile (`estimate/hardware.py`).
+
+Everything a CPU worker of a run spends time on, timed as such a worker runs it: Linear layers'
+forward and backward by size, memory bandwidth, fixed costs per layer and optimizer tensor,
+Adam's update, and between two gloo processes (`probe`, run as `python -m
+placer.estimate.calibrate PORT RANK`) message latency, bandwidth, a small all-reduce and the
+fixed costs FSDP2, DTensor and torch's pipeline schedules add.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from placer.estimate.hardware import Hardware
+
+
+def _best(fn, repeat: int = 5) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeat // 3]  # a low quantile: other work on the machine only adds
+
+
+LINEAR_SIZES = ((64, 256, 256), (128, 512, 512), (256, 1024, 1024))
+"""(rows, in, out) of the Linear layers whose forward and backward calibrate `rates`."""
+
+
+def calibrate(threads: int) -> Hardware:
+    """Measure this machine's CPU with `threads` threads, as one CPU worker of a run: Linear
+    layers' forward and backward by size, a big add's bandwidth, a tiny layer's fixed cost, Adam's
+    step, and two gloo processes' message latency and bandwidth (`probe`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tiny = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(32)])
+        inp = torch.randn(2, 4, requires_grad=True)
+        layer_overhead = _best(lambda: tiny(inp).sum().backward()) / (2 * len(tiny))
+        rates = []
+        for rows, i, o in LINEAR_SIZES:
+            layer, x = torch.nn.Linear(i, o), torch.randn(rows, i, requires_grad=True)
+            flops = 2 * rows * i * o
+            fwd = _best(lambda: layer(x))
+            both = _best(lambda: layer(x).backward(torch.ones(rows, o)))
+            rates.append((flops, flops / max(fwd - layer_overhead, 1e-9),
+                          2 * flops / max(both - fwd - layer_overhead, 1e-9)))
+        with torch.no_grad():
+            x, y = torch.randn(8 << 20), torch.randn(8 << 20)
+            mem_bw = 3 * x.numel() * 4 / _best(lambda: x.add_(y))
+        big = torch.nn.Parameter(torch.randn(1 << 20))
+        big.grad = torch.randn_like(big)
+        adam = torch.optim.Adam([big])
+        update_s = _best(adam.step) / (3 * big.numel())
+        opt = torch.optim.Adam(tiny.parameters())
+        tensor_overhead = _best(opt.step) / len(list(tiny.parameters()))
+        one = torch.nn.Linear(4, 4)
+        sgd = torch.optim.SGD(one.parameters(), lr=0.1)
+
+        def step():
+            sgd.zero_grad()
+            torch.nn.functional.cross_entropy(one(torch.randn(2, 4)), torch.tensor([0, 1])).backward()
+            sgd.step()
+
+        step_overhead = max(0.0, _best(step) - 2 * layer_overhead - 2 * tensor_overhead)
+    finally:
+        torch.set_num_threads(before)
+    link = _probe_gloo()
+    return Hardware(name="cpu", flops=rates[-1][1], rates=tuple(rates), bf16_flops=rates[-1][1], mem_bw=mem_bw,
+                    link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
+                    collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
+                    action_s=link["action"],
+                    layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
+                    step_overhead=step_overhead,
+                    source=f"measured on this machine, {threads} thread(s) per worker, gloo between 2 processes")
+
+
+def _probe_gloo() -> dict:
+    """Latency and bandwidth of gloo between two local processes (what CPU workers use)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "placer.estimate.calibrate", str(port)]
+    procs = [subprocess.Popen([*cmd, str(r)], env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the gloo probe failed: {outs}")
+    return json.loads(outs[0])
+
+
+def _median(fn, n: int) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
+
+
+def probe(port: int, rank: int) -> None:
+    """One side of `_probe_gloo`: ping-pong 1-float and 16 MiB tensors with the other rank, time a
+    small all-reduce, and the fixed costs FSDP2 and DTensor tensor parallelism add to tiny layers."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        def pingpong(t, n):
+            for _ in range(n):
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+
+        small, big = torch.zeros(1), torch.zeros(4 << 20)
+        pingpong(small, 20)
+        dist.barrier()
+        trips = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            pingpong(small, 1)
+            trips.append(time.perf_counter() - t0)
+        latency = sorted(trips)[len(trips) // 2] / 2
+        pingpong(big, 1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        pingpong(big, 4)
+        bandwidth = big.numel() * 4 * 8 / (time.perf_counter() - t0)
+        collective = _median(lambda: dist.all_reduce(small), 100)
+
+        def train(model, x):
+            return _median(lambda: model(x).sum().backward(), 20)
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        x = torch.randn(8, 64)
+        plain = train(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), x)
+        sharded = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        for layer in sharded:
+            fully_shard(layer)
+        fully_shard(sharded)
+        # per layer: an all-gather forward, again backward, and a reduce-scatter
+        sharded_s = (train(sharded, x) - plain) / 12
+        mesh = init_device_mesh("cpu", (2,))
+        pair = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        alone = train(pair, x)
+        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        split_s = (train(pair, x) - alone) / 2  # an all-reduce forward and one backward
+        action_s = _pipeline_action(rank, latency)
+        if rank == 0:
+            print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
+                              "sharded": max(sharded_s, collective), "split": max(split_s, collective),
+                              "action": action_s}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _pipeline_action(rank: int, latency: float, microbatches: int = 4) -> float:
+    """Seconds per action of torch's 1F1B on two tiny stages, less one message each."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(nn.Linear(64, 64), rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda y, target: (y - target).pow(2).mean())
+    x, target = torch.randn(8 * microbatches, 64), torch.zeros(8 * microbatches, 64)
+    step = _median(lambda: schedule.step(x) if rank == 0 else schedule.step(target=target), 10)
+    return max(step / (2 * microbatches) - latency, 0.0)
+
+
+if __name__ == "__main__":
+    probe(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,138 @@
+"""Hardware profiles for the cost model: what one device computes, copies and sends per second.
+
+GPU profiles come from the vendors' data sheets (peak dense FP32 and BF16 FLOP/s, memory
+bandwidth, NVLink / PCIe bandwidth per direction) times `SUSTAINED`, the fraction of a peak that
+training kernels reach in practice; their fixed costs (latency, per layer, per collective) are
+assumed, not measured. The `cpu` profile is measured
+on this machine by `estimate/calibrate.py` (about 15 s, with the thread count each CPU worker
+gets) and cached under ~/.cache/placer (XDG_CACHE_HOME), keyed by the machine, the CPU count, torch's
+version and the threads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SUSTAINED = 0.6
+"""Fraction of a data-sheet peak (FLOP/s and bandwidth) the cost model assumes training reaches."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    flops: float
+    """Sustained FP32 FLOP/s of one device on large dense layers (matmuls, convolutions)."""
+    rates: tuple = ()
+    """Measured ((FLOPs of a layer, forward FLOP/s, backward FLOP/s), ...) by size: small layers
+    run far below the peak. Empty: `flops` at every size."""
+    bf16_flops: float
+    mem_bw: float
+    """Bytes/s through device memory: elementwise layers and the optimizer step."""
+    link_bw: float
+    """Bytes/s one device sends to another (one direction)."""
+    host_bw: float
+    """Bytes/s between a device and its host's memory (copies via_host)."""
+    latency: float
+    """Seconds per message: each copy or send."""
+    collective_s: float
+    """Fixed seconds of a small collective (an all-reduce of one float)."""
+    sharded_s: float
+    """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
+    split_s: float
+    """Fixed seconds of each all-reduce a tensor-parallel (DTensor) pair runs."""
+    action_s: float
+    """Fixed seconds of each pipeline action (a stage's forward or backward of one micro-batch)."""
+    layer_overhead: float
+    """Seconds per layer per pass that do not depend on its size (kernel launch, Python, autograd)."""
+    update_s: float
+    """Optimizer step seconds per parameter element and buffer it reads (the parameter and each
+    state slot: Adam's is 3)."""
+    tensor_overhead: float
+    """Seconds per parameter tensor in an optimizer step."""
+    step_overhead: float
+    """Seconds per training step outside the layers: the batch, the loss, zero_grad, bookkeeping."""
+    source: str
+
+
+def _gpu(name, fp32_tflops, bf16_tflops, mem_tbps, link_gbps, pcie_gbps, source) -> Hardware:
+    s = SUSTAINED
+    return Hardware(name=name, flops=fp32_tflops * 1e12 * s, bf16_flops=bf16_tflops * 1e12 * s,
+                    mem_bw=mem_tbps * 1e12 * s, link_bw=link_gbps * 1e9 * s, host_bw=pcie_gbps * 1e9 * s,
+                    latency=10e-6, collective_s=30e-6, sharded_s=60e-6, split_s=40e-6, action_s=50e-6, layer_overhead=20e-6, update_s=16 / (mem_tbps * 1e12 * s),
+                    tensor_overhead=5e-6, step_overhead=2e-3,
+                    source=source)
+
+
+# Data-sheet figures: FP32 (non-tensor-core) and dense BF16 TFLOP/s, memory TB/s, NVLink GB/s per
+# direction (half the quoted bidirectional figure), PCIe GB/s per direction.
+PROFILES = {
+    "h100": _gpu("h100", 67, 989, 3.35, 450, 64, "NVIDIA H100 SXM5 data sheet"),
+    "h100-pcie": _gpu("h100-pcie", 51, 756, 2.0, 300, 64, "NVIDIA H100 PCIe data sheet"),
+    "a100": _gpu("a100", 19.5, 312, 2.04, 300, 32, "NVIDIA A100 SXM4 80GB data sheet"),
+    "l4": _gpu("l4", 30.3, 121, 0.3, 32, 32, "NVIDIA L4 data sheet (PCIe only)"),
+    "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
+}
+CHOICES = ("cpu", *PROFILES)
+
+
+def profile(name: str, workers_per_host: int = 1) -> Hardware:
+    """A named profile; `cpu` is measured on this machine (cached) for `workers_per_host` workers."""
+    if name != "cpu":
+        return PROFILES[name]
+    return cached_cpu(_threads(workers_per_host))
+
+
+def _threads(workers_per_host: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, workers_per_host))
+
+
+def is_cached(workers_per_host: int) -> bool:
+    return _cache_path(_threads(workers_per_host)).exists()
+
+
+def _cache_path(threads: int) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "placer"
+    return base / f"cpu-{platform.node() or 'host'}-{threads}t.json"
+
+
+def cached_cpu(threads: int) -> Hardware:
+    import torch
+
+    key = {"torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine()}
+    path = _cache_path(threads)
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            fields = doc["profile"]
+            return Hardware(**{**fields, "rates": tuple(tuple(r) for r in fields["rates"])})
+    except (OSError, ValueError, TypeError):
+        pass
+    from placer.estimate.calibrate import calibrate
+
+    hw = calibrate(threads)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "profile": asdict(hw)}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: calibrate again next time
+    return hw
+
+
+def rate(hw: Hardware, flops: float, backward: bool = False) -> float:
+    """FLOP/s of a layer of `flops` forward FLOPs: interpolated (log-log) between measured sizes."""
+    if not hw.rates:
+        return hw.flops
+    pts = [(f, b if backward else r) for f, r, b in hw.rates]
+    if flops <= pts[0][0]:
+        return pts[0][1]
+    for (f0, r0), (f1, r1) in zip(pts, pts[1:]):
+        if flops <= f1:
+            w = math.log(flops / f0) / math.log(f1 / f0)
+            return math.exp(math.log(r0) + w * math.log(r1 / r0))
+    return pts[-1][1]

@@ -1,0 +1,244 @@
+"""The cost model: each device's predicted time for one training step, and the step's.
+
+It replays the lowered plan's op lists on a hardware profile (`estimate/hardware.py`). Each
+device runs its ops in order on one clock:
+
+- compute: per layer, the larger of FLOPs / FLOP/s and bytes in and out / memory bandwidth, plus
+  a fixed cost per layer and pass; backward is twice the forward (a zero-bubble half once); a
+  pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
+- a copy, split, merge or collective starts when every device in it has reached it and ends
+  `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
+  through a host at the host's bandwidth); all of its devices wait for it;
+- a pipeline send leaves at once; its receive waits until it has arrived;
+- a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
+  gradients are ready, and the optimizer step waits for it;
+- the optimizer step reads and writes each held parameter, gradient and state buffer once.
+
+The step is the last device's finish plus a fixed cost per step. The timeline it yields is the
+plan's critical path, pipeline bubbles included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from placer.device import Device
+from placer.estimate.comm import op_moves
+from placer.estimate.cost import BACKWARD_FACTOR
+from placer.estimate.hardware import Hardware, rate
+from placer.model.graph import ModelGraph
+from placer.plan.ir import COLLECTIVES, TRANSFERS, Op, OpKind, Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceTime:
+    device: str
+    compute_s: float
+    comm_s: float
+    """Time this device spends in copies and collectives it waits for (overlapped all-reduce not)."""
+    overlapped_s: float
+    """All-reduce time that ran beside the backward."""
+    step_s: float
+    """The optimizer step."""
+    finish_s: float
+    """When its last op ends; idle time is finish_s - compute_s - comm_s - step_s."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    hardware: Hardware
+    per_device: dict
+    """device -> DeviceTime, in plan order."""
+    step_s: float
+    """The whole step: the last device's finish plus the fixed cost per step."""
+    critical: str
+    """The device that finishes last."""
+    spans: dict
+    """device -> ((start, end, op), ...): what the schedule chart draws."""
+
+
+def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware) -> float:
+    seg = plan.segments[op.segment]
+    share = seg.degree * plan.microbatches
+    factor = BACKWARD_FACTOR[op.phase]
+    t = 0.0
+    for name in plan.chunk_layers(op):
+        layer = graph.layer(name)
+        flops = layer.flops / share
+        if op.phase == "fwd":
+            work = flops / rate(hw, flops) if flops else 0.0
+        else:  # a zero-bubble half is half of a whole backward
+            work = factor / 2 * 2 * flops / rate(hw, flops, backward=True) if flops else 0.0
+        t += max(work, factor * (layer.in_bytes + layer.out_bytes) / share / hw.mem_bw) + hw.layer_overhead
+    return t + (hw.action_s if op.microbatch is not None else 0.0)
+
+
+def comm_seconds(op: Op, hw: Hardware) -> float:
+    sent: dict[str, int] = {}
+    host = 0
+    for a, b, n in op_moves(op):
+        if Device.parse(a).is_host != Device.parse(b).is_host:  # a hop to or from a host's memory
+            host = max(host, n)
+        else:
+            sent[a] = sent.get(a, 0) + n
+    return fixed_seconds(op, hw) + max(sent.values(), default=0) / hw.link_bw + 2 * host / hw.host_bw
+
+
+def fixed_seconds(op: Op, hw: Hardware) -> float:
+    """What an op costs whatever its size: a message, or a collective with the machinery around
+    it (FSDP2's per-layer gathers, DTensor's activation all-reduce)."""
+    if op.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER) and op.tensor in ("params", "grads"):
+        return hw.sharded_s
+    if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):
+        return hw.split_s
+    if op.kind in COLLECTIVES:
+        return hw.collective_s * max(1, len(op.devices) - 1)
+    return hw.latency
+
+
+def step_seconds(plan: Plan, graph: ModelGraph, device: str, est, hw: Hardware) -> float:
+    """The optimizer step of what `device` holds (its parameters and their state slots), plus a
+    fixed cost per parameter tensor (two per layer)."""
+    m = est.per_device[device]
+    tensors = sum(2 for s in plan.segments if device in s.devices for l in s.layers if graph.layer(l).params)
+    elements = (m.param_bytes + m.optimizer_bytes) / 4  # fp32: the parameters and every state slot
+    return elements * hw.update_s + tensors * hw.tensor_overhead
+
+
+def _overlapped(op: Op, plan: Plan) -> bool:
+    seg = plan.segments[op.segment]
+    return op.kind == OpKind.ALL_REDUCE and op.tensor == "grads" and bool(seg.options.get("overlap"))
+
+
+def _key(op: Op) -> tuple:
+    return (op.kind, op.segment, op.phase, op.tensor, op.microbatch, op.devices, op.src, op.dst, op.bytes,
+            repr(sorted(op.attrs.items())))
+
+
+def _bucket_ready(op: Op, last_bwd, plan: Plan, graph: ModelGraph) -> float:
+    """When an overlapped all-reduce's bucket has all its gradients: backward runs the layers in
+    reverse, so the bucket whose first layer is `a` is ready once the layers from `a` on are done."""
+    if last_bwd is None:
+        return 0.0
+    start, end, bwd = last_bwd
+    layers = plan.chunk_layers(bwd)
+    first = str(op.attrs.get("layers", "")).partition("..")[0]
+    if first not in layers:
+        return end
+    cost = [graph.layer(l).flops + 1 for l in layers]
+    done = sum(cost[layers.index(first):]) / sum(cost)
+    return start + (end - start) * done
+
+
+def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
+    devices = [d for d in plan.devices if plan.ops.get(d)]
+    clock = {d: 0.0 for d in plan.devices}
+    comm_free = {d: 0.0 for d in plan.devices}
+    at = {d: 0 for d in plan.devices}
+    busy = {d: {"compute": 0.0, "comm": 0.0, "overlapped": 0.0, "step": 0.0} for d in plan.devices}
+    spans: dict[str, list] = {d: [] for d in plan.devices}
+    arrivals: dict[tuple, list[float]] = {}
+    last_bwd: dict[str, tuple | None] = {d: None for d in plan.devices}
+
+    def run(d: str, seconds: float, what: str, op: Op) -> None:
+        spans[d].append((clock[d], clock[d] + seconds, op))
+        clock[d] += seconds
+        busy[d][what] += seconds
+
+    def advance(d: str) -> bool:
+        op = plan.ops[d][at[d]]
+        k = op.kind
+        if k == OpKind.COMPUTE:
+            start = clock[d]
+            run(d, compute_seconds(op, plan, graph, hw), "compute", op)
+            if op.phase in ("bwd", "bwd_weight"):
+                last_bwd[d] = (start, clock[d], op)
+        elif k == OpKind.STEP:
+            clock[d] = max(clock[d], comm_free[d])
+            run(d, step_seconds(plan, graph, d, est, hw) / max(1, _steps_on(plan, d)), "step", op)
+        elif k == OpKind.SEND:
+            key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
+            arrivals.setdefault(key, []).append(clock[d] + comm_seconds(op, hw))
+        elif k == OpKind.RECV:
+            key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
+            if not arrivals.get(key):
+                return False
+            arrival = arrivals[key].pop(0)
+            if arrival > clock[d]:
+                busy[d]["comm"] += arrival - clock[d]
+                spans[d].append((clock[d], arrival, op))
+                clock[d] = arrival
+        elif k in TRANSFERS or k in COLLECTIVES:
+            group = [g for g in op.devices if g in clock]
+            if any(at[g] >= len(plan.ops[g]) or _key(plan.ops[g][at[g]]) != _key(op) for g in group):
+                return False
+            seconds = comm_seconds(op, hw)
+            if _overlapped(op, plan):
+                start = max(max(_bucket_ready(op, last_bwd[g], plan, graph), comm_free[g]) for g in group)
+                for g in group:
+                    comm_free[g] = start + seconds
+                    busy[g]["overlapped"] += seconds
+            else:
+                start = max(clock[g] for g in group)
+                for g in group:
+                    busy[g]["comm"] += start + seconds - clock[g]
+                    spans[g].append((clock[g], start + seconds, op))
+                    clock[g] = start + seconds
+            for g in group:
+                if g != d:
+                    at[g] += 1
+        at[d] += 1
+        return True
+
+    while any(at[d] < len(plan.ops[d]) for d in devices):
+        moved = False
+        for d in devices:
+            while at[d] < len(plan.ops[d]) and advance(d):
+                moved = True
+        if not moved:
+            stuck = {d: plan.ops[d][at[d]] for d in devices if at[d] < len(plan.ops[d])}
+            raise ValueError(f"the plan's op lists wait on each other: {stuck}")
+    finish = {d: max(clock[d], comm_free[d]) for d in plan.devices}
+    per = {d: DeviceTime(device=d, compute_s=busy[d]["compute"], comm_s=busy[d]["comm"],
+                         overlapped_s=busy[d]["overlapped"], step_s=busy[d]["step"], finish_s=finish[d])
+           for d in plan.devices}
+    critical = max(plan.devices, key=lambda d: finish[d])
+    return StepTime(hardware=hw, per_device=per, step_s=finish[critical] + hw.step_overhead, critical=critical,
+                    spans={d: tuple(s) for d, s in spans.items()})
+
+
+def _steps_on(plan: Plan, device: str) -> int:
+    return sum(1 for op in plan.ops.get(device, ()) if op.kind == OpKind.STEP)
+
+
+def workers_per_host(plan: Plan) -> int:
+    """The most of the plan's devices on one machine: how many workers share its CPU cores."""
+    hosts: dict[str, int] = {}
+    for d in plan.devices:
+        h = Device.parse(d).host
+        hosts[h] = hosts.get(h, 0) + 1
+    return max(hosts.values(), default=1)
+
+
+def pipeline_seconds(plan: Plan, graph: ModelGraph, hw: Hardware):
+    """The plan's pipeline timeline in predicted seconds (None without a pipeline)."""
+    from placer.estimate.schedule import simulate_plan
+
+    if not plan.schedule:
+        return None
+    fwd: dict[int, float] = {}
+    bwd: dict[int, float] = {}
+    transfer = 0.0
+    for d in plan.devices:
+        for op in plan.ops.get(d, ()):
+            stage = plan.segments[op.segment].stage
+            if op.kind == OpKind.COMPUTE and stage is not None:
+                into = fwd if op.phase == "fwd" else bwd
+                if op.phase in ("fwd", "bwd"):
+                    into.setdefault(stage, compute_seconds(op, plan, graph, hw))
+                elif op.phase == "bwd_input":  # a zero-bubble backward: its two halves
+                    into.setdefault(stage, 2 * compute_seconds(op, plan, graph, hw))
+            elif op.kind == OpKind.SEND:
+                transfer = max(transfer, comm_seconds(op, hw))
+    stages = sorted(fwd)
+    return simulate_plan(plan, fwd=[fwd[s] for s in stages], bwd=[bwd.get(s, 2 * fwd[s]) for s in stages],
+                         transfer=transfer, unit="s")

@@ -1,0 +1,22 @@
+"""The `cpu` profile is measured here: two gloo processes, FSDP2 and DTensor included."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torch")
+
+from placer.estimate.calibrate import calibrate  # noqa: E402
+from placer.estimate.hardware import rate  # noqa: E402
+
+
+def test_calibration_measures_every_figure_of_the_cpu_profile():
+    hw = calibrate(1)
+    figures = {k: v for k, v in vars(hw).items() if isinstance(v, float)}
+    assert all(math.isfinite(v) and v > 0 for k, v in figures.items() if k != "step_overhead"), figures
+    assert hw.step_overhead >= 0
+    assert len(hw.rates) >= 3 and rate(hw, 1e12) == hw.flops
+    # messages between processes cost more than a layer's fixed cost on this machine, and
+    # FSDP2's per-layer collectives more than a bare all-reduce
+    assert hw.latency > hw.layer_overhead and hw.sharded_s >= hw.collective_s

@@ -1,0 +1,134 @@
+"""The cost model on a fixed, round-number hardware profile, against times worked out by hand.
+
+Profile `HW`: 1 GFLOP/s at every size (backward too), memory 1 GB/s, links 1 MB/s, 1 ms per
+message and collective, no fixed cost per layer, tensor or step, and an optimizer update of
+1 ns per element and slot. The model: a Linear(i, o) forward on b rows is 2*b*i*o FLOPs; a
+ReLU moves its input and output through memory (4 bytes an element).
+"""
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from placer.cli.main import main  # noqa: E402
+from placer.cli.plan_cmd import build_and_plan  # noqa: E402
+from placer.estimate import calibrate, hardware  # noqa: E402
+from placer.estimate.hardware import Hardware, rate  # noqa: E402
+from placer.estimate.steptime import pipeline_seconds, step_time  # noqa: E402
+from placer.spec.check import load_spec  # noqa: E402
+
+HW = Hardware(name="round", flops=1e9, bf16_flops=1e9, mem_bw=1e9, link_bw=1e6, host_bw=1e9, latency=1e-3,
+              collective_s=1e-3, sharded_s=1e-3, split_s=1e-3, action_s=0.0, layer_overhead=0.0, update_s=1e-9,
+              tensor_overhead=0.0, step_overhead=0.0, source="by hand")
+
+MODEL = """placer: 1
+name: st
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [100, 100]}
+    - {name: fc2, op: Linear, args: [100, 100]}
+  input: {shape: [B, 100]}
+  target: {shape: [B, 100]}
+  loss: MSELoss
+devices: [cpu:0, cpu:1]
+training: {batch_size: 50, steps: 1, optimizer: {op: SGD, lr: 0.1}}
+"""
+# fc1, fc2: forward 2*50*100*100 = 1 MFLOP each on the whole batch = 1 ms at 1 GFLOP/s; backward 2 ms.
+# Parameters 10,100 each (40,400 B); SGD has no state, so an update reads 10,100 elements: 10.1 us.
+# The activation between them: 50*100*4 = 20,000 B = 20 ms on a 1 MB/s link.
+
+
+def timed(tmp_path, placement: str, extra: str = "", hw: Hardware = HW):
+    path = tmp_path / "spec.yaml"
+    path.write_text(MODEL + textwrap.dedent(placement) + extra)
+    graph, plan, est, _ = build_and_plan(load_spec(str(path)))
+    return step_time(plan, graph, est, hw), plan, graph
+
+
+def test_layerwise_is_the_chain_of_both_segments_and_both_copies(tmp_path):
+    st, _, _ = timed(tmp_path, "placement:\n  - {layers: fc1, device: cpu:0}\n  - {layers: fc2, device: cpu:1}\n")
+    # cpu:0: fwd 1 ms; copy act 1 ms + 20 ms; cpu:1: fwd 1, bwd 2; copy grad 21 ms; cpu:0 bwd 2 ms; update
+    assert st.per_device["cpu:1"].compute_s == pytest.approx(3e-3)
+    assert st.per_device["cpu:0"].comm_s == pytest.approx(21e-3 + 3e-3 + 21e-3)  # waits for cpu:1's work too
+    assert st.step_s == pytest.approx(1e-3 + 21e-3 + 3e-3 + 21e-3 + 2e-3 + 10.1e-6)
+    assert st.critical == "cpu:0"
+
+
+def test_data_parallel_overlaps_its_all_reduce_with_the_backward_unless_told_not_to(tmp_path):
+    placement = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data%s}}\n"
+    over, _, _ = timed(tmp_path, placement % "")
+    serial, _, _ = timed(tmp_path, placement % ", overlap: false")
+    # each device: half the batch, fwd 1 ms + bwd 2 ms; one bucket of 80,800 B all-reduced: each
+    # device sends 2(n-1)/n of it = 80,800 B = 80.8 ms + 1 ms fixed
+    for st in (over, serial):
+        assert st.per_device["cpu:0"].compute_s == pytest.approx(3e-3)
+    assert over.per_device["cpu:0"].comm_s == 0 and over.per_device["cpu:0"].overlapped_s == pytest.approx(81.8e-3)
+    assert serial.per_device["cpu:0"].comm_s == pytest.approx(81.8e-3)
+    # the one bucket holds fc1, the last layer the backward reaches: it is ready only when the
+    # backward ends, so overlapping saves nothing here ...
+    assert over.step_s == pytest.approx(serial.step_s)
+    # ... while on a fast link the two orders still agree on the compute they wait for
+    fast = replace(HW, link_bw=1e12, collective_s=0.0)
+    quick, _, _ = timed(tmp_path, placement % "", hw=fast)
+    assert quick.step_s == pytest.approx(3e-3 + 80.8e-9 + 2 * 10.1e-6)  # the all-reduce after the backward
+
+
+def test_a_bucket_ready_early_runs_beside_the_rest_of_the_backward(tmp_path):
+    placement = ("placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], "
+                 "parallel: {mode: data, bucket_mb: 0.04}}\n")
+    st, plan, _ = timed(tmp_path, placement)
+    buckets = [op for op in plan.ops["cpu:0"] if op.kind.value == "all_reduce"]
+    assert len(buckets) == 2  # one per Linear: fc2's is ready halfway through the backward
+    serial, _, _ = timed(tmp_path, placement.replace("0.04", "0.04, overlap: false"))
+    assert st.step_s < serial.step_s
+    assert st.step_s == pytest.approx(1e-3 + 1e-3 + 2 * 41.4e-3 + 2 * 10.1e-6)  # fc2's bucket starts at 2 ms
+
+
+def test_a_pipeline_is_its_schedules_critical_path(tmp_path):
+    st, plan, graph = timed(tmp_path, "placement:\n  - {layers: fc1, device: cpu:0}\n  - {layers: fc2, device: cpu:1}\n",
+                            "pipeline: {microbatches: 2, schedule: gpipe}\n", hw=replace(HW, link_bw=1e12, latency=0.0))
+    # per micro-batch: F 0.5 ms, B 1 ms on each stage, free sends: F0 F0' F1' ... as GPipe runs it
+    # cpu:0: F0 [0, .5], F1 [.5, 1]; cpu:1: F0 [.5, 1], F1 [1, 1.5], B0 [1.5, 2.5], B1 [2.5, 3.5]
+    # cpu:0: B0 [2.5, 3.5], B1 [3.5, 4.5]
+    assert st.step_s == pytest.approx(4.5e-3 + 10.1e-6, rel=1e-5)  # (+ 20 ns: two sends on the path)
+    timeline = pipeline_seconds(plan, graph, replace(HW, link_bw=1e12, latency=0.0))
+    assert timeline.unit == "s" and timeline.makespan == pytest.approx(4.5e-3, rel=1e-5)
+
+
+def test_rates_are_interpolated_between_measured_sizes_and_held_beyond():
+    hw = replace(HW, rates=((1e6, 1e9, 5e8), (1e8, 1e10, 5e9)))
+    assert rate(hw, 1e5) == 1e9 and rate(hw, 1e9) == 1e10
+    assert rate(hw, 1e7) == pytest.approx(10 ** 9.5)  # halfway in log size, halfway in log rate
+    assert rate(hw, 1e7, backward=True) == pytest.approx(10 ** 9.5 / 2)
+    assert rate(HW, 123.0) == 1e9  # no measured sizes: the peak
+
+
+def test_plan_prints_and_writes_the_prediction(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(MODEL + "placement:\n  - {layers: fc1, device: cpu:0}\n  - {layers: fc2, device: cpu:1}\n")
+    text = CliRunner().invoke(main, ["plan", str(spec), "--hardware", "h100", "-q"])
+    assert text.exit_code == 0, text.output
+    assert "predicted step time on h100 (NVIDIA H100 SXM5 data sheet)" in text.output
+    out = CliRunner().invoke(main, ["plan", str(spec), "--hardware", "a100", "--format", "json", "-q"])
+    doc = json.loads(out.output)["time"]
+    assert doc["hardware"] == "a100" and doc["critical"] in ("cpu:0", "cpu:1")
+    assert [d["device"] for d in doc["devices"]] == ["cpu:0", "cpu:1"]
+    assert doc["step_s"] >= max(d["finish_s"] for d in doc["devices"]) > 0
+    plain = CliRunner().invoke(main, ["plan", str(spec), "--format", "json", "-q"])
+    assert "time" not in json.loads(plain.output)  # only when asked: goldens stay as they are
+
+
+def test_the_cpu_profile_is_read_from_its_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "calibrate", lambda threads: replace(HW, name="cpu", source=f"{threads} t"))
+    first = hardware.profile("cpu", workers_per_host=1)
+    assert hardware.is_cached(1)
+    monkeypatch.setattr(calibrate, "calibrate", lambda threads: pytest.fail("calibrated twice"))
+    assert hardware.profile("cpu", workers_per_host=1) == first
