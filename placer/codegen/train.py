@@ -371,7 +371,9 @@ class TrainWriter:
     def finish(self) -> None:
         c = self.c
         c("seconds = time.perf_counter() - start")
-        c(f"finish(args, rank, world, losses, {self.own}, seconds, simulated=simulate, simulate_reason=why,",
+        c("# the parameters are gathered whole (and each to rank 0) only when they will be written",
+          f"finish(args, rank, world, losses, {self.own} if args.out else {{}}, seconds, simulated=simulate,",
+          "       simulate_reason=why,",
           '       backend=backend.split(",")[-1].split(":")[-1])',
           "dist.barrier()  # no rank tears down gloo while a peer still talks to it",
           "dist.destroy_process_group()")

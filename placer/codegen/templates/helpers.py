@@ -327,20 +327,42 @@ def finish(args, rank, world, losses, own, seconds, **facts):
              "grads": bool(args.grads and not resuming(args))}
     every = [None] * world
     dist.all_gather_object(every, stats)
-    params = [None] * world if rank == 0 else None
-    dist.gather_object({n: p.detach().cpu().clone() for n, p in own.items()}, params, dst=0)
     if any(s["grads"] for s in every):  # one node's launcher may ask alone: every rank gathers
         grads = [None] * world if rank == 0 else None
         dist.gather_object(FIRST_GRADS, grads, dst=0)
         if rank == 0 and args.out:
             write_first_grads(args.out, {name: g for part in grads for name, g in part.items()})
-    if rank == 0 and args.out:
-        merged = {name: value for part in params for name, value in part.items()}
+    if not args.out:  # nothing is written: nothing is gathered
+        return
+    merged = gather_params(own, rank, world)
+    if rank == 0:
         write_outputs(args.out, losses, merged, seconds, devices=DEVICES, world_size=world,
                       bytes_sent={s["device"]: s["bytes_sent"] for s in every},
                       bytes_by_call={s["device"]: s["by_call"] for s in every},
                       time_s={s["device"]: s["time_s"] for s in every},
                       peak_memory={s["device"]: s["memory"] for s in every}, **facts)
+
+
+def gather_params(own, rank, world):
+    """Rank 0 gets every rank's parameters {name: tensor on the CPU}, one tensor at a time: the
+    names, shapes and dtypes go as objects, each tensor by send and recv (gather_object would
+    pickle every rank's whole share at once, several copies of the model on rank 0)."""
+    listing = [None] * world
+    dist.all_gather_object(listing, [(n, tuple(p.shape), p.dtype) for n, p in own.items()])
+    nccl = dist.get_backend() == "nccl"  # it sends device tensors only
+    where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    merged = {}
+    for r, names in enumerate(listing):  # every rank walks the same list: sends and recvs pair up
+        for name, shape, dtype in names:
+            if r == rank == 0:
+                merged[name] = own[name].detach().cpu().clone()
+            elif rank == r:
+                dist.send(own[name].detach().to(where).contiguous(), 0)
+            elif rank == 0:
+                value = torch.empty(shape, dtype=dtype, device=where)
+                dist.recv(value, r)
+                merged[name] = value.cpu()
+    return merged
 
 
 def load_user(target):
