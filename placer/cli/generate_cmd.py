@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import click
 
+from placer.cli.console import DETAIL, echo, verbosity_options
 from placer.cli.options import set_option
 from placer.diagnostics import PlacerError
 
@@ -18,6 +20,7 @@ from placer.diagnostics import PlacerError
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: {program, world_size, devices, command} on stdout.")
 @set_option
+@verbosity_options
 def command(spec_path, output, fmt, overrides):
     """Write a standalone, readable torch training program for SPEC.
 
@@ -35,6 +38,8 @@ def command(spec_path, output, fmt, overrides):
       torchrun --nproc-per-node 3 program.py     # one worker per device
       python program.py                          # starts its own workers
       python program.py --reference              # the whole model in one process
+
+    -q prints only the line that says what was written; -v adds how long generating took.
     """
     from placer.cli.main import fail, load_and_warn
     from placer.deps import require_torch
@@ -42,6 +47,7 @@ def command(spec_path, output, fmt, overrides):
     require_torch("placer generate")
     from placer.codegen.program import generate
 
+    t0 = time.perf_counter()
     try:
         spec = load_and_warn(spec_path, overrides)
         output = output or f"{spec.name}_program.py"
@@ -60,5 +66,6 @@ def command(spec_path, output, fmt, overrides):
                                "devices": list(program.devices), "command": command_line}, indent=2))
         return
     click.echo(f"wrote {output} ({program.world_size} workers, one per device)")
-    click.echo(f"run it: {command_line}")
-    click.echo(f"    or: python {output}   (starts its own workers; --simulate runs them all on CPU)")
+    echo(f"run it: {command_line}")
+    echo(f"    or: python {output}   (starts its own workers; --simulate runs them all on CPU)")
+    echo(f"generated in {time.perf_counter() - t0:.2f} s ({len(program.text.splitlines())} lines)", level=DETAIL)

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from placer.cli.console import echo, verbosity_options
 from placer.diagnostics import PlacerError
 
 
@@ -41,6 +42,7 @@ def _kwargs(ctx, param, value: str | None) -> dict:
               help="Comma-separated devices; the layers are spread over them, balanced by parameter count.")
 @click.option("--name", help="The spec's name (default: from the output file, or the model).")
 @click.option("--force", is_flag=True, help="Overwrite the output file if it exists.")
+@verbosity_options
 def command(output, model_ref, model_kwargs, devices, name, force):
     """Write a commented starter spec that validates as written, for you to edit.
 
@@ -55,6 +57,8 @@ def command(output, model_ref, model_kwargs, devices, name, force):
       placer init -o spec.yaml && placer validate spec.yaml
       placer init --model models/net.py:Net --kwargs '{width: 256}' --devices cpu,cuda:0 -o net.yaml
       placer init --model torchvision.models:resnet18 --devices cuda:0,cuda:1,cuda:2,cuda:3
+
+    -q leaves out the notes on what to check; the last line says what was written.
     """
     from placer.cli.main import fail
     from placer.spec import starter
@@ -90,5 +94,5 @@ def command(output, model_ref, model_kwargs, devices, name, force):
         click.echo(f"error: cannot write {output}: {e.strerror or e}", err=True)
         sys.exit(1)
     for note in model.notes:
-        click.echo(f"note: {note}", err=True)
+        echo(f"note: {note}", err=True)
     click.echo(f"wrote {output}; next: placer validate {output}" + (" --deep" if model_ref else ""))

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 
 from placer import __version__, units
+from placer.cli.console import echo, paint, verbosity, verbosity_options
 from placer.cli.options import launcher_hint, set_option
 from placer.deps import INSTALL, MissingDependency, is_missing_torch
 from placer.diagnostics import Diagnostic, PlacerError, format_report
@@ -57,7 +59,8 @@ def main():
 def emit_diagnostics(diags: list[Diagnostic], fmt: str, file=None) -> None:
     """Print diagnostics: best first, then a count of the rest (text)."""
     if diags:
-        click.echo(format_report(diags, fmt, max_shown=None if fmt != "text" else 10), file=file)
+        report = format_report(diags, fmt, max_shown=None if fmt != "text" else 10)
+        click.echo(paint(report) if fmt == "text" else report, file=file)
 
 
 def load_and_warn(spec_path: str, overrides=(), say=None):
@@ -91,13 +94,14 @@ def fail(err: PlacerError, fmt: str = "text"):
 @click.option("--format", "fmt", type=FORMATS, default="text", show_default=True,
               help="text for people, json for machines, github for workflow annotations.")
 @click.option("--strict", is_flag=True, help="Treat warnings as errors.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing for valid specs.")
 @set_option
-def validate(specs, deep, fmt, strict, quiet, overrides):
+@verbosity_options
+def validate(specs, deep, fmt, strict, overrides):
     """Check spec files: schema, names, devices, coverage, batch arithmetic.
 
     Plain validate never imports torch or user code, so it is fast and safe to
     run in CI and in pre-commit hooks. Use '-' to read a spec from stdin.
+    -q prints errors only (nothing for valid specs); -v adds how long each spec took.
 
     \b
     Examples:
@@ -114,6 +118,7 @@ def validate(specs, deep, fmt, strict, quiet, overrides):
         require_torch("placer validate --deep")
     results, failed = [], False
     for path in specs:
+        t0 = time.perf_counter()
         try:
             spec, diags = checks.validate_document(load.load_file(path, overrides))
             if spec is not None and deep and not any(d.severity == "error" for d in diags):
@@ -124,12 +129,13 @@ def validate(specs, deep, fmt, strict, quiet, overrides):
             spec, diags = None, e.diagnostics
         errors = [d for d in diags if d.severity == "error" or strict]
         failed |= bool(errors)
-        results.append((path, spec, diags, not errors))
+        results.append((path, spec, diags, not errors, time.perf_counter() - t0))
     if fmt == "json":
         click.echo(json.dumps([{"file": p, "valid": ok, "diagnostics": [d.as_dict() for d in ds]}
-                               for p, _, ds, ok in results], indent=2))
+                               for p, _, ds, ok, _ in results], indent=2))
     else:
-        for path, spec, diags, ok in results:
+        quiet = verbosity() < 0
+        for path, spec, diags, ok, seconds in results:
             emit_diagnostics(diags, fmt, file=sys.stderr if fmt == "text" else None)
             if ok and not quiet and fmt == "text":
                 what = (units.count(len(spec.model.layers), "layer") if spec.model.inline
@@ -137,6 +143,8 @@ def validate(specs, deep, fmt, strict, quiet, overrides):
                 warned = f", {units.count(len(diags), 'warning')}" if diags else ""
                 click.echo(f"{path}: ok ({what}, {units.count(len(spec.placement), 'segment')}, "
                            f"{units.count(len(spec.devices), 'device')}{warned})")
+            if fmt == "text":
+                echo(f"{path}: checked in {seconds * 1000:.0f} ms{' (--deep)' if deep else ''}", level=1, err=True)
     sys.exit(1 if failed else 0)
 
 

@@ -48,9 +48,10 @@ LAUNCHER_FLAGS = {
     "rdzv-id": "placer run names the rendezvous itself; give --rdzv-endpoint HOST:PORT for several machines",
     "standalone": "placer run on one machine is standalone already (no rendezvous to set up)",
     "max-restarts": "`placer run --max-restarts N`, or `runtime.max_restarts` in the spec",
-    "tee": "placer run keeps every worker's output under RUN_DIR/logs/ and the run's own in RUN_DIR/run.log",
-    "log-dir": "placer run keeps every worker's output under RUN_DIR/logs/ (--run-dir chooses RUN_DIR)",
-    "redirects": "placer run keeps every worker's output under RUN_DIR/logs/ (--run-dir chooses RUN_DIR)",
+    "tee": "placer run keeps every worker's output in RUN_DIR/logs/<device>.log and the run's own in "
+           "RUN_DIR/run.log",
+    "log-dir": "placer run keeps every worker's output in RUN_DIR/logs/<device>.log (--run-dir chooses RUN_DIR)",
+    "redirects": "placer run keeps every worker's output in RUN_DIR/logs/<device>.log (--run-dir chooses RUN_DIR)",
     "backend": "the spec decides it: `runtime.backend` (auto: nccl between cuda devices, gloo otherwise); "
                "--set runtime.backend=gloo",
     "batch-size": "the spec decides it: `training.batch_size` (--set training.batch_size=64)",

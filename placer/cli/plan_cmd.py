@@ -12,6 +12,7 @@ import time
 import click
 
 from placer import units
+from placer.cli.console import DETAIL, echo, verbosity_options
 from placer.cli.options import set_option
 from placer.estimate.hardware import CHOICES
 
@@ -262,9 +263,9 @@ def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> 
 @click.option("--hardware", type=click.Choice(CHOICES), help="Predict each device's step time and the "
               "whole step on this hardware: `cpu` is measured on this machine (once, about 15 s, then "
               "cached), the GPUs are their data sheets' figures. The schedule chart's axis is then in seconds.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
 @set_option
-def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardware, quiet, overrides):
+@verbosity_options
+def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardware, overrides):
     """Plan a spec: memory per device, communication ops and bytes, FLOPs and balance.
 
     Builds the model on the meta device (no weight memory; `model.module` specs
@@ -280,6 +281,9 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
       placer plan specs/mlp_data_allreduce.yaml --set training.batch_size=256
       placer plan --deep --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
       placer plan --hardware cpu specs/mlp_pipeline_1f1b.yaml   # predicted step time
+
+    -q leaves out the progress messages on stderr (the plan itself is the result); -v adds
+    how long building and planning took.
     """
     import json
 
@@ -291,8 +295,9 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
     require_torch("placer plan")
 
     def say(msg: str) -> None:
-        if not quiet:
-            click.echo(f"placer: {msg}", err=True)
+        echo(f"placer: {msg}", err=True)
+
+    t0 = time.perf_counter()
 
     try:
         spec = load_and_warn(spec_path, overrides)
@@ -302,6 +307,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
                 spec.doc.loc(("model", "module")), "pass --deep to build it on the meta device (it runs "
                 "the model's __init__ and forward; no weights are allocated)"))
         graph, plan, est, timeline = build_and_plan(spec, progress=say)
+        echo(f"placer: planned in {time.perf_counter() - t0:.2f} s", level=DETAIL, err=True)
         st = None
         if hardware:
             st, seconds = predict(plan, graph, est, hardware, say)

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import math
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,54 +13,11 @@ from pathlib import Path
 import click
 
 from placer import units
+from placer.cli.console import DETAIL, INFO, RESULT, RunConsole, verbosity, verbosity_options
+from placer.cli.failures import failure_report, failures_in_order, restart_lines
 from placer.cli.options import set_option
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
-
-
-class Console:
-    """What the run prints, also kept in RUN_DIR/run.log. Progress goes to stderr."""
-
-    def __init__(self, quiet: bool):
-        self.quiet = quiet  # json: stdout carries only the final object
-        self.log: list[str] = []
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-        self.step = 0  # the last step reported
-        self.said_interrupted = False
-        self.append = False  # a resumed run adds to the run.log it finds
-
-    def say(self, line: str = "", err: bool = False) -> None:
-        self.log.append(line)
-        if not self.quiet or err:
-            click.echo(line, err=err)
-
-    def progress(self, record: dict) -> None:
-        """A progress bar on a terminal; otherwise a line per second (and the first and last step)."""
-        if "resumed_from" in record:  # the program says where it continues
-            first = record["resumed_from"]
-            self.step = first
-            self.say(f"resumed from the checkpoint at step {first} of {record.get('steps')}" if first else
-                     "no usable checkpoint: starting at step 0")
-            return
-        step, steps = record.get("step", 0), record.get("steps", 0)
-        self.step = step
-        text = f"step {step}/{steps}  loss {record.get('loss', float('nan')):.6f}  " \
-               f"{record.get('samples_per_s', 0):.0f} samples/s"
-        self.log.append(text)
-        if self.tty:
-            done = int(24 * step / steps) if steps else 0
-            click.echo(f"\r[{'=' * done}{' ' * (24 - done)}] {text}", err=True, nl=step == steps)
-        elif step in (1, steps) or time.monotonic() - self.last >= 1.0:
-            click.echo(text, err=True)
-            self.last = time.monotonic()
-
-    def save(self, run_dir: Path) -> None:
-        try:
-            with open(run_dir / "run.log", "a" if self.append else "w") as f:
-                f.write("\n".join(self.log) + "\n")
-        except OSError:  # a full disk: the error being reported already says so
-            pass
 
 
 def default_run_dir(name: str, node_rank: int) -> str:
@@ -71,7 +25,14 @@ def default_run_dir(name: str, node_rank: int) -> str:
     return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
 
 
-def summary_lines(metrics: dict, wall_s: float, attempts: int = 1) -> list[str]:
+MEASURES = {"cuda_max_memory_allocated": "the CUDA allocator's peak (torch.cuda.max_memory_allocated)",
+            "peak_rss_above_import": "the worker's peak RSS above its RSS right after importing torch (CPU "
+                                     "workers: it also holds gloo's buffers, the data and the allocator's slack)"}
+
+
+def summary_lines(metrics: dict, wall_s: float, attempts: int = 1, planned: dict | None = None) -> list[str]:
+    """The run's speed, then per device: bytes sent, time by kind, measured peak memory beside
+    the plan's estimate (`planned`: device -> bytes)."""
     steps, sps = metrics.get("steps", 0), metrics.get("steps_per_s") or 0.0
     first = metrics.get("resumed_from") or 0
     what = f"trained {steps} steps" if not first else \
@@ -80,16 +41,31 @@ def summary_lines(metrics: dict, wall_s: float, attempts: int = 1) -> list[str]:
     lines = [f"{what}: {sps:.2f} steps/s, {metrics.get('samples_per_s') or 0:.0f} samples/s "
              f"({metrics.get('wall_s', 0):.2f} s training{' in the last attempt' if attempts > 1 else ''}, "
              f"{wall_s:.1f} s with start-up{tries})",
-             f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8}"]
-    times = metrics.get("time_s", {})
+             f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8} "
+             f"{'peak memory':>12} {'planned':>10}"]
+    times, memory, planned = metrics.get("time_s", {}), metrics.get("peak_memory", {}), planned or {}
     for device in metrics.get("devices", []):
-        t = times.get(device, {})
+        t, m = times.get(device, {}), memory.get(device, {})
+        peak = units.size(m["peak_bytes"]) if "peak_bytes" in m else "-"
+        plan = units.size(planned[device]) if device in planned else "-"
         lines.append(f"{device:<16} {units.size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
-                     f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f}")
-    lines.append("(bytes: payload this rank handed to send / collectives; comm: time in copies and "
-                 "gradient syncs, waiting included; DDP's overlapped all-reduce and a pipeline schedule's sends "
-                 "count as compute)")
+                     f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f} "
+                     f"{peak:>12} {plan:>10}")
+    lines.append("(bytes: payload this rank handed to send / collectives; comm: time waiting in copies and "
+                 "gradient syncs, plus DDP's all-reduce from each bucket's launch to its completion while backward "
+                 "runs, which compute holds too; a pipeline schedule's sends count as compute)")
+    for measure in sorted({m.get("measure") for m in memory.values()} & set(MEASURES)):
+        lines.append(f"(peak memory: {MEASURES[measure]}; planned: placer plan's estimate for one step)")
     return lines
+
+
+def detail_lines(metrics: dict) -> list[str]:
+    """-v: what each rank handed to each torch.distributed call."""
+    lines = []
+    for device, calls in metrics.get("bytes_by_call", {}).items():
+        if calls:
+            lines.append(f"{device}: " + ", ".join(f"{name} {units.size(n)}" for name, n in sorted(calls.items())))
+    return ["bytes per call, per device:", *("  " + line for line in lines)] if lines else []
 
 
 def check_lines(report) -> list[str]:
@@ -178,14 +154,17 @@ def check_hint(report) -> str:
               help="Continue the run in RUN_DIR from its newest complete checkpoint (training.checkpoint); "
                    "losses and final parameters are those of a run never interrupted.")
 @set_option
+@verbosity_options
 def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt,
             max_restarts, resume_dir, overrides):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
-    (the run says so). The run directory keeps program.py, spec.yaml, run.log, logs/ (each
-    worker's output), progress.jsonl, metrics.json and final_params.pt; with --check also
-    reference/ (the one-device run) and check.json.
+    (the run says so). The run directory keeps program.py, spec.yaml, run.log,
+    logs/<device>.log (each worker's output), progress.jsonl, metrics.csv and tensorboard/
+    (per step: loss, lr, samples/s, step time, memory), metrics.json and final_params.pt;
+    with --check also reference/ (the one-device run) and check.json. -q prints only errors
+    and the result; -v adds torch elastic's log lines and bytes per call (docs/run.md).
 
     Ctrl-C (SIGINT) or SIGTERM stops the workers, says at which step, keeps the run
     directory and exits 130 or 143; workers also end if `placer run` is killed.
@@ -215,7 +194,7 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         raise click.UsageError("--resume RUN_DIR continues the run in RUN_DIR: leave out --run-dir and --overwrite")
     from placer.launch.run import Interrupted, interruptible
 
-    console = Console(quiet=fmt == "json")
+    console = RunConsole(quiet=fmt == "json", level=verbosity())
     try:
         with interruptible():
             outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
@@ -242,7 +221,7 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
     sys.exit(0 if outcome["ok"] else 1)
 
 
-def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
+def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
         rdzv_endpoint, overrides=(), resume=None, tolerance=(None, None)) -> dict:
     from placer.cli.main import load_and_warn
     from placer.codegen.program import generate
@@ -278,8 +257,6 @@ def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, 
         console.log += [d.format() for d in e.diagnostics]
         raise
     except launcher.Interrupted:
-        if console.tty:
-            click.echo(err=True)  # off the progress bar's line
         console.say(f"interrupted at step {console.step}; run directory kept: {run_dir}", err=True)
         console.said_interrupted = True
         raise
@@ -287,9 +264,11 @@ def run(spec_path, console: Console, *, check, run_dir, overwrite=False, steps, 
         console.save(run_dir)
 
 
-def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, outcome: dict, *, check, steps,
+def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole, outcome: dict, *, check, steps,
                       nnodes, node_rank, rdzv_endpoint, resume=False, tolerance=(None, None)) -> dict:
     from placer.launch import run as launcher
+    from placer.launch.logs import log_name
+    from placer.launch.metrics import MetricsWriter
 
     if binding.reason:
         console.say(binding.reason)
@@ -301,19 +280,34 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
     args = ["--steps", str(steps)] if steps else []
     if check:  # both runs write their first-step gradients for the check
         args.append("--grads")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     restarts = spec.runtime.max_restarts
     if restarts:
         console.say(f"attempt 1 of {restarts + 1}" + ("" if ckpt_of(spec) else
                     " (no training.checkpoint: a restart starts again at step 0)"))
 
     def restarting(attempt: int, attempts: int, failures: dict) -> None:
-        for line in restart_lines(spec, program, attempt, attempts, failures, console.step):
+        for line in restart_lines(spec, program.devices, attempt, attempts, failures, console.step):
             console.say(line, err=True)
 
-    result = launcher.launch(run_dir / "program.py", run_dir, binding, args, node_rank=node_rank,
-                             rdzv_endpoint=rdzv_endpoint, max_restarts=restarts, resume=resume,
-                             on_progress=console.progress, on_restart=restarting)
+    console.say(f"each worker's output: {run_dir / 'logs'}/<device>.log "
+                f"({', '.join(log_name(d) for d in program.devices[:2])}{', ...' if len(program.devices) > 2 else ''})")
+    plots = MetricsWriter(run_dir, spec.training.batch_size, append=resume) if node_rank == 0 else None
+    if plots and plots.note:
+        console.say(plots.note)
+
+    def progress(record: dict) -> None:
+        if plots:
+            plots.add(record)
+        console.progress(record)
+
+    try:
+        result = launcher.launch(run_dir / "program.py", run_dir, binding, args, devices=list(program.devices),
+                                 node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=restarts,
+                                 resume=resume, on_progress=progress, on_restart=restarting,
+                                 verbose=console.level > 0)
+    finally:
+        if plots:
+            plots.close()
     outcome["metrics"] = result.metrics
     outcome["attempts"] = result.attempts
     stopped = _stopped(spec, run_dir)
@@ -328,15 +322,16 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
             raise RunError(Diagnostic("R028", f"the disk is full: a worker failed writing: {full.strip()}",
                                       Loc(str(run_dir)), "free some space (old runs/ directories, checkpoints), "
                                       "or choose a --run-dir on another disk"))
-        first = order[0][0]
-        raise RunError([_failure(spec, program, run_dir, r, code, tail, after=None if r == first else first)
-                        for r, (code, tail) in order])
+        raise RunError(failure_report(spec, program.devices, run_dir, result.failures))
     if not result.metrics:  # ranks of node 0 write the results
-        console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt")
+        console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt", level=RESULT)
         outcome["ok"] = True
         return outcome
-    for line in summary_lines(result.metrics, result.wall_s, result.attempts):
-        console.say(line)
+    for i, line in enumerate(summary_lines(result.metrics, result.wall_s, result.attempts,
+                                           program.planned_memory)):
+        console.say(line, level=RESULT if i == 0 else INFO)
+    for line in detail_lines(result.metrics):
+        console.say(line, level=DETAIL)
     if check:
         report = _check(spec, run_dir, binding, args, tolerance)
         outcome["check"] = report.as_dict()
@@ -349,7 +344,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
             console.say(diag.format(), err=True)
             return outcome
         console.say("check passed: every step's loss, every parameter and every first-step gradient match the "
-                    "reference")
+                    "reference", level=RESULT)
     outcome["ok"] = True
     return outcome
 
@@ -376,75 +371,6 @@ def _stopped(spec, run_dir: Path) -> Diagnostic | None:
 
 def ckpt_of(spec):
     return spec.training.checkpoint
-
-
-def restart_lines(spec, program, attempt: int, attempts: int, failures: dict, step: int) -> list[str]:
-    """What an attempt that failed and is restarted says: the ranks that failed and how, and
-    where the next attempt continues."""
-    lines = [f"attempt {attempt} of {attempts} failed after step {step}:"]
-    for rank, (code, tail) in failures_in_order(failures):
-        device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
-        if code is not None and code < 0:
-            how = f"was killed by {_signal_name(-code)}"
-        else:
-            last = next((line.strip() for line in excerpt(tail, 1)), "")
-            how = f"exited with code {code}" + (f": {last}" if last else "")
-        lines.append(f"  rank {rank} ({device}) {how}")
-    where = "from the newest complete checkpoint" if ckpt_of(spec) else "at step 0 (no training.checkpoint)"
-    lines.append(f"restarting: attempt {attempt + 1} of {attempts}, {where}")
-    return lines
-
-
-def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:
-    """The likely cause first: a rank that exited with an error, then one killed by a signal of
-    its own (SIGABRT, SIGSEGV, SIGKILL when out of memory), then those the launcher stopped with
-    SIGTERM because a peer had failed; by rank within each."""
-    def kind(code: int | None) -> int:
-        if code is not None and code > 0:
-            return 0
-        return 2 if code == -signal.SIGTERM else 1
-    return sorted(failures.items(), key=lambda kv: (kind(kv[1][0]), kv[0]))
-
-
-def _failure(spec, program, run_dir: Path, rank: int, code: int | None, tail: str, after: int | None) -> Diagnostic:
-    device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
-    shown = "\n".join("    " + line for line in excerpt(tail))
-    if code is not None and code < 0:
-        how = f"was stopped by {_signal_name(-code)}" + (f" after rank {after} failed" if after is not None else "")
-        if code == -signal.SIGTERM or not shown:
-            return Diagnostic("R020", f"rank {rank} ({device}) {how}", Loc(spec.file))
-        return Diagnostic("R020", f"rank {rank} ({device}) {how}:\n{shown}", Loc(spec.file),
-                          f"its whole output is under {run_dir / 'logs'}")
-    return Diagnostic("R020", f"rank {rank} ({device}) exited with code {code}" + (f":\n{shown}" if shown else ""),
-                      Loc(spec.file), f"its whole output is under {run_dir / 'logs'}")
-
-
-_FRAME = re.compile(r'\s*File ".*", line \d+')
-
-
-def excerpt(tail: str, most: int = 8) -> list[str]:
-    """The lines of a rank's output that say why it failed: from a traceback, its exception line
-    (`ValueError: ...`) and what follows it, cut to `most` lines, since a message that holds a
-    module's repr would otherwise show only the repr's tail; else the last `most` lines."""
-    lines = [line for line in tail.splitlines() if line.strip()]
-    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
-    if frames:
-        i = frames[-1] + 1
-        while i < len(lines) and lines[i].startswith("    "):  # the frame's source line and its ^^^ marks
-            i += 1
-        if i < len(lines):
-            shown = lines[i:i + most]
-            if len(lines) - i > most > 1:
-                shown[-1] = f"... ({len(lines) - i - most + 1} more lines)"
-            return shown
-    return lines[-most:]
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def _check(spec, run_dir: Path, binding, args: list[str], tolerance=(None, None)):

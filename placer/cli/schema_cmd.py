@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import click
 
+from placer.cli.console import verbosity_options
+
 
 @click.command("schema")
 @click.option("--path", "show_path", is_flag=True, help="Print where the installed schema file is instead.")
+@verbosity_options
 def command(show_path):
     """Print the JSON Schema (Draft 2020-12) that every spec's shape must match.
 
@@ -18,6 +21,8 @@ def command(show_path):
     Examples:
       placer schema > placer-spec.schema.json
       placer schema --path
+
+    It prints its result only, so -q and -v change nothing here.
     """
     from placer.spec import schema
 

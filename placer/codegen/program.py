@@ -19,7 +19,7 @@ import subprocess
 import textwrap
 import tokenize
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from placer import __version__
@@ -46,6 +46,9 @@ class Program:
     """Spec devices in rank order: rank r runs devices[r]."""
     nproc_per_node: int
     nnodes: int
+    planned_memory: dict[str, int] = field(default_factory=dict)
+    """device -> the plan's estimate of its memory for one step (`placer plan`'s total), which
+    `placer run` prints beside what each device measured."""
 
     @property
     def world_size(self) -> int:
@@ -111,7 +114,10 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         raise PlanError(diags)
     per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
-    program = Program("", devices, nproc, len(per_node))
+    from placer.estimate.memory import memory
+
+    planned = {d: m.total_bytes for d, m in memory(plan, graph, spec.training.optimizer).items()}
+    program = Program("", devices, nproc, len(per_node), planned)
     used = set().union(*(MODES[s.mode].runtime(s, bool(pl)) for s in segs))
     used |= {"replicate"} if not pl and (segs[-1].loss_gather or any(
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
@@ -147,7 +153,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     parts += ["# " + "-" * 76 + " communication pieces\n\n" + piece_text, (TEMPLATES / "main.py").read_text(),
               'if __name__ == "__main__":\n    main()']
     text = formatted("\n\n\n".join(p.strip("\n") + "\n" for p in parts), spec)
-    return Program(text, devices, nproc, len(per_node))
+    return Program(text, devices, nproc, len(per_node), planned)
 
 
 SYNC_BATCHNORM = '''

@@ -89,7 +89,7 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
-           "stopped.json",
+           "stopped.json", "metrics.csv", "tensorboard",
            "reference", "reference.log", "check.json")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
@@ -257,23 +257,29 @@ def _follow(path: Path, on_progress, stop: threading.Event) -> None:
 
 
 def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[str] | tuple[str, ...] = (), *,
-           node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
-           resume: bool = False, on_progress=None, on_restart=None) -> RunResult:
-    """Run `program` with one worker per device through torch's elastic launcher.
+           devices: list[str], node_rank: int = 0, rdzv_endpoint: str | None = None, max_restarts: int = 0,
+           resume: bool = False, on_progress=None, on_restart=None, verbose: bool = False) -> RunResult:
+    """Run `program` with one worker per device (`devices`, in rank order) through torch's
+    elastic launcher; each worker's output goes to RUN_DIR/logs/<device>.log.
 
     `resume`: the program continues the run in `run_dir` from its newest complete checkpoint
     (progress.jsonl is appended to). Up to `max_restarts` times, a failed attempt is followed by
     a new one, which resumes the same way; on_restart(attempt, attempts, failures) is called
-    first, with failures as in RunResult (global rank -> (exit code, tail of its stderr))."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    first, with failures as in RunResult (global rank -> (exit code, tail of its stderr)).
+    `verbose`: torch elastic's own log lines are shown (otherwise the RunResult reports failures)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from placer.launch.logs import DeviceLogs
+
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in (PROGRESS, "stopped.json") if not resume else ("stopped.json",):  # this run's only
         (run_dir / name).unlink(missing_ok=True)
-    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID", SHARED_STORE)}
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID", SHARED_STORE,
+                                                 "PYTHONUNBUFFERED")}
+    os.environ["PYTHONUNBUFFERED"] = "1"  # prints and tracebacks reach the worker's log in order
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
     os.environ["PLACER_LAUNCHER_PID"] = str(os.getpid())  # the workers end with this process (die_with_launcher)
     # Workers get a store of their own each attempt: the rendezvous store shared with them keeps
@@ -289,7 +295,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         rdzv_backend="static" if multi else "c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
         rdzv_configs={"rank": node_rank, "timeout": 120} if multi else {},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL, tee=Std.NONE),
+        logs_specs=DeviceLogs(run_dir / "logs", devices),
     )
     args = [str(program), "--out", str(run_dir), "--measure", *program_args] + (["--simulate"] if binding.simulate else []) \
         + (["--resume"] if resume else [])
@@ -302,14 +308,14 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     result = RunResult(ok=True, run_dir=run_dir)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with _quiet_launcher(), _restarts_reported(run_dir, max_restarts, result, on_restart):
+        with _quiet_launcher(not verbose), _restarts_reported(run_dir, devices, max_restarts, result, on_restart):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except SignalException as e:  # the agent has stopped the workers with the same signal
         raise Interrupted(e.sigval) from None
     except ChildFailedError as e:
         result.ok = False
         for rank, failure in e.failures.items():  # keyed by global rank
-            result.failures[rank] = (failure.exitcode, _stderr_tail(run_dir, failure.local_rank))
+            result.failures[rank] = (failure.exitcode, _log_tail(run_dir, devices[rank]))
     except (RendezvousError, RuntimeError, OSError) as e:  # the nodes never met: nothing ran
         where = f" at {rdzv_endpoint}" if rdzv_endpoint else ""
         raise RunError(Diagnostic("R023", f"the workers could not start{where}: {type(e).__name__}: "
@@ -339,7 +345,7 @@ SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @contextlib.contextmanager
-def _restarts_reported(run_dir: Path, max_restarts: int, result: RunResult, on_restart):
+def _restarts_reported(run_dir: Path, devices: list[str], max_restarts: int, result: RunResult, on_restart):
     """While the block runs, torch's elastic agent tells us of each attempt that failed before it
     starts the next (its own log says only "will restart worker group"): the failures it saw
     go to on_restart, and result.attempts counts the attempts."""
@@ -358,7 +364,7 @@ def _restarts_reported(run_dir: Path, max_restarts: int, result: RunResult, on_r
         return outcome
 
     def restarted(agent, worker_group):
-        failures = {rank: (f.exitcode, _stderr_tail(run_dir, f.local_rank))
+        failures = {rank: (f.exitcode, _log_tail(run_dir, devices[rank]))
                     for rank, f in seen.get("failures", {}).items()}
         result.attempts += 1
         if on_restart:
@@ -377,8 +383,14 @@ def _restarts_reported(run_dir: Path, max_restarts: int, result: RunResult, on_r
 
 
 @contextlib.contextmanager
-def _quiet_launcher():
-    """The launcher logs each failure and SIGTERM it sends; the RunResult reports them instead."""
+def _quiet_launcher(quiet: bool = True):
+    """The launcher logs each failure and SIGTERM it sends; the RunResult reports them instead
+    (`quiet` False, for -v: its INFO lines too)."""
+    if not quiet:
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.INFO)
+        yield
+        return
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
                if name.startswith("torch.distributed.elastic")]
     levels = [lg.level for lg in loggers]
@@ -391,12 +403,12 @@ def _quiet_launcher():
             lg.setLevel(level)
 
 
-def _stderr_tail(run_dir: Path, local_rank: int, lines: int = 80) -> str:
-    # enough to reach a traceback's exception line above a long message (a module's repr)
-    logs = sorted((run_dir / "logs").glob(f"*/attempt_*/{local_rank}/stderr.log"), key=os.path.getmtime)
-    if not logs:
-        return ""
-    text = [_RANK_PREFIX.sub("", line) for line in logs[-1].read_text(errors="replace").splitlines()]
+def _log_tail(run_dir: Path, device: str, lines: int = 400) -> str:
+    """The end of the device's newest log: enough to hold a traceback whose message ends in a
+    long repr (a module's), whole."""
+    from placer.launch.logs import read_log
+
+    text = [_RANK_PREFIX.sub("", line) for line in read_log(run_dir, device).splitlines()]
     return "\n".join(text[-lines:])
 
 

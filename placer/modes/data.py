@@ -93,7 +93,7 @@ def emit_stage(k: int, shard: str, ddp: bool, bucket_mb: float, resumable: bool)
     if shard == "full":
         return [f"seg{k} = fully_shard_segment(stage, g{k}, device.type)  # gradients reduce-scattered in backward"]
     if ddp:
-        return [f"seg{k} = ddp_sum(stage, g{k}, bucket_mb={bucket_mb!r}, device_ids=device_ids"
+        return [f"seg{k} = ddp_sum(stage, g{k}, bucket_mb={bucket_mb!r}, device_ids=device_ids, timing=TIME"
                 + (", resumable=True)" if resumable else ")")]
     return [f"seg{k} = stage"]
 

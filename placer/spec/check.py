@@ -380,7 +380,7 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                            spec.doc.loc(("placement", seg.index, "recompute")),
                            "recompute the one-device or data-parallel segments around it instead"))
     if lockstep(spec, spec.placement):
-        unrun = [(k, what) for k, what, on in (
+        unrun: list[tuple[str | None, str]] = [(k, what) for k, what, on in (
             ("precision", f"precision {t.precision!r}", t.precision != "fp32"),
             ("accumulate", f"accumulate {t.accumulate}", t.accumulate > 1)) if on]
         unrun += [(None, f"recompute in segment {seg.name!r}") for seg in spec.placement if seg.recompute]

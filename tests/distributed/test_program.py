@@ -136,12 +136,17 @@ def test_a_failing_worker_is_named_with_its_error(tmp_path, two_cpu_spec):
     r = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
     first = r.stderr.split("error[R020]: ", 1)[1]
-    assert first.startswith("rank 1 (cpu:1) exited with code 1:")
-    assert "RuntimeError: the data source ran dry at step 1" in first
-    assert "rank 0 (cpu) was stopped by SIGTERM after rank 1 failed" in r.stderr or "rank 0 (cpu) exited" in r.stderr
+    assert first.startswith("rank 1 (cpu:1) exited with code 1: RuntimeError: the data source ran dry at step 1\n")
+    # once: rank 0 is listed as taken down, without its own traceback
+    assert r.stderr.count("the data source ran dry") == 1 and r.stderr.count("error[R020]") == 1
+    assert "  it took down: rank 0 (cpu), " in first
+    assert f"hint: its whole output is in {tmp_path / 'run' / 'logs' / 'cpu-1.log'}" in first
     # nothing lost: the program, the spec and every worker's output stay in the run dir
     kept = {p.name for p in (tmp_path / "run").iterdir()}
     assert {"program.py", "spec.yaml", "run.log", "logs"} <= kept
+    # one log per device, named by it, with the worker's prints and its traceback
+    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["cpu-1.log", "cpu.log"]
+    assert "RuntimeError: the data source ran dry" in (tmp_path / "run" / "logs" / "cpu-1.log").read_text()
     assert "error[R020]" in (tmp_path / "run" / "run.log").read_text()
 
 
@@ -188,8 +193,8 @@ def test_two_launches_meet_as_two_nodes_on_localhost(tmp_path):
     metrics = json.loads((tmp_path / "node0" / "metrics.json").read_text())
     assert metrics["world_size"] == 4 and not (tmp_path / "node1" / "metrics.json").exists()
     # node 0's first worker is rank 0 (it prints the steps): the static rendezvous keeps node order
-    out0 = [p.read_text() for p in (tmp_path / "node0" / "logs").glob("*/attempt_0/0/stdout.log")]
-    out1 = [p.read_text() for p in (tmp_path / "node1" / "logs").glob("*/attempt_0/0/stdout.log")]
+    out0 = [p.read_text() for p in (tmp_path / "node0" / "logs").glob("node0-cuda-0.log")]
+    out1 = [p.read_text() for p in (tmp_path / "node1" / "logs").glob("node1-cuda-0.log")]
     assert "step 3/3" in out0[0] and "step" not in out1[0]
     # the classifier (node1/cuda:0, rank 2) received the merged activation and sent its gradient back
     assert metrics["bytes_by_call"]["node1/cuda:0"]["isend"] > metrics["bytes_by_call"]["node0/cuda:0"]["isend"]

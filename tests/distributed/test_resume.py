@@ -105,7 +105,7 @@ def test_a_damaged_or_incomplete_checkpoint_is_passed_over(whole_runs, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "resumed from the checkpoint at step 2 of 6" in r.stdout
     assert any("rank 1: the checkpoint at step 4 is not usable (rank1.pt is" in p.read_text()
-               for p in (run / "logs").rglob("stderr.log"))
+               for p in (run / "logs").glob("*.log"))
     assert_same_run(whole, run)
 
 
@@ -188,4 +188,6 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, t
     assert "resumed from the checkpoint at step " in out and ", 2 attempts)" in out
     log = (run / "run.log").read_text()
     assert "rank 1 (cpu:1) was killed by SIGKILL" in log and "restarting: attempt 2 of 2" in log
+    # each attempt's worker output in its own log, named by device
+    assert {"cpu.log", "cpu-1.log", "cpu.restart1.log", "cpu-1.restart1.log"} <= {p.name for p in (run / "logs").iterdir()}
     assert_same_run(whole, run)

@@ -5,13 +5,16 @@ loss and every final parameter equal the one-device reference (rtol 1e-5, atol 4
 `pytest -s` prints the measured differences per mode at the end of the module."""
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 
+from placer import units
 from placer.cli.main import main
 
 pytestmark = pytest.mark.distributed
@@ -117,7 +120,41 @@ def test_mode_matches_the_one_device_reference(spec, what, workers, tmp_path):
         grad_bytes = sum(v.numel() * 4 for v in ref_p.values())
         assert all(metrics["bytes_by_call"][d]["all_reduce"] == STEPS * (grad_bytes + 4) for d in metrics["devices"])
     assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", metrics)
+    assert_plottable_and_measured(spec, run_dir, metrics, result.stdout)
     MEASURED[spec] = (workers, check["max_loss_abs_diff"], check["max_param_abs_diff"])
+
+
+def assert_plottable_and_measured(spec: str, run_dir: Path, metrics: dict, stdout: str) -> None:
+    """metrics.csv has a row per step with the optimizer's learning rate, the step's time and
+    memory; every device measured its peak memory, printed beside the plan's estimate; DDP's
+    overlapped all-reduce shows as comm time."""
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert list(rows[0]) == ["step", "loss", "lr", "grad_norm", "samples_per_s", "step_s", "memory_bytes",
+                             "elapsed_s"]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(metrics["losses"])
+    lr = yaml.safe_load((ROOT / "specs" / f"{spec}.yaml").read_text())["training"]["optimizer"].get("lr")
+    assert all(float(r["lr"]) == lr for r in rows if lr is not None)
+    assert all(float(r["step_s"]) > 0 and float(r["samples_per_s"]) > 0 and int(r["memory_bytes"]) > 0 for r in rows)
+    assert set(metrics["peak_memory"]) == set(metrics["devices"])
+    assert all(m["peak_bytes"] > 0 and m["measure"] == "peak_rss_above_import" for m in metrics["peak_memory"].values())
+    planned = json.loads(CliRunner().invoke(main, ["plan", "-q", str(ROOT / "specs" / f"{spec}.yaml"), "--format",
+                                                   "json", "--deep"]).stdout)
+    for d in planned["devices"]:
+        line = next(line for line in stdout.splitlines() if line.startswith(f"{d['device']} "))
+        assert line.endswith(units.size(d["total_bytes"])), (line, d["total_bytes"])
+    if spec == "mlp_data_allreduce":  # DDP's all-reduce, overlapped with backward, is measured as comm
+        assert all(metrics["time_s"][d]["overlapped"] > 0 and metrics["time_s"][d]["comm"] > 0
+                   for d in metrics["devices"]), metrics["time_s"]
+
+
+def test_a_quiet_run_prints_its_result_only(tmp_path):
+    result = CliRunner().invoke(main, ["run", "-q", str(ROOT / "specs" / "mlp_single_device.yaml"), "--steps", "2",
+                                       "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    (line,) = result.stdout.splitlines()
+    assert line.startswith("trained 2 steps: ") and result.stderr == ""
+    assert "step 2/2" in (tmp_path / "run" / "run.log").read_text()  # run.log keeps everything
 
 
 def test_tensor_pairs_are_the_plans(tmp_path):

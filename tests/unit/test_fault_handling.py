@@ -247,11 +247,10 @@ def test_a_checkpoint_counts_when_complete_and_every_file_is_whole(tmp_path):
 def test_a_restart_says_which_rank_failed_how_and_which_attempt_follows():
     from types import SimpleNamespace
 
-    from placer.cli.run_cmd import restart_lines
+    from placer.cli.failures import restart_lines
 
     spec = SimpleNamespace(training=SimpleNamespace(checkpoint=object()))
-    program = SimpleNamespace(devices=("cpu", "cpu:1"))
-    lines = restart_lines(spec, program, 1, 3, {1: (-9, ""), 0: (1, "Traceback\nRuntimeError: boom\n")}, 5)
+    lines = restart_lines(spec, ("cpu", "cpu:1"), 1, 3, {1: (-9, ""), 0: (1, "Traceback\nRuntimeError: boom\n")}, 5)
     assert lines == ["attempt 1 of 3 failed after step 5:", "  rank 0 (cpu) exited with code 1: RuntimeError: boom",
                      "  rank 1 (cpu:1) was killed by SIGKILL",
                      "restarting: attempt 2 of 3, from the newest complete checkpoint"]

@@ -1,43 +1,38 @@
-"""How `placer run` names the ranks of a failed run: the cause first, then the ranks the
-launcher stopped because of it."""
+"""How `placer run` reports a failed run: one R020 naming the rank that failed first, its
+device and its exception once (the whole message), then the ranks it took down."""
 
 import signal
 from pathlib import Path
 from types import SimpleNamespace
 
-from placer.cli.run_cmd import _failure, failures_in_order
+from placer.cli.failures import failure_report, failures_in_order, restart_lines
 
-SPEC = SimpleNamespace(file="spec.yaml")
-PROGRAM = SimpleNamespace(devices=["cuda:0", "cuda:1", "cuda:2"])
+SPEC = SimpleNamespace(file="spec.yaml", training=SimpleNamespace(checkpoint=None))
+DEVICES = ["cuda:0", "cuda:1", "cuda:2"]
 TERM, ABRT = -signal.SIGTERM, -signal.SIGABRT
 
 
-def messages(failures):
-    order = failures_in_order(failures)
-    first = order[0][0]
-    return [_failure(SPEC, PROGRAM, Path("run"), r, code, tail, after=None if r == first else first).message
-            for r, (code, tail) in order]
+def report(failures):
+    return failure_report(SPEC, DEVICES, Path("run"), failures)
 
 
 def test_a_rank_that_aborted_comes_before_those_the_launcher_stopped():
     # the launcher sends SIGTERM to the survivors; rank 1 aborted on its own
-    failures = {0: (TERM, ""), 1: (ABRT, "terminate called without an active exception"), 2: (TERM, "")}
-    first, *rest = messages(failures)
-    assert first.startswith("rank 1 (cuda:1) was stopped by SIGABRT:")
-    assert "terminate called without an active exception" in first
-    assert rest == ["rank 0 (cuda:0) was stopped by SIGTERM after rank 1 failed",
-                    "rank 2 (cuda:2) was stopped by SIGTERM after rank 1 failed"]
+    d = report({0: (TERM, ""), 1: (ABRT, "terminate called without an active exception"), 2: (TERM, "")})
+    first, took = d.message.splitlines()
+    assert first == "rank 1 (cuda:1) was stopped by SIGABRT: terminate called without an active exception"
+    assert took == "  it took down: rank 0 (cuda:0), stopped by SIGTERM; rank 2 (cuda:2), stopped by SIGTERM"
+    assert d.code == "R020" and d.hint == f"its whole output is in {Path('run/logs/cuda-1.log')}"
 
 
 def test_an_error_exit_comes_before_any_signal():
-    failures = {0: (ABRT, ""), 1: (TERM, ""), 2: (1, "RuntimeError: boom")}
-    first, second, third = messages(failures)
-    assert first.startswith("rank 2 (cuda:2) exited with code 1:") and "RuntimeError: boom" in first
-    assert second == "rank 0 (cuda:0) was stopped by SIGABRT after rank 2 failed"
-    assert third == "rank 1 (cuda:1) was stopped by SIGTERM after rank 2 failed"
+    d = report({0: (ABRT, ""), 1: (TERM, ""), 2: (1, "RuntimeError: boom")})
+    assert d.message.startswith("rank 2 (cuda:2) exited with code 1: RuntimeError: boom\n")
+    assert d.message.count("boom") == 1
 
 
 # the log of a rank that called fully_shard on a ModuleList: the message holds the list's repr
+REPR = "\n".join(f"  ({i}): Linear(in_features=16, out_features=16, bias=True)" for i in range(12)) + "\n)"
 FSDP_TAIL = """Traceback (most recent call last):
   File "/tmp/run/program.py", line 142, in train
     seg0 = fully_shard_segment(stage, g0, device.type)  # gradients reduce-scattered in backward
@@ -45,23 +40,41 @@ FSDP_TAIL = """Traceback (most recent call last):
   File "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_init.py", line 45, in _validate_module
     raise ValueError(
 ValueError: fully_shard does not support containers that do not implement forward: ModuleList(
-""" + "\n".join(f"  ({i}): Linear(in_features=16, out_features=16, bias=True)" for i in range(12)) + "\n)"
+""" + REPR + "\n[W1125 01:02:03.000000000 ProcessGroupGloo.cpp:1] Warning: a C++ log line after the traceback"
+
+# what a peer of a failed rank prints: its collective lost the other side
+PEER_TAIL = """Traceback (most recent call last):
+  File "/tmp/run/program.py", line 150, in train
+    dist.all_reduce(total)
+RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"""
 
 
-def test_a_traceback_shows_its_exception_line_not_the_tail_of_a_long_message():
-    (message,) = messages({0: (1, FSDP_TAIL)})
-    lines = message.splitlines()
-    assert lines[1] == "    ValueError: fully_shard does not support containers that do not implement forward: ModuleList("
-    assert len(lines) == 9 and lines[-1] == "    ... (7 more lines)"
-    # what a restart says of the rank: the exception line, too
-    from placer.cli.run_cmd import restart_lines
-    spec = SimpleNamespace(file="spec.yaml", training=SimpleNamespace(checkpoint=None))
-    said = restart_lines(spec, PROGRAM, 1, 2, {0: (1, FSDP_TAIL)}, 0)
+def test_the_first_failure_shows_its_whole_message_once_and_names_the_ranks_it_took_down():
+    d = report({0: (1, PEER_TAIL), 1: (1, FSDP_TAIL), 2: (TERM, "")})
+    lines = d.message.splitlines()
+    # rank 1 failed on its own; rank 0 failed because rank 1 was gone: rank 1 is the cause
+    assert lines[0] == ("rank 1 (cuda:1) exited with code 1: ValueError: fully_shard does not support containers "
+                        "that do not implement forward: ModuleList(")
+    assert [line.removeprefix("    ") for line in lines[1:14]] == REPR.splitlines()  # the whole repr, not its tail
+    assert lines[14] == ("  it took down: rank 0 (cuda:0), exited with code 1 (RuntimeError: [../third_party/gloo/gloo/"
+                         "transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242); "
+                         "rank 2 (cuda:2), stopped by SIGTERM")
+    assert len(lines) == 15 and "C++ log line" not in d.message
+    assert d.format().count("ValueError") == 1
+
+
+def test_a_restart_names_the_exception_line():
+    said = restart_lines(SPEC, DEVICES, 1, 2, {0: (1, FSDP_TAIL)}, 0)
     assert said[1] == ("  rank 0 (cuda:0) exited with code 1: ValueError: fully_shard does not support "
                        "containers that do not implement forward: ModuleList(")
 
 
 def test_output_without_a_traceback_shows_its_last_lines():
     tail = "\n".join(f"line {i}" for i in range(20))
-    (message,) = messages({0: (1, tail)})
-    assert message.splitlines()[1:] == [f"    line {i}" for i in range(12, 20)]
+    d = report({0: (1, tail)})
+    assert d.message.splitlines() == ["rank 0 (cuda:0) exited with code 1: line 12", *(f"    line {i}" for i in range(13, 20))]
+
+
+def test_the_cause_is_ordered_first_whatever_the_ranks():
+    order = failures_in_order({0: (1, PEER_TAIL), 1: (TERM, ""), 2: (1, "Traceback\n  File \"x\", line 1\nKeyError: 3")})
+    assert [rank for rank, _ in order] == [2, 0, 1]

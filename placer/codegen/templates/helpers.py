@@ -7,10 +7,60 @@ def bind_device(name, simulate):
     so is every device when simulating."""
     name = name.split("/")[-1]
     if simulate or not name.startswith("cuda"):
-        return torch.device("cpu")
-    device = torch.device(name)
+        BOUND["device"] = torch.device("cpu")
+        return BOUND["device"]
+    device = BOUND["device"] = torch.device(name)
     torch.cuda.set_device(device)
     return device
+
+
+BOUND = {}  # "device": the torch device this process trains on (bind_device)
+
+
+def rss():
+    """(current, peak) resident bytes of this process: /proc/self/status on Linux (the peak since
+    reset_peak_rss), else getrusage's peak for both."""
+    try:
+        with open("/proc/self/status", "rb", buffering=0) as f:  # read every step on rank 0: kept cheap
+            text = f.read()
+        return tuple(int(text[text.index(key) + 6:text.index(b"kB", text.index(key))]) * 1024
+                     for key in (b"VmRSS:", b"VmHWM:"))
+    except (OSError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        peak = peak if sys.platform == "darwin" else peak * 1024
+        return peak, peak
+
+
+RSS_AT_START = rss()[0]  # torch imported, nothing built yet: what a CPU worker's measure starts from
+with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # Linux: the peak (VmHWM) starts again from here, not from a spike while importing
+
+
+def peak_memory():
+    """(bytes, how measured) of this process's peak memory so far: on a GPU the CUDA allocator's
+    peak; on a CPU worker the peak RSS above the RSS right after importing torch, which holds
+    the model, activations, gradients and optimizer state, and also gloo's buffers, the data
+    and the allocator's slack (an upper bound for what the plan counts)."""
+    device = BOUND.get("device")
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    return max(0, rss()[1] - RSS_AT_START), "peak_rss_above_import"
+
+
+LR = {}  # "lr": the learning rate of the last optimizer step (watch_lr)
+
+
+def watch_lr():
+    """Keep the learning rate each optimizer step uses, from its param groups (progress.jsonl,
+    metrics.csv): a hook on every optimizer, so no stage's code changes."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def hook(optimizer, args, kwargs):
+        LR["lr"] = float(optimizer.param_groups[0]["lr"])
+
+    register_optimizer_step_pre_hook(hook)
 
 
 def missing_devices():
@@ -137,22 +187,29 @@ class BatchLosses:
 
     def __init__(self, losses, args, rank, start):
         self.losses, self.args, self.rank, self.start = losses, args, rank, start
-        self.pending = None  # (step, its summed tensor, the all-reduce's work)
+        self.pending = None  # (step, its summed tensor, the all-reduce's work, what rank 0 saw of the step)
+        self.ended = start  # when the last step ended
 
     def add(self, step, total, grad_norm=None):
         self.settle()
-        self.pending = (step, total, dist.all_reduce(total, async_op=True), grad_norm)
+        now, facts = time.perf_counter(), {}
+        if self.rank == 0:  # read locally, no collective: the step time, lr and memory of rank 0
+            facts = {"step_s": now - self.ended, "lr": LR.get("lr"), "memory_bytes": peak_memory()[0]}
+        if grad_norm is not None:  # training.clip_grad_norm: the global norm before clipping
+            facts["grad_norm"] = grad_norm
+        self.ended = now
+        self.pending = (step, total, dist.all_reduce(total, async_op=True), facts)
 
     def settle(self):
         """Wait for the pending sum; append it and show it (rank 0)."""
         if self.pending is None:
             return
-        step, total, work, grad_norm = self.pending
+        step, total, work, facts = self.pending
         self.pending = None
         work.wait()
         self.losses.append(finite_loss(total.item(), step))
         if self.rank == 0:
-            report_step(self.args.out, step, self.args.steps, self.losses[-1], self.start, grad_norm)
+            report_step(self.args.out, step, self.args.steps, self.losses[-1], self.start, **facts)
 
 
 RESUMED_FROM = 0  # the step this process started from: its checkpoint's when it resumed
@@ -164,14 +221,13 @@ def resuming(args):
     return args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def report_step(out, step, steps, loss, start, grad_norm=None):
-    """Rank 0: one line per step on stdout and in OUT/progress.jsonl (what `placer run` shows);
-    with training.clip_grad_norm, the step's global gradient norm before clipping too."""
+def report_step(out, step, steps, loss, start, **facts):
+    """Rank 0: one line per step on stdout and in OUT/progress.jsonl (what `placer run` shows and
+    writes to metrics.csv); `facts`: the step's step_s, lr, memory_bytes, and grad_norm with
+    training.clip_grad_norm (the global norm before clipping)."""
     elapsed = time.perf_counter() - start
     record = {"step": step + 1, "steps": steps, "loss": loss,
-              "samples_per_s": (step + 1 - RESUMED_FROM) * BATCH_SIZE / elapsed, "elapsed_s": elapsed}
-    if grad_norm is not None:
-        record["grad_norm"] = grad_norm
+              "samples_per_s": (step + 1 - RESUMED_FROM) * BATCH_SIZE / elapsed, "elapsed_s": elapsed, **facts}
     print(f"step {step + 1}/{steps}  loss {loss:.6f}  {record['samples_per_s']:.0f} samples/s",
           flush=True)
     report_event(out, record)
@@ -264,9 +320,14 @@ def write_json(path, value):
 
 def finish(args, rank, world, losses, own, seconds, **facts):
     """Rank 0 gathers what every rank measured and the parameters it owns, and writes them."""
+    peak, measure = peak_memory()
     stats = {"device": DEVICES[rank], "bytes_sent": sum(SENT.values()), "by_call": dict(SENT),
+             # comm: waited for in copies and syncs, plus DDP's all-reduce in flight while backward ran
+             # (ddp_sum's timing); that overlapped part is in compute too, as both ran at once
              "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
-                        "comm": TIME["comm"], "data": TIME["data"]},
+                        "comm": TIME["comm"] + TIME["overlapped"], "overlapped": TIME["overlapped"],
+                        "data": TIME["data"]},
+             "memory": {"peak_bytes": peak, "measure": measure},
              "grads": bool(args.grads and not resuming(args))}
     every = [None] * world
     dist.all_gather_object(every, stats)
@@ -282,7 +343,8 @@ def finish(args, rank, world, losses, own, seconds, **facts):
         write_outputs(args.out, losses, merged, seconds, devices=DEVICES, world_size=world,
                       bytes_sent={s["device"]: s["bytes_sent"] for s in every},
                       bytes_by_call={s["device"]: s["by_call"] for s in every},
-                      time_s={s["device"]: s["time_s"] for s in every}, **facts)
+                      time_s={s["device"]: s["time_s"] for s in every},
+                      peak_memory={s["device"]: s["memory"] for s in every}, **facts)
 
 
 def gather_params(own, rank, world):

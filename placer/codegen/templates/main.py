@@ -22,9 +22,9 @@ def reference(args):
                 micro = compute_loss(model(xm.to(device)), ym.to(device)) * (xm.shape[0] / BATCH_SIZE)
             micro.backward()  # the gradients add up in .grad
             loss += micro.detach()
-        grad_norm = None
+        facts = {}
         if CLIP_GRAD_NORM is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM).item()
+            facts["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM).item()
         if step == 0 and args.grads and args.out:  # as the step takes them (clipped)
             write_first_grads(args.out, {n: p.grad.detach().cpu().clone() for n, p in
                                          model.named_parameters(remove_duplicate=False) if p.grad is not None})
@@ -32,7 +32,7 @@ def reference(args):
         if scheduler is not None:
             scheduler.step()
         losses.append(finite_loss(loss.item(), step))
-        report_step(args.out, step, args.steps, losses[-1], start, grad_norm)
+        report_step(args.out, step, args.steps, losses[-1], start, **facts)
     seconds = time.perf_counter() - start
     if args.out:
         # a tied parameter under each of its names: a placed run saves each copy under its own
@@ -45,13 +45,15 @@ def reference(args):
 
 
 def die_with_launcher():
-    """Started by `placer run` (PLACER_LAUNCHER_PID): end with it. Its Ctrl-C (SIGINT, passed on
+    """Started by `placer run` (PLACER_LAUNCHER_PID): write to its log, and end with it. Its Ctrl-C (SIGINT, passed on
     to the workers) ends this process at once, even inside a collective; and on Linux the kernel
     kills it when the launcher dies, SIGKILL included, rather than leave it training as an orphan."""
     launcher = os.environ.get("PLACER_LAUNCHER_PID")
     if not launcher:
         return
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.stdout.flush()
+    os.dup2(2, 1)  # placer run keeps one log per device, its stderr: prints join it in order
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -65,6 +67,7 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     if args.reference or "RANK" in os.environ:  # the reference, or a worker started by torchrun
+        watch_lr()
         try:
             if args.reference:
                 reference(args)

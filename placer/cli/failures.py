@@ -1,0 +1,108 @@
+"""What `placer run` says when workers fail: one report naming the rank that failed first, its
+device and its exception (type and whole message, once), and the ranks it took down."""
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+from placer.diagnostics import Diagnostic, Loc
+
+_FRAME = re.compile(r'\s*File ".*", line \d+')
+_LOG_LINE = re.compile(r"^\[?[WEIF]\d{4} |^Traceback \(most recent call last\)")  # torch's C++ log, a new traceback
+# a rank that failed because a peer did: its collective or copy lost the other side
+_PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|DistBackendError|"
+                   r"NCCL communicator was aborted|ProcessGroupGloo.*(closed|reset)|Socket closed")
+MOST = 200
+"""Lines of a message shown at most (a module's repr is whole well inside it)."""
+
+
+def exception_of(tail: str) -> list[str]:
+    """The last traceback's exception line (`ValueError: ...`) and the rest of its message,
+    whole; [] when the output holds no traceback."""
+    lines = tail.splitlines()
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    if not frames:
+        return []
+    i = frames[-1] + 1
+    while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):  # source line, ^^^ marks
+        i += 1
+    end = i + 1
+    while end < len(lines) and not _LOG_LINE.match(lines[end]):
+        end += 1
+    return [line for line in lines[i:end] if line.strip()]
+
+
+def excerpt(tail: str, most: int = 8) -> list[str]:
+    """Why a rank failed: its exception (cut to `most` lines), else its last `most` lines."""
+    shown = exception_of(tail)
+    if not shown:
+        return [line for line in tail.splitlines() if line.strip()][-most:]
+    if len(shown) > most > 1:
+        shown = shown[:most - 1] + [f"... ({len(shown) - most + 1} more lines)"]
+    return shown[:most]
+
+
+def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:
+    """The likely cause first: a rank that exited with an error of its own, then one that lost a
+    peer, then one killed by a signal of its own (SIGABRT, SIGSEGV, SIGKILL when out of memory),
+    then those the launcher stopped with SIGTERM because a peer had failed; by rank within each."""
+    def kind(code: int | None, tail: str) -> int:
+        if code is not None and code > 0:
+            return 1 if _PEER.search("\n".join(exception_of(tail))) else 0
+        return 3 if code == -signal.SIGTERM else 2
+    return sorted(failures.items(), key=lambda kv: (kind(*kv[1]), kv[0]))
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _how(code: int | None) -> str:
+    return f"was stopped by {signal_name(-code)}" if code is not None and code < 0 else f"exited with code {code}"
+
+
+def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int | None, str]]) -> Diagnostic:
+    """R020: the first failing rank's exception once, whole, and the ranks it took down."""
+    from placer.launch.logs import log_name
+
+    def device(rank: int) -> str:
+        return devices[rank] if 0 <= rank < len(devices) else "?"
+
+    (first, (code, tail)), *rest = failures_in_order(failures)
+    error = exception_of(tail)
+    if len(error) > MOST:
+        error = error[:MOST] + [f"... ({len(error) - MOST} more lines in the log)"]
+    shown = error or [line for line in tail.splitlines() if line.strip()][-8:]
+    text = f"rank {first} ({device(first)}) {_how(code)}"
+    if shown and not (code == -signal.SIGTERM and not error):
+        text += f": {shown[0]}" + "".join(f"\n    {line}" for line in shown[1:])
+    if rest:
+        def other(rank: int, code: int | None, tail: str) -> str:
+            why = excerpt(tail, 1) if code is not None and code > 0 else []
+            how = _how(code).removeprefix("was ")
+            return f"rank {rank} ({device(rank)}), {how}" + (f" ({why[0].strip()})" if why else "")
+        text += "\n  it took down: " + "; ".join(other(r, c, t) for r, (c, t) in rest)
+    return Diagnostic("R020", text, Loc(spec.file),
+                      f"its whole output is in {run_dir / 'logs' / log_name(device(first))}")
+
+
+def restart_lines(spec, devices, attempt: int, attempts: int, failures: dict, step: int) -> list[str]:
+    """What an attempt that failed and is restarted says: the ranks that failed and how, and
+    where the next attempt continues."""
+    lines = [f"attempt {attempt} of {attempts} failed after step {step}:"]
+    for rank, (code, tail) in failures_in_order(failures):
+        device = devices[rank] if 0 <= rank < len(devices) else "?"
+        if code is not None and code < 0:
+            how = f"was killed by {signal_name(-code)}"
+        else:
+            last = next((line.strip() for line in excerpt(tail, 1)), "")
+            how = f"exited with code {code}" + (f": {last}" if last else "")
+        lines.append(f"  rank {rank} ({device}) {how}")
+    where = "from the newest complete checkpoint" if spec.training.checkpoint else \
+        "at step 0 (no training.checkpoint)"
+    lines.append(f"restarting: attempt {attempt + 1} of {attempts}, {where}")
+    return lines

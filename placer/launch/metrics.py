@@ -1,0 +1,60 @@
+"""Every step's figures, for plotting: RUN_DIR/metrics.csv (a spreadsheet opens it) and TensorBoard
+event files under RUN_DIR/tensorboard/ (`tensorboard --logdir RUN_DIR`).
+
+Written by `placer run` from the program's progress.jsonl as it grows, so the program does no
+extra work for them: rank 0 reads its step time, learning rate and memory locally, and the loss
+comes from the all-reduce that BatchLosses already runs a step behind.
+"""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+CSV = "metrics.csv"
+TENSORBOARD = "tensorboard"
+COLUMNS = ("step", "loss", "lr", "grad_norm", "samples_per_s", "step_s", "memory_bytes", "elapsed_s")
+"""metrics.csv's columns. samples_per_s and step_s are the step's own; memory_bytes is rank 0's peak
+so far (the CUDA allocator's on a GPU, peak RSS above the RSS after importing torch on a CPU
+worker); grad_norm is empty unless the program reports one; lr is the first param group's."""
+
+
+class MetricsWriter:
+    """add(record) for each progress record; close() at the end. `note`: one line to show when
+    TensorBoard files cannot be written (None when they are)."""
+
+    def __init__(self, run_dir: Path, batch_size: int, append: bool = False):
+        self.batch_size = batch_size
+        path = run_dir / CSV
+        fresh = not (append and path.exists())
+        self.file = open(path, "w" if fresh else "a", newline="")
+        self.csv = csv.DictWriter(self.file, COLUMNS, extrasaction="ignore")
+        if fresh:
+            self.csv.writeheader()
+        self.board, self.note = None, None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.note = (f"TensorBoard is not installed: no event files, {path.name} has every step "
+                         "(pip install 'placer[tensorboard]')")
+        else:
+            self.board = SummaryWriter(log_dir=str(run_dir / TENSORBOARD))
+
+    def add(self, record: dict) -> None:
+        if "step" not in record:  # "resumed_from" and other events
+            return
+        row = {k: record.get(k) for k in COLUMNS}
+        step_s = record.get("step_s")
+        row["samples_per_s"] = self.batch_size / step_s if step_s else None
+        self.csv.writerow({k: "" if v is None else v for k, v in row.items()})
+        self.file.flush()
+        if self.board is not None:
+            for name in COLUMNS[1:]:
+                value = row[name]
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.board.add_scalar(f"train/{name}", value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.board is not None:
+            self.board.close()
