@@ -328,6 +328,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
             raise RunError(Diagnostic("R028", f"the disk is full: a worker failed writing: {full.strip()}",
                                       Loc(str(run_dir)), "free some space (old runs/ directories, checkpoints), "
                                       "or choose a --run-dir on another disk"))
+        if result.hang:  # the ranks that failed timed out waiting for one that stopped answering
+            raise RunError(_hang(spec, program, run_dir, result.hang))
         first = order[0][0]
         raise RunError([_failure(spec, program, run_dir, r, code, tail, after=None if r == first else first)
                         for r, (code, tail) in order])
@@ -417,6 +419,23 @@ def _failure(spec, program, run_dir: Path, rank: int, code: int | None, tail: st
                           f"its whole output is under {run_dir / 'logs'}")
     return Diagnostic("R020", f"rank {rank} ({device}) exited with code {code}" + (f":\n{shown}" if shown else ""),
                       Loc(spec.file), f"its whole output is under {run_dir / 'logs'}")
+
+
+def _hang(spec, program, run_dir: Path, hang) -> Diagnostic:
+    """One report for a hang: the rank that stopped answering and where, then who waited for it."""
+    def who(rank: int) -> str:
+        return f"rank {rank} ({program.devices[rank] if 0 <= rank < len(program.devices) else '?'})"
+
+    (first, where), *more = hang.waiters
+    waited = f"{who(first)} waited" + (f" {where}" if where else "")
+    if more:
+        waited += f" (as did {', '.join(who(r) for r, _ in more)})"
+    timeout = spec.runtime.timeout_s
+    how = ("its process was stopped (SIGSTOP or Ctrl-Z: state T) and placer killed it" if hang.stopped else
+           "its status did not advance (a hang in its own code or a peer it waits for)")
+    return Diagnostic("R034", f"{who(hang.rank)} stopped answering{' ' + hang.doing if hang.doing else ''}; "
+                      f"{waited} and timed out after {timeout:g} s", spec.runtime.loc,
+                      f"{how}; every rank's output is under {run_dir / 'logs'}; runtime.timeout_s bounds the wait")
 
 
 _FRAME = re.compile(r'\s*File ".*", line \d+')

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, RunError
+from placer.launch.hang import STATUS_DIR, Hang, Watchdog, hang_of, read_statuses
 from placer.spec.types import Spec
 
 PROGRESS = "progress.jsonl"
@@ -89,7 +90,7 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
-           "stopped.json",
+           "stopped.json", STATUS_DIR,
            "reference", "reference.log", "check.json")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
@@ -235,6 +236,8 @@ class RunResult:
     wall_s: float = 0.0
     attempts: int = 1
     """How many times the workers were started (1 + the restarts that happened)."""
+    hang: Hang | None = None
+    """When ranks timed out waiting: the rank they waited for and what each was doing."""
 
 
 def _follow(path: Path, on_progress, stop: threading.Event) -> None:
@@ -273,6 +276,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in (PROGRESS, "stopped.json") if not resume else ("stopped.json",):  # this run's only
         (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / STATUS_DIR, ignore_errors=True)  # a resumed run's earlier workers' statuses
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID", SHARED_STORE)}
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
     os.environ["PLACER_LAUNCHER_PID"] = str(os.getpid())  # the workers end with this process (die_with_launcher)
@@ -298,6 +302,9 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     if on_progress:
         follower = threading.Thread(target=_follow, args=(run_dir / PROGRESS, on_progress, stop), daemon=True)
         follower.start()
+    watchdog = Watchdog(run_dir)  # kills a stopped worker that the launcher is ending
+    if sys.platform.startswith("linux"):
+        watchdog.start()
     t0 = time.perf_counter()
     result = RunResult(ok=True, run_dir=run_dir)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -310,6 +317,9 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         result.ok = False
         for rank, failure in e.failures.items():  # keyed by global rank
             result.failures[rank] = (failure.exitcode, _stderr_tail(run_dir, failure.local_rank))
+        watchdog.stop()
+        result.hang = hang_of({r: (c, tail, e.failures[r].pid) for r, (c, tail) in result.failures.items()},
+                              read_statuses(run_dir), set(watchdog.stopped))
     except (RendezvousError, RuntimeError, OSError) as e:  # the nodes never met: nothing ran
         where = f" at {rdzv_endpoint}" if rdzv_endpoint else ""
         raise RunError(Diagnostic("R023", f"the workers could not start{where}: {type(e).__name__}: "
@@ -317,6 +327,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
                                   "check --rdzv-endpoint (node 0's HOST:PORT, reachable from every node) "
                                   "and start `placer run` on every node")) from None
     finally:
+        watchdog.stop()
         stop.set()
         if follower:
             follower.join(timeout=2)

@@ -8,6 +8,7 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses):
     then old checkpoints are rotated (CHECKPOINT_KEEP)."""
     root = os.path.join(out or ".", CHECKPOINT_DIR)
     path = os.path.join(root, f"step_{step + 1}")
+    STATUS.at(step, "checkpoint")
     first_here = int(os.environ.get("LOCAL_RANK", 0)) == 0  # each machine writes its own run directory
     if first_here:  # a step directory left by an earlier attempt no longer counts while it is rewritten
         os.makedirs(path, exist_ok=True)

@@ -55,6 +55,8 @@ def main():
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     if args.reference or "RANK" in os.environ:  # the reference, or a worker started by torchrun
+        if not args.reference and args.out and os.environ.get("PLACER_LAUNCHER_PID"):
+            STATUS.open(args.out, int(os.environ["RANK"]))  # placer run reads it when a rank hangs
         try:
             if args.reference:
                 reference(args)
