@@ -1,0 +1,77 @@
+"""The hang report: which rank stopped answering (hang_of), and the watchdog that kills a
+stopped worker as soon as the launcher ends it, instead of after torch elastic's grace."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from placer.launch.hang import Watchdog, doing, hang_of, read_statuses
+
+TIMED_OUT = "RuntimeError: [unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
+
+
+def record(rank, pid, step, phase, op="", t=0.0):
+    return {"pid": pid, "rank": rank, "step": step, "phase": phase, "op": op, "seq": 1, "time": t}
+
+
+def write_status(run_dir: Path, rec: dict) -> None:
+    (run_dir / "status").mkdir(parents=True, exist_ok=True)
+    (run_dir / "status" / f"rank{rec['rank']}").write_bytes(json.dumps(rec).encode().ljust(512))
+
+
+def test_the_stopped_rank_is_named_not_the_one_that_waited():
+    statuses = {0: record(0, 10, 3, "loss and backward", "all_reduce over ranks 0, 1", t=5.0),
+                1: record(1, 11, 3, "forward", t=1.0)}
+    failures = {0: (1, TIMED_OUT, 10), 1: (-9, "", 11)}
+    hang = hang_of(failures, statuses, stopped_pids={11})
+    assert hang is not None and hang.rank == 1 and hang.stopped
+    assert hang.doing == "at step 3 in forward"
+    assert hang.waiters == [(0, "at step 3 in loss and backward (all_reduce over ranks 0, 1)")]
+
+
+def test_without_a_stopped_process_the_rank_whose_status_is_oldest_is_named():
+    statuses = {0: record(0, 10, 4, "forward", "send to rank 1", t=9.0), 1: record(1, 11, 4, "data", t=2.0),
+                2: record(2, 12, 4, "forward", "recv from rank 1", t=9.5), 3: record(3, 13, 4, "forward", t=8.0)}
+    failures = {0: (1, TIMED_OUT, 10), 1: (-15, "", 11), 2: (1, TIMED_OUT, 12), 3: (-15, "", 13)}
+    hang = hang_of(failures, statuses, stopped_pids=set())
+    assert hang is not None and (hang.rank, hang.stopped, hang.doing) == (1, False, "at step 4 in data")
+    assert [r for r, _ in hang.waiters] == [0, 2]
+
+
+def test_no_timeout_no_hang_and_stale_statuses_are_ignored():
+    statuses = {0: record(0, 10, 2, "forward"), 1: record(1, 99, 7, "data")}  # rank 1's is an earlier attempt's
+    assert hang_of({0: (1, "ValueError: boom", 10), 1: (-15, "", 11)}, statuses, set()) is None
+    hang = hang_of({0: (1, TIMED_OUT, 10), 1: (-15, "", 11)}, statuses, set())
+    assert hang is None  # the one rank it could be has no status of this attempt: not guessed
+
+
+def test_status_files_are_read_back(tmp_path):
+    write_status(tmp_path, record(1, 11, 3, "forward", "isend to rank 0"))
+    (tmp_path / "status" / "rank0").write_bytes(b'{"pid": 1')  # torn: left out
+    assert doing(read_statuses(tmp_path)[1]) == "at step 3 in forward (isend to rank 0)"
+    assert list(read_statuses(tmp_path)) == [1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stopped_worker_is_killed_once_it_is_asked_to_end(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watchdog = Watchdog(tmp_path, interval=0.05)
+    try:
+        write_status(tmp_path, record(0, child.pid, 3, "forward"))
+        child.send_signal(signal.SIGSTOP)
+        watchdog.start()
+        time.sleep(0.5)
+        assert child.poll() is None and child.pid in watchdog.stopped  # stopped alone: left alone
+        child.send_signal(signal.SIGTERM)  # pending until continued: torch elastic would wait 30 s
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        watchdog.stop()
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=5)
