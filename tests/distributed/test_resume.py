@@ -189,3 +189,70 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, t
     log = (run / "run.log").read_text()
     assert "rank 1 (cpu:1) was killed by SIGKILL" in log and "restarting: attempt 2 of 2" in log
     assert_same_run(whole, run)
+
+
+# ---------------------------------------------------------------------------- a kill during a save
+
+BIG = """placer: 1
+name: big_ckpt
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [16, 2048]}
+    - {name: act, op: ReLU}
+    - {name: mid, op: Linear, args: [2048, 2048]}
+    - {name: head, op: Linear, args: [2048, 4]}
+  input: {shape: [B, 16]}
+  target: {shape: [B], dtype: int64, high: 4}
+  loss: CrossEntropyLoss
+devices: [cpu, "cpu:1"]
+placement:
+  - {layers: fc1..head, devices: [cpu, "cpu:1"], parallel: data}
+training:
+  batch_size: 8
+  steps: 6
+  optimizer: {op: Adam, lr: 0.001}
+  checkpoint: {every: 2}
+runtime: {timeout_s: 60}
+"""
+"""4.3 M parameters and Adam's two moments: each rank writes about 52 MB per checkpoint, long
+enough for the test to see the file being written and kill the run then."""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(BIG)
+    whole = tmp_path / "whole"
+    r = placer_run(str(spec), "--run-dir", str(whole), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saving = run / "ckpt" / "step_4"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and not any(saving.glob("rank*.pt.tmp-*")):
+            time.sleep(0.002)
+        assert any(saving.glob("rank*.pt.tmp-*")), "never saw step 4's checkpoint being written"
+        proc.kill()  # the whole run, mid-write: its workers die with it (PR_SET_PDEATHSIG)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while worker(run / "program.py", 0) or worker(run / "program.py", 1):
+        assert time.monotonic() < deadline, "a worker outlived the killed run"
+        time.sleep(0.1)
+    assert not (saving / "COMPLETE").exists() and (run / "ckpt" / "step_2" / "COMPLETE").exists()
+    assert not (run / "metrics.json").exists()
+
+    r = placer_run(str(spec), "--resume", str(run), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from the checkpoint at step 2 of 6" in r.stdout
+    assert_same_run(whole, run)
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step_2", "step_4", "step_6"]
+    assert not list((run / "ckpt").rglob("*.tmp-*"))  # the rewritten step 4 holds whole files only
