@@ -307,8 +307,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: Console, o
         console.say(f"attempt 1 of {restarts + 1}" + ("" if ckpt_of(spec) else
                     " (no training.checkpoint: a restart starts again at step 0)"))
 
-    def restarting(attempt: int, attempts: int, failures: dict) -> None:
-        for line in restart_lines(spec, program, attempt, attempts, failures, console.step):
+    def restarting(attempt: int, attempts: int, failures: dict, hang=None) -> None:
+        for line in restart_lines(spec, program, attempt, attempts, failures, console.step, hang):
             console.say(line, err=True)
 
     result = launcher.launch(run_dir / "program.py", run_dir, binding, args, node_rank=node_rank,
@@ -380,11 +380,11 @@ def ckpt_of(spec):
     return spec.training.checkpoint
 
 
-def restart_lines(spec, program, attempt: int, attempts: int, failures: dict, step: int) -> list[str]:
-    """What an attempt that failed and is restarted says: the ranks that failed and how, and
-    where the next attempt continues."""
+def restart_lines(spec, program, attempt: int, attempts: int, failures: dict, step: int, hang=None) -> list[str]:
+    """What an attempt that failed and is restarted says: the ranks that failed and how (or the
+    rank the others timed out waiting for), and where the next attempt continues."""
     lines = [f"attempt {attempt} of {attempts} failed after step {step}:"]
-    for rank, (code, tail) in failures_in_order(failures):
+    for rank, (code, tail) in [] if hang else failures_in_order(failures):
         device = program.devices[rank] if 0 <= rank < len(program.devices) else "?"
         if code is not None and code < 0:
             how = f"was killed by {_signal_name(-code)}"
@@ -392,6 +392,8 @@ def restart_lines(spec, program, attempt: int, attempts: int, failures: dict, st
             last = next((line.strip() for line in excerpt(tail, 1)), "")
             how = f"exited with code {code}" + (f": {last}" if last else "")
         lines.append(f"  rank {rank} ({device}) {how}")
+    if hang:
+        lines.append(f"  {hang_sentence(spec, program, hang)}")
     where = "from the newest complete checkpoint" if ckpt_of(spec) else "at step 0 (no training.checkpoint)"
     lines.append(f"restarting: attempt {attempt + 1} of {attempts}, {where}")
     return lines
@@ -421,8 +423,9 @@ def _failure(spec, program, run_dir: Path, rank: int, code: int | None, tail: st
                       Loc(spec.file), f"its whole output is under {run_dir / 'logs'}")
 
 
-def _hang(spec, program, run_dir: Path, hang) -> Diagnostic:
-    """One report for a hang: the rank that stopped answering and where, then who waited for it."""
+def hang_sentence(spec, program, hang) -> str:
+    """`rank 1 (cpu:1) stopped answering at step 3 in forward; rank 0 (cpu) waited at step 3 in
+    backward (all_reduce over ranks 0, 1) and timed out after 20 s`."""
     def who(rank: int) -> str:
         return f"rank {rank} ({program.devices[rank] if 0 <= rank < len(program.devices) else '?'})"
 
@@ -430,11 +433,15 @@ def _hang(spec, program, run_dir: Path, hang) -> Diagnostic:
     waited = f"{who(first)} waited" + (f" {where}" if where else "")
     if more:
         waited += f" (as did {', '.join(who(r) for r, _ in more)})"
-    timeout = spec.runtime.timeout_s
+    return (f"{who(hang.rank)} stopped answering{' ' + hang.doing if hang.doing else ''}; "
+            f"{waited} and timed out after {spec.runtime.timeout_s:g} s")
+
+
+def _hang(spec, program, run_dir: Path, hang) -> Diagnostic:
+    """One report for a hang: the rank that stopped answering and where, then who waited for it."""
     how = ("its process was stopped (SIGSTOP or Ctrl-Z: state T) and placer killed it" if hang.stopped else
            "its status did not advance (a hang in its own code or a peer it waits for)")
-    return Diagnostic("R034", f"{who(hang.rank)} stopped answering{' ' + hang.doing if hang.doing else ''}; "
-                      f"{waited} and timed out after {timeout:g} s", spec.runtime.loc,
+    return Diagnostic("R034", hang_sentence(spec, program, hang), spec.runtime.loc,
                       f"{how}; every rank's output is under {run_dir / 'logs'}; runtime.timeout_s bounds the wait")
 
 

@@ -309,7 +309,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     result = RunResult(ok=True, run_dir=run_dir)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with _quiet_launcher(), _restarts_reported(run_dir, max_restarts, result, on_restart):
+        with _quiet_launcher(), _restarts_reported(run_dir, max_restarts, result, on_restart, watchdog):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except SignalException as e:  # the agent has stopped the workers with the same signal
         raise Interrupted(e.sigval) from None
@@ -350,10 +350,12 @@ SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @contextlib.contextmanager
-def _restarts_reported(run_dir: Path, max_restarts: int, result: RunResult, on_restart):
+def _restarts_reported(run_dir: Path, max_restarts: int, result: RunResult, on_restart, watchdog: Watchdog):
     """While the block runs, torch's elastic agent tells us of each attempt that failed before it
     starts the next (its own log says only "will restart worker group"): the failures it saw
-    go to on_restart, and result.attempts counts the attempts."""
+    (and the hang behind them, if ranks timed out) go to on_restart, and result.attempts counts
+    the attempts. torch has no public hook for this: two of its methods are wrapped for the
+    block (tests/unit/test_hang_report.py fails when a torch release renames them)."""
     try:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -369,12 +371,14 @@ def _restarts_reported(run_dir: Path, max_restarts: int, result: RunResult, on_r
         return outcome
 
     def restarted(agent, worker_group):
-        failures = {rank: (f.exitcode, _stderr_tail(run_dir, f.local_rank))
-                    for rank, f in seen.get("failures", {}).items()}
+        failed = seen.get("failures", {})
+        failures = {rank: (f.exitcode, _stderr_tail(run_dir, f.local_rank)) for rank, f in failed.items()}
         result.attempts += 1
         if on_restart:
             with contextlib.suppress(Exception):  # a report must never stop the restart
-                on_restart(result.attempts - 1, max_restarts + 1, failures)
+                hang = hang_of({r: (c, tail, failed[r].pid) for r, (c, tail) in failures.items()},
+                               read_statuses(run_dir), set(watchdog.stopped))
+                on_restart(result.attempts - 1, max_restarts + 1, failures, hang=hang)
         return restart(agent, worker_group)
 
     # patched on the classes for the launch only (setattr: torch's methods, replaced on purpose)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -133,9 +134,9 @@ def make_batches(seconds=0.4):
 '''
 
 
-def tiny_spec(two_cpu_spec, shard: str) -> Path:
+def tiny_spec(two_cpu_spec, shard: str, timeout_s: int = 30) -> Path:
     group = f'  - {{layers: fc1..head, devices: [cpu, "cpu:1"], parallel: {{mode: data, overlap: true, shard: {shard}}}}}'
-    return two_cpu_spec("tiny_restart", SLOW_DATA, steps=8, timeout_s=30, relu=True, placement=group,
+    return two_cpu_spec("tiny_restart", SLOW_DATA, steps=8, timeout_s=timeout_s, relu=True, placement=group,
                         optimizer="{op: Adam, lr: 0.01}", training="  prefetch: 0\n  checkpoint: {every: 2}\n")
 
 
@@ -153,9 +154,11 @@ def worker(program: Path, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("shard", ["none", "optimizer"])
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, tmp_path, two_cpu_spec):
-    spec = tiny_spec(two_cpu_spec, shard)
+@pytest.mark.parametrize("shard, fault", [("none", "kill"), ("optimizer", "kill"), ("none", "stop")])
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, fault, tmp_path, two_cpu_spec):
+    """`kill`: SIGKILL rank 1. `stop`: SIGSTOP it; rank 0 times out after timeout_s, the report
+    names rank 1, and the stopped process is killed at once so the restart need not wait."""
+    spec = tiny_spec(two_cpu_spec, shard, timeout_s=8 if fault == "stop" else 30)
     whole = tmp_path / "whole"
     r = placer_run(str(spec), "--run-dir", str(whole), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -175,19 +178,26 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, t
             time.sleep(0.1)
         pid = worker(run / "program.py", 1)
         assert pid, "rank 1 is not running"
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        if fault == "stop" and worker(run / "program.py", 1) == pid:  # still ours: never leave it stopped
+            os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, err
     assert "attempt 1 of 2" in out
-    assert "attempt 1 of 2 failed after step " in err and "rank 1 (cpu:1) was killed by SIGKILL" in err
+    said = ("rank 1 (cpu:1) was killed by SIGKILL" if fault == "kill" else
+            "rank 1 (cpu:1) stopped answering at step ")
+    assert "attempt 1 of 2 failed after step " in err and said in err
+    if fault == "stop":
+        assert re.search(r"rank 0 \(cpu\) waited at step \d+ in .* and timed out after 8 s", err), err
+        assert "was killed by SIGKILL" not in err
     assert "restarting: attempt 2 of 2, from the newest complete checkpoint" in err
     assert "resumed from the checkpoint at step " in out and ", 2 attempts)" in out
     log = (run / "run.log").read_text()
-    assert "rank 1 (cpu:1) was killed by SIGKILL" in log and "restarting: attempt 2 of 2" in log
+    assert said in log and "restarting: attempt 2 of 2" in log
     assert_same_run(whole, run)
 
 

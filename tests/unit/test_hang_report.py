@@ -75,3 +75,43 @@ def test_a_stopped_worker_is_killed_once_it_is_asked_to_end(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait(timeout=5)
+
+
+def test_a_hang_report_names_the_stopped_rank_first():
+    from types import SimpleNamespace
+
+    from placer.cli.run_cmd import _hang, restart_lines
+    from placer.launch.hang import Hang
+
+    spec = SimpleNamespace(file="spec.yaml", runtime=SimpleNamespace(timeout_s=20.0, loc=None),
+                           training=SimpleNamespace(checkpoint=object()))
+    program = SimpleNamespace(devices=["cpu", "cpu:1", "cpu:2"])
+    hang = Hang(1, "at step 3 in forward", True, [(0, "at step 3 in backward (all_reduce over ranks 0, 1, 2)"),
+                                                    (2, "at step 3 in backward (all_reduce over ranks 0, 1, 2)")])
+    sentence = ("rank 1 (cpu:1) stopped answering at step 3 in forward; rank 0 (cpu) waited at step 3 in backward "
+                "(all_reduce over ranks 0, 1, 2) (as did rank 2 (cpu:2)) and timed out after 20 s")
+    diag = _hang(spec, program, Path("run"), hang)
+    assert (diag.code, diag.message) == ("R034", sentence) and "placer killed it" in diag.hint
+    failures = {0: (1, TIMED_OUT), 1: (-9, ""), 2: (1, TIMED_OUT)}
+    assert restart_lines(spec, program, 1, 2, failures, 3, hang) == [
+        "attempt 1 of 2 failed after step 3:", f"  {sentence}",
+        "restarting: attempt 2 of 2, from the newest complete checkpoint"]
+
+
+def test_the_restart_report_still_hooks_into_this_torch():
+    """torch's elastic agent has no public hook for a restart: placer wraps two of its methods.
+    When a torch release renames them, restarts still happen but unreported: fail here instead."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from placer.launch.run import RunResult, _restarts_reported
+
+    monitor, restart = LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers
+    for method in (monitor, restart):
+        assert list(inspect.signature(method).parameters) == ["self", "worker_group"]
+    with _restarts_reported(Path("run"), 1, RunResult(ok=True, run_dir=Path("run")), None, Watchdog(Path("run"))):
+        assert LocalElasticAgent._monitor_workers is not monitor
+        assert SimpleElasticAgent._restart_workers is not restart
+    assert (LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers) == (monitor, restart)
