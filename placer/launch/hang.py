@@ -10,7 +10,6 @@ out themselves.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -39,12 +38,14 @@ class Hang:
 
 
 def read_statuses(run_dir: Path) -> dict[int, dict]:
-    """rank -> its last status record (pid, step, phase, op, seq, time); unreadable files are left out."""
+    """rank -> its last status (pid, rank, step, seq, time, phase, op); unreadable files are left out."""
     found = {}
     for path in (run_dir / STATUS_DIR).glob("rank*"):
         with contextlib.suppress(OSError, ValueError):
-            record = json.loads(path.read_bytes().rstrip(b" \0"))
-            found[int(record["rank"])] = record
+            line = path.read_bytes().split(b"\n", 1)[0].decode()
+            pid, rank, step, seq, when, phase, op = line.split("\t")
+            found[int(rank)] = {"pid": int(pid), "rank": int(rank), "step": int(step), "seq": int(seq),
+                                "time": float(when), "phase": phase, "op": op}
     return found
 
 

@@ -2,7 +2,6 @@
 stopped worker as soon as the launcher ends it, instead of after torch elastic's grace."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -21,8 +20,10 @@ def record(rank, pid, step, phase, op="", t=0.0):
 
 
 def write_status(run_dir: Path, rec: dict) -> None:
+    """As the program's RankStatus writes it: one tab-separated line in a 512-byte file."""
     (run_dir / "status").mkdir(parents=True, exist_ok=True)
-    (run_dir / "status" / f"rank{rec['rank']}").write_bytes(json.dumps(rec).encode().ljust(512))
+    line = "\t".join(str(rec[k]) for k in ("pid", "rank", "step", "seq", "time", "phase", "op")) + "\n"
+    (run_dir / "status" / f"rank{rec['rank']}").write_bytes(line.encode().ljust(512, b"\0"))
 
 
 def test_the_stopped_rank_is_named_not_the_one_that_waited():
@@ -53,7 +54,7 @@ def test_no_timeout_no_hang_and_stale_statuses_are_ignored():
 
 def test_status_files_are_read_back(tmp_path):
     write_status(tmp_path, record(1, 11, 3, "forward", "isend to rank 0"))
-    (tmp_path / "status" / "rank0").write_bytes(b'{"pid": 1')  # torn: left out
+    (tmp_path / "status" / "rank0").write_bytes(b"12\t0\t3")  # torn: left out
     assert doing(read_statuses(tmp_path)[1]) == "at step 3 in forward (isend to rank 0)"
     assert list(read_statuses(tmp_path)) == [1]
 
@@ -115,3 +116,30 @@ def test_the_restart_report_still_hooks_into_this_torch():
         assert LocalElasticAgent._monitor_workers is not monitor
         assert SimpleElasticAgent._restart_workers is not restart
     assert (LocalElasticAgent._monitor_workers, SimpleElasticAgent._restart_workers) == (monitor, restart)
+
+
+def test_what_the_program_writes_is_what_placer_reads(tmp_path):
+    """The program's RankStatus (pasted from templates/helpers.py) and read_statuses agree."""
+    import functools
+    import mmap
+    import os
+
+    import torch.distributed as dist
+
+    from placer.codegen.program import TEMPLATES
+
+    text = (TEMPLATES / "helpers.py").read_text()
+    namespace = {"os": os, "mmap": mmap, "time": time, "functools": functools, "dist": dist}
+    exec(text[text.index("class RankStatus:"):text.index("STATUS = RankStatus()")], namespace)
+    status = namespace["RankStatus"]()
+    (tmp_path / "status").mkdir()
+    with open(tmp_path / "status" / "rank2", "wb+") as f:
+        f.truncate(status.SIZE)
+        status.map, status.rank = mmap.mmap(f.fileno(), status.SIZE), 2  # open() without wrapping dist's calls
+    status.at(6, "backward")
+    status.calling("all_reduce over ranks 0, 1, 2")
+    status.at(7, "data")  # a shorter line over a longer one
+    assert doing(read_statuses(tmp_path)[2]) == "at step 8 in data"
+    status.calling("recv from rank 1")
+    read = read_statuses(tmp_path)[2]
+    assert (read["pid"], read["seq"], doing(read)) == (os.getpid(), 4, "at step 8 in data (recv from rank 1)")

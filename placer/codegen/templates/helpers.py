@@ -118,9 +118,10 @@ def timer(kind):
 class RankStatus:
     """What this rank is doing: its step, its phase (data, forward, backward, sync, checkpoint)
     and the communication call it is in, kept in OUT/status/rankR for `placer run` (which
-    passes PLACER_LAUNCHER_PID). The file is memory-mapped: an update is a store to memory,
-    not a system call. When a rank times out waiting for a peer, `placer run` reads every
-    rank's file to name the rank that stopped answering and what it was doing."""
+    passes PLACER_LAUNCHER_PID) as one line: pid, rank, step, count of updates, time, phase,
+    call, tab-separated. The file is memory-mapped: an update is a store to memory, not a
+    system call. When a rank times out waiting for a peer, `placer run` reads every rank's
+    line to name the rank that stopped answering and what it was doing."""
 
     SIZE = 512
     # blocking calls; the asynchronous ones keep their text until the phase changes, as the
@@ -130,7 +131,8 @@ class RankStatus:
     ASYNC = ("isend", "irecv", "batch_isend_irecv")
 
     def __init__(self):
-        self.map, self.record, self.groups = None, {}, {}
+        self.map, self.groups = None, {}
+        self.pid, self.rank, self.step, self.seq, self.phase, self.op = os.getpid(), 0, 0, 0, "setup", ""
 
     def open(self, out, rank):
         """Start keeping the status (a no-op object otherwise) and announce every torch.distributed call."""
@@ -141,8 +143,8 @@ class RankStatus:
             self.map = mmap.mmap(fd, self.SIZE)
         finally:
             os.close(fd)
-        self.record = {"pid": os.getpid(), "rank": rank, "step": 0, "phase": "setup", "op": "", "seq": 0}
-        self.update()
+        self.rank = rank
+        self.write()
         for name in self.CALLS + self.ASYNC:
             if hasattr(dist, name) and not hasattr(getattr(dist, name), "announced"):
                 setattr(dist, name, self.announced(getattr(dist, name), name in self.ASYNC))
@@ -152,21 +154,27 @@ class RankStatus:
 
     def at(self, step, phase):
         """Step `step` (counted from 0) enters `phase`."""
-        self.update(step=step + 1, phase=phase, op="")
+        self.step, self.phase, self.op = step + 1, phase, ""
+        self.write()
 
-    def update(self, **changes):
-        if self.map is None:
-            return
-        self.record.update(changes, seq=self.record["seq"] + 1, time=time.time())
-        self.map[:] = json.dumps(self.record).encode()[: self.SIZE].ljust(self.SIZE)
+    def calling(self, op):
+        self.op = op
+        self.write()
+
+    def write(self):
+        if self.map is not None:
+            self.seq += 1
+            line = f"{self.pid}\t{self.rank}\t{self.step}\t{self.seq}\t{time.time()}\t{self.phase}\t{self.op}\n"
+            data = line.encode()[: self.SIZE]
+            self.map[: len(data)] = data
 
     def announced(self, call, asynchronous):
         @functools.wraps(call)
         def wrapper(*args, **kwargs):
-            self.update(op=self.describe(call.__name__, args, kwargs))
+            self.calling(self.describe(call.__name__, args, kwargs))
             result = call(*args, **kwargs)
             if not (asynchronous or kwargs.get("async_op")):
-                self.update(op="")
+                self.calling("")
             return result
 
         wrapper.announced = True
@@ -229,7 +237,7 @@ class BatchLosses:
             return
         step, total, work = self.pending
         self.pending = None
-        STATUS.update(op=f"all_reduce of step {step + 1}'s loss")
+        STATUS.calling(f"all_reduce of step {step + 1}'s loss")
         work.wait()
         self.losses.append(finite_loss(total.item(), step))
         if self.rank == 0:
@@ -342,7 +350,7 @@ def write_json(path, value):
 
 def finish(args, rank, world, losses, own, seconds, **facts):
     """Rank 0 gathers what every rank measured and the parameters it owns, and writes them."""
-    STATUS.update(phase="finish", op="")
+    STATUS.at(len(losses) - 1, "finish")
     stats = {"device": DEVICES[rank], "bytes_sent": sum(SENT.values()), "by_call": dict(SENT),
              "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
                         "comm": TIME["comm"], "data": TIME["data"]},
