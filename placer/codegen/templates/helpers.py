@@ -164,8 +164,8 @@ class RankStatus:
     def write(self):
         if self.map is not None:
             self.seq += 1
-            line = f"{self.pid}\t{self.rank}\t{self.step}\t{self.seq}\t{time.time()}\t{self.phase}\t{self.op}\n"
-            data = line.encode()[: self.SIZE]
+            fields = (self.pid, self.rank, self.step, self.seq, time.time(), self.phase, self.op)
+            data = ("\t".join(map(str, fields)) + "\n").encode()[: self.SIZE]
             self.map[: len(data)] = data
 
     def announced(self, call, asynchronous):
