@@ -406,13 +406,18 @@ def restart_lines(spec, program, attempt: int, attempts: int, failures: dict, st
 
 def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:
     """The likely cause first: a rank that exited with an error, then one killed by a signal of
-    its own (SIGABRT, SIGSEGV, SIGKILL when out of memory), then those the launcher stopped with
-    SIGTERM because a peer had failed; by rank within each."""
-    def kind(code: int | None) -> int:
+    its own (SIGABRT, SIGSEGV, SIGKILL when out of memory), then one that failed because a peer's
+    connection closed (a failed worker exits at once, often before the launcher stops the
+    others), then those the launcher stopped with SIGTERM because a peer had failed; by rank
+    within each."""
+    def kind(code: int | None, tail: str) -> int:
         if code is not None and code > 0:
-            return 0
-        return 2 if code == -signal.SIGTERM else 1
-    return sorted(failures.items(), key=lambda kv: (kind(kv[1][0]), kv[0]))
+            return 2 if _PEER_GONE.search(tail) else 0
+        return 3 if code == -signal.SIGTERM else 1
+    return sorted(failures.items(), key=lambda kv: (kind(*kv[1]), kv[0]))
+
+
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
 
 
 def _failure(spec, program, run_dir: Path, rank: int, code: int | None, tail: str, after: int | None) -> Diagnostic:

@@ -65,3 +65,12 @@ def test_output_without_a_traceback_shows_its_last_lines():
     tail = "\n".join(f"line {i}" for i in range(20))
     (message,) = messages({0: (1, tail)})
     assert message.splitlines()[1:] == [f"    line {i}" for i in range(12, 20)]
+
+
+def test_a_rank_whose_peer_went_away_comes_after_the_peer():
+    """A failed worker exits at once; its peer's collective then fails on the closed connection,
+    often before the launcher stops it: the peer that failed first is the cause."""
+    gone = ("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45467. "
+            "This is typically caused by a remote worker crashing.")
+    first, second = messages({0: (1, gone), 1: (1, "RuntimeError: the data source ran dry at step 1")})
+    assert first.startswith("rank 1 (cuda:1) exited with code 1:") and second.startswith("rank 0 (cuda:0) exited")
