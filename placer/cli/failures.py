@@ -1,5 +1,6 @@
 """What `placer run` says when workers fail: one report naming the rank that failed first, its
-device and its exception (type and whole message, once), and the ranks it took down."""
+device and its exception (type and whole message, once), and the ranks it took down (R020);
+or, when ranks timed out, the rank that stopped answering and what it was doing (R034)."""
 from __future__ import annotations
 
 import re
@@ -90,11 +91,33 @@ def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int |
                       f"its whole output is in {run_dir / 'logs' / log_name(device(first))}")
 
 
-def restart_lines(spec, devices, attempt: int, attempts: int, failures: dict, step: int) -> list[str]:
-    """What an attempt that failed and is restarted says: the ranks that failed and how, and
-    where the next attempt continues."""
+def hang_sentence(spec, devices, hang) -> str:
+    """`rank 1 (cpu:1) stopped answering at step 3 in forward; rank 0 (cpu) waited at step 3 in
+    backward (all_reduce over ranks 0, 1) and timed out after 20 s`."""
+    def who(rank: int) -> str:
+        return f"rank {rank} ({devices[rank] if 0 <= rank < len(devices) else '?'})"
+
+    (first, where), *more = hang.waiters
+    waited = f"{who(first)} waited" + (f" {where}" if where else "")
+    if more:
+        waited += f" (as did {', '.join(who(r) for r, _ in more)})"
+    return (f"{who(hang.rank)} stopped answering{' ' + hang.doing if hang.doing else ''}; "
+            f"{waited} and timed out after {spec.runtime.timeout_s:g} s")
+
+
+def hang_report(spec, devices, run_dir: Path, hang) -> Diagnostic:
+    """R034: one report for a hang, the rank that stopped answering and where, then who waited for it."""
+    how = ("its process was stopped (SIGSTOP or Ctrl-Z: state T) and placer killed it" if hang.stopped else
+           "its status did not advance (a hang in its own code or a peer it waits for)")
+    return Diagnostic("R034", hang_sentence(spec, devices, hang), spec.runtime.loc,
+                      f"{how}; every rank's output is under {run_dir / 'logs'}; runtime.timeout_s bounds the wait")
+
+
+def restart_lines(spec, devices, attempt: int, attempts: int, failures: dict, step: int, hang=None) -> list[str]:
+    """What an attempt that failed and is restarted says: the ranks that failed and how (or the
+    rank the others timed out waiting for), and where the next attempt continues."""
     lines = [f"attempt {attempt} of {attempts} failed after step {step}:"]
-    for rank, (code, tail) in failures_in_order(failures):
+    for rank, (code, tail) in [] if hang else failures_in_order(failures):
         device = devices[rank] if 0 <= rank < len(devices) else "?"
         if code is not None and code < 0:
             how = f"was killed by {signal_name(-code)}"
@@ -102,6 +125,8 @@ def restart_lines(spec, devices, attempt: int, attempts: int, failures: dict, st
             last = next((line.strip() for line in excerpt(tail, 1)), "")
             how = f"exited with code {code}" + (f": {last}" if last else "")
         lines.append(f"  rank {rank} ({device}) {how}")
+    if hang:
+        lines.append(f"  {hang_sentence(spec, devices, hang)}")
     where = "from the newest complete checkpoint" if spec.training.checkpoint else \
         "at step 0 (no training.checkpoint)"
     lines.append(f"restarting: attempt {attempt + 1} of {attempts}, {where}")

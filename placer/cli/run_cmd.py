@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import math
 import os
@@ -14,7 +15,7 @@ import click
 
 from placer import units
 from placer.cli.console import DETAIL, INFO, RESULT, RunConsole, verbosity, verbosity_options
-from placer.cli.failures import failure_report, failures_in_order, restart_lines
+from placer.cli.failures import failure_report, failures_in_order, hang_report, restart_lines
 from placer.cli.options import set_option
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
@@ -216,6 +217,10 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         from placer.launch.run import disk_error
 
         fail(disk_error(e, f"writing {e.filename or 'the run directory'}"), fmt)
+    finally:
+        # The run is over: the interpreter's last garbage collection, of torch's objects, took
+        # 5 s before placer could exit on a loaded 2-core machine; frozen objects are not collected
+        gc.freeze()
     if fmt == "json":
         click.echo(json.dumps(outcome, indent=2, default=str))
     sys.exit(0 if outcome["ok"] else 1)
@@ -285,8 +290,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
         console.say(f"attempt 1 of {restarts + 1}" + ("" if ckpt_of(spec) else
                     " (no training.checkpoint: a restart starts again at step 0)"))
 
-    def restarting(attempt: int, attempts: int, failures: dict) -> None:
-        for line in restart_lines(spec, program.devices, attempt, attempts, failures, console.step):
+    def restarting(attempt: int, attempts: int, failures: dict, hang=None) -> None:
+        for line in restart_lines(spec, program.devices, attempt, attempts, failures, console.step, hang):
             console.say(line, err=True)
 
     console.say(f"each worker's output: {run_dir / 'logs'}/<device>.log "
@@ -322,6 +327,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
             raise RunError(Diagnostic("R028", f"the disk is full: a worker failed writing: {full.strip()}",
                                       Loc(str(run_dir)), "free some space (old runs/ directories, checkpoints), "
                                       "or choose a --run-dir on another disk"))
+        if result.hang:  # the ranks that failed timed out waiting for one that stopped answering
+            raise RunError(hang_report(spec, program.devices, run_dir, result.hang))
         raise RunError(failure_report(spec, program.devices, run_dir, result.failures))
     if not result.metrics:  # ranks of node 0 write the results
         console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt", level=RESULT)

@@ -104,7 +104,8 @@ class PipelineWriter(TrainWriter):
 
     def step(self) -> None:
         c, last = self.c, len(self.segs) - 1
-        c('with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
+        c('STATUS.at(step, "data")  # what this rank is doing, for placer run\'s report if a rank hangs',
+          'with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
           "for m in modules:", "    m.zero_grad(set_to_none=True)")
         if self.degree > 1 and not self.replicated:
             c(f"# pipeline j's rows: slice j (of {self.degree}) of every micro-batch",
@@ -113,7 +114,9 @@ class PipelineWriter(TrainWriter):
         c("", "# every micro-batch's forward and backward, in the schedule's order; stages send",
           "# activations and gradients to their neighbours. Returns this rank's summed micro-batch",
           "# losses (0 unless it holds the last stage).",
+          'STATUS.at(step, "forward and backward (pipeline schedule)")',
           f"loss = pipeline_step(schedule, x.to(device) if 0 in mine else None, y.to(device) if {last} in mine else None)")
+        c('STATUS.at(step, "gradient sync and optimizer step")')
         if self.degree > 1 and not self.replicated:
             c("", "# every stage's gradients summed over its data group")
             for seg in self.segs:

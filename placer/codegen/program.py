@@ -35,8 +35,8 @@ from placer.plan.ir import OpKind
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
-STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "importlib", "importlib.util", "json", "os",
-          "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
+STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "importlib", "importlib.util", "json", "mmap",
+          "os", "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
 
 
 @dataclass(frozen=True)

@@ -263,7 +263,8 @@ class TrainWriter:
 
     def step(self) -> None:
         c, segs = self.c, self.segs
-        c('with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
+        c('STATUS.at(step, "data")  # what this rank is doing, for placer run\'s report if a rank hangs',
+          'with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
           "for m in modules:", "    m.zero_grad(set_to_none=True)")
         for seg in segs:
             if seg.sync == "broadcast" and seg.has_params:
@@ -279,13 +280,14 @@ class TrainWriter:
         else:
             self.forward_backward()
         c(*ties.emit_sync(self.tied))
-        c("", "# gradient sync and optimizer steps, segment by segment" if self.clip is None else
-          "# gradient sync, segment by segment")
+        c("", 'STATUS.at(step, "gradient sync and optimizer step")')
         at = len(c.lines)
+        c("# gradient sync and optimizer steps, segment by segment" if self.clip is None else
+          "# gradient sync, segment by segment")
         for seg in segs:
             self.sync(seg)
-        if len(c.lines) == at:  # nothing to sync here (DDP and FSDP synced during backward)
-            del c.lines[at - 2:]
+        if len(c.lines) == at + 1:  # nothing to sync here (DDP and FSDP synced during backward)
+            del c.lines[at:]
         self.clip_and_step()
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()")
@@ -314,7 +316,7 @@ class TrainWriter:
 
     def forward_backward(self) -> None:
         c, segs = self.c, self.segs
-        c("", "# forward, segment by segment")
+        c("", "# forward, segment by segment", 'STATUS.at(step, "forward")')
         for seg in segs:
             self.forward(seg)
         self.loss(backward=True)
@@ -365,13 +367,13 @@ class TrainWriter:
         c("", f"# GPipe: every micro-batch forward, then every one backward; {m} micro-batches of "
               f"{segs[0].in_shape[0]} rows",
           f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []",
-          f"for mb in range({m}):").indent()
+          'STATUS.at(step, "forward")', f"for mb in range({m}):").indent()
         c("x, y = xs[mb], ys[mb]")
         for seg in segs:
             self.forward(seg)
         self.loss(backward=False)
         c(f"saved.append(({', '.join(saved)}))").dedent()
-        c("mb_losses = []", f"for mb in range({m}):").indent()
+        c('STATUS.at(step, "backward")', "mb_losses = []", f"for mb in range({m}):").indent()
         c(f"{', '.join(saved)} = saved[mb]")
         self.loss_backward()
         for seg in reversed(segs[1:]):
@@ -391,7 +393,7 @@ class TrainWriter:
               f"                   route={self.route(last)}, device=device)")
             self.when(last.ranks[:1], "out.requires_grad_()")
         c("", "# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM",
-          "loss = None")
+          *(['STATUS.at(step, "loss and backward")'] if backward else []), "loss = None")
         if last.replicated:
             c("# every rank of the last group holds the whole output: each backpropagates the whole loss")
             c("# (reaching its own slices of the parameters); it counts once, on the first")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, RunError
+from placer.launch.hang import STATUS_DIR, Hang, Watchdog, hang_of, read_statuses
 from placer.spec.types import Spec
 
 PROGRESS = "progress.jsonl"
@@ -89,7 +90,7 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
-           "stopped.json", "metrics.csv", "tensorboard",
+           "stopped.json", "metrics.csv", "tensorboard", STATUS_DIR,
            "reference", "reference.log", "check.json")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
@@ -235,6 +236,8 @@ class RunResult:
     wall_s: float = 0.0
     attempts: int = 1
     """How many times the workers were started (1 + the restarts that happened)."""
+    hang: Hang | None = None
+    """When ranks timed out waiting: the rank they waited for and what each was doing."""
 
 
 def _follow(path: Path, on_progress, stop: threading.Event) -> None:
@@ -277,6 +280,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in (PROGRESS, "stopped.json") if not resume else ("stopped.json",):  # this run's only
         (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / STATUS_DIR, ignore_errors=True)  # a resumed run's earlier workers' statuses
     saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PLACER_LAUNCHER_PID", SHARED_STORE,
                                                  "PYTHONUNBUFFERED")}
     os.environ["PYTHONUNBUFFERED"] = "1"  # prints and tracebacks reach the worker's log in order
@@ -304,11 +308,15 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     if on_progress:
         follower = threading.Thread(target=_follow, args=(run_dir / PROGRESS, on_progress, stop), daemon=True)
         follower.start()
+    watchdog = Watchdog(run_dir)  # kills a stopped worker that the launcher is ending
+    if sys.platform.startswith("linux"):
+        watchdog.start()
     t0 = time.perf_counter()
     result = RunResult(ok=True, run_dir=run_dir)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with _quiet_launcher(not verbose), _restarts_reported(run_dir, devices, max_restarts, result, on_restart):
+        with _quiet_launcher(not verbose), _restarts_reported(run_dir, devices, max_restarts, result, on_restart,
+                                                              watchdog):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except SignalException as e:  # the agent has stopped the workers with the same signal
         raise Interrupted(e.sigval) from None
@@ -316,6 +324,9 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
         result.ok = False
         for rank, failure in e.failures.items():  # keyed by global rank
             result.failures[rank] = (failure.exitcode, _log_tail(run_dir, devices[rank]))
+        watchdog.stop()
+        result.hang = hang_of({r: (c, tail, e.failures[r].pid) for r, (c, tail) in result.failures.items()},
+                              read_statuses(run_dir), set(watchdog.stopped))
     except (RendezvousError, RuntimeError, OSError) as e:  # the nodes never met: nothing ran
         where = f" at {rdzv_endpoint}" if rdzv_endpoint else ""
         raise RunError(Diagnostic("R023", f"the workers could not start{where}: {type(e).__name__}: "
@@ -323,6 +334,7 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
                                   "check --rdzv-endpoint (node 0's HOST:PORT, reachable from every node) "
                                   "and start `placer run` on every node")) from None
     finally:
+        watchdog.stop()
         stop.set()
         if follower:
             follower.join(timeout=2)
@@ -345,10 +357,13 @@ SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @contextlib.contextmanager
-def _restarts_reported(run_dir: Path, devices: list[str], max_restarts: int, result: RunResult, on_restart):
+def _restarts_reported(run_dir: Path, devices: list[str], max_restarts: int, result: RunResult, on_restart,
+                       watchdog: Watchdog):
     """While the block runs, torch's elastic agent tells us of each attempt that failed before it
     starts the next (its own log says only "will restart worker group"): the failures it saw
-    go to on_restart, and result.attempts counts the attempts."""
+    (and the hang behind them, if ranks timed out) go to on_restart, and result.attempts counts
+    the attempts. torch has no public hook for this: two of its methods are wrapped for the
+    block (tests/unit/test_hang_report.py fails when a torch release renames them)."""
     try:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -364,12 +379,14 @@ def _restarts_reported(run_dir: Path, devices: list[str], max_restarts: int, res
         return outcome
 
     def restarted(agent, worker_group):
-        failures = {rank: (f.exitcode, _log_tail(run_dir, devices[rank]))
-                    for rank, f in seen.get("failures", {}).items()}
+        failed = seen.get("failures", {})
+        failures = {rank: (f.exitcode, _log_tail(run_dir, devices[rank])) for rank, f in failed.items()}
         result.attempts += 1
         if on_restart:
             with contextlib.suppress(Exception):  # a report must never stop the restart
-                on_restart(result.attempts - 1, max_restarts + 1, failures)
+                hang = hang_of({r: (c, tail, failed[r].pid) for r, (c, tail) in failures.items()},
+                               read_statuses(run_dir), set(watchdog.stopped))
+                on_restart(result.attempts - 1, max_restarts + 1, failures, hang=hang)
         return restart(agent, worker_group)
 
     # patched on the classes for the launch only (setattr: torch's methods, replaced on purpose)

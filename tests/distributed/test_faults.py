@@ -4,6 +4,7 @@ are signalled."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,3 +108,107 @@ def test_a_signalled_run_ends_its_workers(tmp_path, two_cpu_spec, sig, code):
         assert line.startswith("interrupted at step ") and line.endswith(f"; run directory kept: {run_dir}"), rest
         assert "Traceback" not in rest and "SignalException" not in rest
         assert (run_dir / "run.log").read_text().splitlines()[-1] == line
+
+
+# ---------------------------------------------------------------------------- hangs
+
+SLOW_DATA = '''
+import os
+import re
+import time
+
+import torch
+
+
+def make_batches(seconds=0.2, stall_rank=None, stall_step=None):
+    g = torch.Generator().manual_seed(0)
+    step = 0
+    while True:
+        time.sleep(seconds)  # slow enough for the test to stop a rank mid-run
+        if step == stall_step and os.environ.get("RANK") == str(stall_rank):
+            time.sleep(3600)  # this rank hangs in its own code
+        yield torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        step += 1
+'''
+
+TIMEOUT_S = 8
+HANG_MODES = {  # relu=True: fc1, act, head
+    "data": '  - {layers: fc1..head, devices: [cpu, "cpu:1"], parallel: data}',
+    "layerwise": '  - {layers: fc1..act, device: cpu}\n  - {layers: head, device: "cpu:1"}',
+    "pipeline": '  - {layers: fc1..act, device: cpu}\n  - {layers: head, device: "cpu:1"}\n'
+                'pipeline: {microbatches: 2, schedule: 1f1b}',
+    "tensor": '  - {layers: fc1..head, devices: [cpu, "cpu:1"], parallel: tensor}',
+    "fsdp": '  - {layers: fc1..head, devices: [cpu, "cpu:1"], parallel: {mode: data, shard: full}}',
+}
+
+
+def worker(program: Path, rank: int) -> int | None:
+    """The pid of rank `rank` of `program` (this test's run directory's, so ours alone)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(program).encode() in (proc / "cmdline").read_bytes() and \
+                        f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    return int(proc.name)
+            except OSError:
+                pass
+    return None
+
+
+def hung_run(tmp_path: Path, spec: Path, stop_rank: int | None) -> tuple[int, str, float]:
+    """`placer run spec`; once step 2 is done, SIGSTOP rank `stop_rank` (None: none). (exit code,
+    stderr, seconds from the stop, or from step 2, to the exit)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run_dir)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        progress = run_dir / "progress.jsonl"
+        assert wait_until(lambda: progress.exists() and '"step": 2,' in progress.read_text(), 180), "no step 2"
+        if stop_rank is not None:
+            pid = worker(run_dir / "program.py", stop_rank)
+            assert pid, f"rank {stop_rank} is not running"
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if pid and worker(run_dir / "program.py", stop_rank) == pid:  # still ours: never leave it stopped
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("mode", list(HANG_MODES))
+def test_a_stopped_rank_is_named_and_the_run_ends_within_the_timeout(mode, tmp_path, two_cpu_spec):
+    """SIGSTOP rank 1: rank 0 times out after timeout_s, and the one report names rank 1, its
+    step and phase, and what rank 0 waited in. The stopped rank is killed at once: torch
+    elastic's SIGTERM grace alone (30 s) would go past the bound."""
+    spec = two_cpu_spec("hang", SLOW_DATA, steps=100000, timeout_s=TIMEOUT_S, relu=True,
+                        placement=HANG_MODES[mode], training="  prefetch: 0\n")
+    code, err, seconds = hung_run(tmp_path, spec, stop_rank=1)
+    assert code == 1, err
+    assert seconds < TIMEOUT_S + 15, (seconds, err)
+    errors = [line for line in err.splitlines() if "error[" in line]
+    assert len(errors) == 1 and "error[R034]" in errors[0], err
+    assert re.search(r"error\[R034\]: rank 1 \(cpu:1\) stopped answering at step \d+ in [a-z ()]+; "
+                     rf"rank 0 \(cpu\) waited at step \d+ in .+ and timed out after {TIMEOUT_S} s$", errors[0]), err
+    assert "its process was stopped (SIGSTOP or Ctrl-Z: state T) and placer killed it" in err
+    assert errors[0] in (tmp_path / "run" / "run.log").read_text() and "Traceback" not in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_rank_hung_in_its_own_code_is_named_by_its_status(tmp_path, two_cpu_spec):
+    """Rank 1 sleeps inside the data function at step 4 (not stopped): rank 0 times out, and
+    the report names rank 1 as the one whose status did not advance, in its data phase."""
+    spec = two_cpu_spec("hang", SLOW_DATA, steps=100000, timeout_s=TIMEOUT_S, relu=True, placement=HANG_MODES["data"],
+                        training="  prefetch: 0\n", data_kwargs={"stall_rank": 1, "stall_step": 3})
+    code, err, seconds = hung_run(tmp_path, spec, stop_rank=None)
+    assert code == 1, err
+    assert "error[R034]: rank 1 (cpu:1) stopped answering at step 4 in data; rank 0 (cpu) waited at step 4 in " \
+           f"loss and backward (all_reduce over ranks 0, 1) and timed out after {TIMEOUT_S} s" in err, err
+    assert "its status did not advance" in err

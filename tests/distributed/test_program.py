@@ -151,12 +151,15 @@ def test_a_failing_worker_is_named_with_its_error(tmp_path, two_cpu_spec):
 
 
 def test_runtime_timeout_bounds_a_copy_that_waits(tmp_path, two_cpu_spec):
-    """Rank 1 hangs making its batch; rank 0's copy to it gives up after timeout_s (3 s)."""
+    """Rank 1 hangs making its batch; rank 0's copy to it gives up after timeout_s (3 s). The
+    report names rank 1, which stopped answering, not rank 0, which waited (R034)."""
     spec = _failing_spec(two_cpu_spec, fail_rank=1, hang=True)
     r = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 1
-    first = r.stderr.split("error[R020]: ", 1)[1]
-    assert first.startswith("rank 0 (cpu) exited with code 1:") and "Timed out waiting 3000ms" in first
+    assert ("error[R034]: rank 1 (cpu:1) stopped answering at step 2 in data; rank 0 (cpu) waited at step 2 in "
+            "forward (isend to rank 1) and timed out after 3 s") in r.stderr, r.stderr
+    rank0 = next((tmp_path / "run" / "logs").glob("*/attempt_0/0/stderr.log")).read_text()
+    assert "error[R020]" not in r.stderr and "Timed out waiting 3000ms" in rank0
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -133,9 +134,9 @@ def make_batches(seconds=0.4):
 '''
 
 
-def tiny_spec(two_cpu_spec, shard: str) -> Path:
+def tiny_spec(two_cpu_spec, shard: str, timeout_s: int = 30) -> Path:
     group = f'  - {{layers: fc1..head, devices: [cpu, "cpu:1"], parallel: {{mode: data, overlap: true, shard: {shard}}}}}'
-    return two_cpu_spec("tiny_restart", SLOW_DATA, steps=8, timeout_s=30, relu=True, placement=group,
+    return two_cpu_spec("tiny_restart", SLOW_DATA, steps=8, timeout_s=timeout_s, relu=True, placement=group,
                         optimizer="{op: Adam, lr: 0.01}", training="  prefetch: 0\n  checkpoint: {every: 2}\n")
 
 
@@ -153,9 +154,11 @@ def worker(program: Path, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("shard", ["none", "optimizer"])
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, tmp_path, two_cpu_spec):
-    spec = tiny_spec(two_cpu_spec, shard)
+@pytest.mark.parametrize("shard, fault", [("none", "kill"), ("optimizer", "kill"), ("none", "stop")])
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, fault, tmp_path, two_cpu_spec):
+    """`kill`: SIGKILL rank 1. `stop`: SIGSTOP it; rank 0 times out after timeout_s, the report
+    names rank 1, and the stopped process is killed at once so the restart need not wait."""
+    spec = tiny_spec(two_cpu_spec, shard, timeout_s=8 if fault == "stop" else 30)
     whole = tmp_path / "whole"
     r = placer_run(str(spec), "--run-dir", str(whole), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -175,19 +178,93 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, t
             time.sleep(0.1)
         pid = worker(run / "program.py", 1)
         assert pid, "rank 1 is not running"
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        if fault == "stop" and worker(run / "program.py", 1) == pid:  # still ours: never leave it stopped
+            os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, err
     assert "attempt 1 of 2" in out
-    assert "attempt 1 of 2 failed after step " in err and "rank 1 (cpu:1) was killed by SIGKILL" in err
+    said = ("rank 1 (cpu:1) was killed by SIGKILL" if fault == "kill" else
+            "rank 1 (cpu:1) stopped answering at step ")
+    assert "attempt 1 of 2 failed after step " in err and said in err
+    if fault == "stop":
+        assert re.search(r"rank 0 \(cpu\) waited at step \d+ in .* and timed out after 8 s", err), err
+        assert "was killed by SIGKILL" not in err
     assert "restarting: attempt 2 of 2, from the newest complete checkpoint" in err
     assert "resumed from the checkpoint at step " in out and ", 2 attempts)" in out
     log = (run / "run.log").read_text()
-    assert "rank 1 (cpu:1) was killed by SIGKILL" in log and "restarting: attempt 2 of 2" in log
+    assert said in log and "restarting: attempt 2 of 2" in log
     # each attempt's worker output in its own log, named by device
     assert {"cpu.log", "cpu-1.log", "cpu.restart1.log", "cpu-1.restart1.log"} <= {p.name for p in (run / "logs").iterdir()}
     assert_same_run(whole, run)
+
+
+# ---------------------------------------------------------------------------- a kill during a save
+
+BIG = """placer: 1
+name: big_ckpt
+model:
+  layers:
+    - {name: fc1, op: Linear, args: [16, 2048]}
+    - {name: act, op: ReLU}
+    - {name: mid, op: Linear, args: [2048, 2048]}
+    - {name: head, op: Linear, args: [2048, 4]}
+  input: {shape: [B, 16]}
+  target: {shape: [B], dtype: int64, high: 4}
+  loss: CrossEntropyLoss
+devices: [cpu, "cpu:1"]
+placement:
+  - {layers: fc1..head, devices: [cpu, "cpu:1"], parallel: data}
+training:
+  batch_size: 8
+  steps: 6
+  optimizer: {op: Adam, lr: 0.001}
+  checkpoint: {every: 2}
+runtime: {timeout_s: 60}
+"""
+"""4.3 M parameters and Adam's two moments: each rank writes about 52 MB per checkpoint, long
+enough for the test to see the file being written and kill the run then."""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(BIG)
+    whole = tmp_path / "whole"
+    r = placer_run(str(spec), "--run-dir", str(whole), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saving = run / "ckpt" / "step_4"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and not any(saving.glob("rank*.pt.tmp-*")):
+            time.sleep(0.002)
+        assert any(saving.glob("rank*.pt.tmp-*")), "never saw step 4's checkpoint being written"
+        proc.kill()  # the whole run, mid-write: its workers die with it (PR_SET_PDEATHSIG)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while worker(run / "program.py", 0) or worker(run / "program.py", 1):
+        assert time.monotonic() < deadline, "a worker outlived the killed run"
+        time.sleep(0.1)
+    assert not (saving / "COMPLETE").exists() and (run / "ckpt" / "step_2" / "COMPLETE").exists()
+    assert not (run / "metrics.json").exists()
+
+    r = placer_run(str(spec), "--resume", str(run), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from the checkpoint at step 2 of 6" in r.stdout
+    assert_same_run(whole, run)
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step_2", "step_4", "step_6"]
+    assert not list((run / "ckpt").rglob("*.tmp-*"))  # the rewritten step 4 holds whole files only

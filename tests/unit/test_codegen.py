@@ -55,7 +55,7 @@ def test_every_example_spec_generates_a_program(path):
     assert not any(m == "placer" or m.startswith("placer.") for m in imported), imported
     assert {m.split(".")[0] for m in imported} <= {"torch", "argparse", "collections", "contextlib", "functools",
                                                    "importlib", "json", "os", "queue", "shutil", "subprocess",
-                                                   "sys", "threading", "time", "datetime", "typing", "ctypes",
+                                                   "sys", "threading", "time", "datetime", "typing", "ctypes", "mmap",
                                                    "signal", "resource"}
     tops = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
     assert len(tops) == len(set(tops)), "a name is defined twice"

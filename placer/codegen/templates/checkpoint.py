@@ -9,11 +9,14 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=())
     then old checkpoints are rotated (CHECKPOINT_KEEP)."""
     root = os.path.join(out or ".", CHECKPOINT_DIR)
     path = os.path.join(root, f"step_{step + 1}")
+    STATUS.at(step, "checkpoint")
     first_here = int(os.environ.get("LOCAL_RANK", 0)) == 0  # each machine writes its own run directory
-    if first_here:  # a step directory left by an earlier attempt no longer counts while it is rewritten
-        os.makedirs(path, exist_ok=True)
+    if first_here:  # a step directory left by an earlier attempt is rewritten from empty: its COMPLETE
+        # no longer counts, and the temporary files of a save that was killed go
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(path, "COMPLETE"))
+            os.remove(os.path.join(path, "COMPLETE"))  # first: a kill in the rmtree leaves no COMPLETE
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
     dist.barrier()
     state = {
         "step": step + 1,

@@ -162,6 +162,94 @@ def timer(kind):
         TIME[kind] += time.perf_counter() - start
 
 
+# ---------------------------------------------------------------------------- status
+
+
+class RankStatus:
+    """What this rank is doing: its step, its phase (data, forward, backward, sync, checkpoint)
+    and the communication call it is in, kept in OUT/status/rankR for `placer run` (which
+    passes PLACER_LAUNCHER_PID) as one line: pid, rank, step, count of updates, time, phase,
+    call, tab-separated. The file is memory-mapped: an update is a store to memory, not a
+    system call. When a rank times out waiting for a peer, `placer run` reads every rank's
+    line to name the rank that stopped answering and what it was doing."""
+
+    SIZE = 512
+    # blocking calls; the asynchronous ones keep their text until the phase changes, as the
+    # rank waits for them later
+    CALLS = ("send", "recv", "all_reduce", "broadcast", "all_gather", "reduce", "barrier", "all_gather_object",
+             "gather_object", "all_gather_into_tensor", "reduce_scatter_tensor")
+    ASYNC = ("isend", "irecv", "batch_isend_irecv")
+
+    def __init__(self):
+        self.map, self.groups = None, {}
+        self.pid, self.rank, self.step, self.seq, self.phase, self.op = os.getpid(), 0, 0, 0, "setup", ""
+
+    def open(self, out, rank):
+        """Start keeping the status (a no-op object otherwise) and announce every torch.distributed call."""
+        os.makedirs(os.path.join(out, "status"), exist_ok=True)
+        fd = os.open(os.path.join(out, "status", f"rank{rank}"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, self.SIZE)
+            self.map = mmap.mmap(fd, self.SIZE)
+        finally:
+            os.close(fd)
+        self.rank = rank
+        self.write()
+        for name in self.CALLS + self.ASYNC:
+            if hasattr(dist, name) and not hasattr(getattr(dist, name), "announced"):
+                setattr(dist, name, self.announced(getattr(dist, name), name in self.ASYNC))
+        # pipeline stages send as P2POp(dist.isend, ...), which torch accepts only if it is the
+        # module's own isend / irecv: make the announcing ones those
+        dist.distributed_c10d.isend, dist.distributed_c10d.irecv = dist.isend, dist.irecv
+
+    def at(self, step, phase):
+        """Step `step` (counted from 0) enters `phase`."""
+        self.step, self.phase, self.op = step + 1, phase, ""
+        self.write()
+
+    def calling(self, op):
+        self.op = op
+        self.write()
+
+    def write(self):
+        if self.map is not None:
+            self.seq += 1
+            fields = (self.pid, self.rank, self.step, self.seq, time.time(), self.phase, self.op)
+            data = ("\t".join(map(str, fields)) + "\n").encode()[: self.SIZE]
+            self.map[: len(data)] = data
+
+    def announced(self, call, asynchronous):
+        @functools.wraps(call)
+        def wrapper(*args, **kwargs):
+            self.calling(self.describe(call.__name__, args, kwargs))
+            result = call(*args, **kwargs)
+            if not (asynchronous or kwargs.get("async_op")):
+                self.calling("")
+            return result
+
+        wrapper.announced = True
+        return wrapper
+
+    def describe(self, name, args, kwargs):
+        """`send to rank 1`, `all_reduce over ranks 0, 1`: the call and whom it waits for."""
+        if name in ("send", "isend", "recv", "irecv"):
+            peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+            in_group = kwargs.get("group_dst", kwargs.get("group_src"))
+            if peer is None and in_group is not None:  # a rank of `group` (torch's pipeline stages)
+                peer = dist.get_global_rank(kwargs.get("group") or dist.group.WORLD, in_group)
+            return f"{name} {'to' if 'send' in name else 'from'} rank {peer}"
+        if name == "batch_isend_irecv":
+            return ", ".join(f"{'send to' if 'send' in p.op.__name__ else 'recv from'} rank {p.peer}" for p in args[0])
+        group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+        if id(group) not in self.groups:
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            self.groups[id(group)] = ", ".join(map(str, ranks))
+        return f"{name} over ranks {self.groups[id(group)]}"
+
+
+STATUS = RankStatus()
+
+
 class StopRun(Exception):
     """The run cannot go on because of its input, not a bug (a non-finite loss, data that ran
     out): main() says why without a traceback and leaves OUT/stopped.json for `placer run`."""
@@ -206,6 +294,7 @@ class BatchLosses:
             return
         step, total, work, facts = self.pending
         self.pending = None
+        STATUS.calling(f"all_reduce of step {step + 1}'s loss")
         work.wait()
         self.losses.append(finite_loss(total.item(), step))
         if self.rank == 0:
@@ -320,6 +409,7 @@ def write_json(path, value):
 
 def finish(args, rank, world, losses, own, seconds, **facts):
     """Rank 0 gathers what every rank measured and the parameters it owns, and writes them."""
+    STATUS.at(len(losses) - 1, "finish")
     peak, measure = peak_memory()
     stats = {"device": DEVICES[rank], "bytes_sent": sum(SENT.values()), "by_call": dict(SENT),
              # comm: waited for in copies and syncs, plus DDP's all-reduce in flight while backward ran

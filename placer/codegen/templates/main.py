@@ -68,6 +68,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
     if args.reference or "RANK" in os.environ:  # the reference, or a worker started by torchrun
         watch_lr()
+        if not args.reference and args.out and os.environ.get("PLACER_LAUNCHER_PID"):
+            STATUS.open(args.out, int(os.environ["RANK"]))  # placer run reads it when a rank hangs
         try:
             if args.reference:
                 reference(args)
@@ -82,9 +84,15 @@ def main():
             # placer run reads stopped.json; exiting 0 keeps torch elastic from restarting a
             # run that would stop at the same step again
             code = 0 if os.environ.get("PLACER_LAUNCHER_PID") and args.out else 1
+        except Exception:  # its traceback as Python prints it, then out at once (below): in its
+            # shutdown gloo would first wait out the operations still pending with a peer that
+            # stopped answering, timeout_s more
+            sys.excepthook(*sys.exc_info())
+            code = 1
         # Leave without Python's shutdown: gloo's threads may still be freeing the last
         # collective's tensors, and doing that while the interpreter shuts down aborts the
-        # process (SIGABRT, about 1 run in 20 on 2 cores). Everything is written by now.
+        # process (SIGABRT, about 1 run in 20 on 2 cores). Everything is written by now, or
+        # the run failed.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
