@@ -59,6 +59,13 @@ MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2
     "zero": "specs/mlp_data_shard_optimizer.yaml",
     "fsdp": "specs/mlp_data_shard_full.yaml",
     "1f1b": "specs/mlp_pipeline_1f1b.yaml",
+    "layerwise": "specs/mlp_layerwise_direct.yaml",
+    "param_server": "specs/mlp_data_param_server_cpu.yaml",
+    "gpipe_loops": "specs/mlp_pipeline_gpipe_mixed.yaml",
+    "tensor": "specs/mlp_tensor.yaml",
+    "channel": "specs/cnn_channel.yaml",
+    "spatial": "specs/cnn_spatial.yaml",
+    "lockstep": "specs/tinygpt.yaml",
 }
 
 
@@ -154,7 +161,7 @@ def worker(program: Path, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("shard, fault", [("none", "kill"), ("optimizer", "kill"), ("none", "stop")])
+@pytest.mark.parametrize("shard, fault", [("none", "kill"), ("optimizer", "kill"), ("full", "kill"), ("none", "stop")])
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, fault, tmp_path, two_cpu_spec):
     """`kill`: SIGKILL rank 1. `stop`: SIGSTOP it; rank 0 times out after timeout_s, the report
     names rank 1, and the stopped process is killed at once so the restart need not wait."""
