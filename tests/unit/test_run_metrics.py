@@ -86,12 +86,14 @@ def test_each_step_records_its_time_learning_rate_and_memory(tmp_path):
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     ns["BOUND"]["device"] = torch.device("cpu")
-    grown = torch.ones(4 << 20)  # 16 MiB above the RSS the helpers started from
+    # 64 MiB above the RSS the helpers started from: larger than glibc's largest mmap threshold,
+    # so new pages (a smaller tensor may reuse heap that the long test process freed earlier)
+    grown = torch.ones(16 << 20)
     tracker.add(0, torch.tensor(1.0))
     tracker.settle()
     (record,) = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
     assert record["lr"] == 0.25 and record["step_s"] > 0
-    assert record["memory_bytes"] >= grown.numel() * 4
+    assert record["memory_bytes"] >= 0.9 * grown.numel() * 4
     assert ns["peak_memory"]() == (pytest.approx(record["memory_bytes"], rel=0.5), "peak_rss_above_import")
 
 
