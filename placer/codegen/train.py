@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from placer.codegen import ties
 from placer.codegen.segments import Seg
+from placer.codegen.train_options import TrainingOptions
 from placer.modes import MODES, data
 
 
@@ -48,7 +49,7 @@ def ranks_text(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-class TrainWriter:
+class TrainWriter(TrainingOptions):
     steps_all = False
     """Whether the step calls every optimizer of the rank in one loop (torch's pipeline schedules)."""
 
@@ -238,29 +239,6 @@ class TrainWriter:
         if cond:
             c.dedent()
 
-    def norm_share(self, seg: Seg) -> None:
-        """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
-        if self.clip is not None and seg.has_params:
-            self.c(f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})")
-
-    @property
-    def sched_arg(self) -> str:
-        return ", schedulers" if self.scheduled else ""
-
-    def clip_and_step(self) -> None:
-        """With clip_grad_norm: the global norm over every rank's synced gradients, clipped, then
-        every optimizer's step; and with lr_schedule every scheduler's step after its optimizer's."""
-        c = self.c
-        if self.clip is not None:
-            c("", "# the global gradient norm (each parameter counted once, wherever it lives), clipped as",
-              "# torch.nn.utils.clip_grad_norm_ does on one device; then every optimizer steps",
-              'with timer("comm"):',
-              "    grad_norm = clip_global_grad_norm(norm_params, [p for m in modules for p in m.parameters()], "
-              "CLIP_GRAD_NORM)",
-              "for opt in optimizers:", "    opt.step()")
-        if self.scheduled:
-            c("for scheduler in schedulers:  # training.lr_schedule: once per optimizer step", "    scheduler.step()")
-
     def step(self) -> None:
         c, segs = self.c, self.segs
         c('STATUS.at(step, "data")  # what this rank is doing, for placer run\'s report if a rank hangs',
@@ -323,27 +301,6 @@ class TrainWriter:
         c("", "# backward, segments in reverse: each sends its input's gradient back to the previous group")
         for seg in reversed(segs[1:]):
             self.backward(seg)
-
-    @property
-    def syncs_in_backward(self) -> bool:
-        """Whether a segment's gradients are summed during backward (DDP, FSDP2)."""
-        return any(data.uses_ddp(s) or (s.shard == "full" and s.has_params and len(s.ranks) > 1) for s in self.segs)
-
-    def accumulate_step(self) -> None:
-        """training.accumulate: the step's batch in N micro-steps whose gradients add up in
-        .grad (each loss is its rows' share of the whole batch's mean); DDP and FSDP2 sum
-        over their group in the last micro-step's backward only, the other syncs follow it."""
-        c, n = self.c, self.accumulate
-        c("", f"# accumulate: {n} micro-steps of {self.segs[0].in_shape[0]} rows, their gradients added up",
-          f"xs, ys, micro_losses = x.chunk({n}), y.chunk({n}), []", f"for micro in range({n}):").indent()
-        c("x, y = xs[micro], ys[micro]")
-        if self.syncs_in_backward:
-            c(f"with gradient_sync(modules, micro == {n - 1}):  # DDP / FSDP2 sum over their group: on the last").indent()
-        self.forward_backward()
-        if self.syncs_in_backward:
-            c.dedent()
-        c("micro_losses.append(loss)").dedent()
-        c("loss = None if micro_losses[0] is None else sum(micro_losses)  # this rank's share of the batch's loss")
 
     def add_loss(self) -> None:
         """Hand the step's `total` to batch_losses (summed while the next step trains); a

@@ -16,6 +16,7 @@ import copy
 import importlib.util
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -447,3 +448,28 @@ def redistribute_cases(rt, rank, world, cases):
         if (back is None) != (want is None) or (back is not None and not torch.equal(back, want)):
             failures.append(f"backward {src}->{dst} dim {dim} {route}: rank {rank} got {back}")
     return failures
+
+
+# -- `placer run` as a process, and its workers ---------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def placer_run_popen(*args: str, cwd: Path, **kw) -> subprocess.Popen:
+    """`placer run ARGS` started in the background from this checkout, with no torchrun
+    variables of ours leaking into it (tests may run inside a worker's environment)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", *args], cwd=cwd, env=env, **kw)
+
+
+def worker(program: Path, rank: int) -> int | None:
+    """The pid of rank `rank` of `program` (this test's run directory's, so ours alone)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(program).encode() in (proc / "cmdline").read_bytes() and \
+                        f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    return int(proc.name)
+            except OSError:
+                pass
+    return None

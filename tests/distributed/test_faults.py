@@ -12,6 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+try:
+    from . import _harness as h
+except ImportError:  # run as a top-level module
+    import _harness as h
 from click.testing import CliRunner
 
 from placer.cli.main import main
@@ -86,9 +91,8 @@ def test_a_signalled_run_ends_its_workers(tmp_path, two_cpu_spec, sig, code):
     workers itself; the kernel does (PR_SET_PDEATHSIG). No worker outlives the run in any case."""
     spec = tiny_spec(two_cpu_spec, steps=100000)
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run_dir)],
-                            cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    proc = h.placer_run_popen(str(spec), "--run-dir", str(run_dir),
+                              cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 180
         for line in proc.stderr:  # progress goes to stderr: wait for the first step
@@ -142,33 +146,18 @@ HANG_MODES = {  # relu=True: fc1, act, head
 }
 
 
-def worker(program: Path, rank: int) -> int | None:
-    """The pid of rank `rank` of `program` (this test's run directory's, so ours alone)."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if str(program).encode() in (proc / "cmdline").read_bytes() and \
-                        f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                    return int(proc.name)
-            except OSError:
-                pass
-    return None
-
-
 def hung_run(tmp_path: Path, spec: Path, stop_rank: int | None) -> tuple[int, str, float]:
     """`placer run spec`; once step 2 is done, SIGSTOP rank `stop_rank` (None: none). (exit code,
     stderr, seconds from the stop, or from step 2, to the exit)."""
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run_dir)],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = h.placer_run_popen(str(spec), "--run-dir", str(run_dir),
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     pid = None
     try:
         progress = run_dir / "progress.jsonl"
         assert wait_until(lambda: progress.exists() and '"step": 2,' in progress.read_text(), 180), "no step 2"
         if stop_rank is not None:
-            pid = worker(run_dir / "program.py", stop_rank)
+            pid = h.worker(run_dir / "program.py", stop_rank)
             assert pid, f"rank {stop_rank} is not running"
             os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -178,7 +167,7 @@ def hung_run(tmp_path: Path, spec: Path, stop_rank: int | None) -> tuple[int, st
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-        if pid and worker(run_dir / "program.py", stop_rank) == pid:  # still ours: never leave it stopped
+        if pid and h.worker(run_dir / "program.py", stop_rank) == pid:  # still ours: never leave it stopped
             os.kill(pid, signal.SIGKILL)
 
 

@@ -15,6 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+try:
+    from . import _harness as h
+except ImportError:  # run as a top-level module
+    import _harness as h
 import torch
 
 pytestmark = pytest.mark.distributed
@@ -24,10 +29,13 @@ CKPT = ["--set", "training.checkpoint.every=2"]
 
 
 def placer_run(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "placer.cli.main", "run", *args], cwd=cwd or ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = h.placer_run_popen(*args, cwd=cwd or ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -147,19 +155,6 @@ def tiny_spec(two_cpu_spec, shard: str, timeout_s: int = 30) -> Path:
                         optimizer="{op: Adam, lr: 0.01}", training="  prefetch: 0\n  checkpoint: {every: 2}\n")
 
 
-def worker(program: Path, rank: int) -> int | None:
-    """The pid of rank `rank` of `program` (this test's run directory's, so ours alone)."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if str(program).encode() in (proc / "cmdline").read_bytes() and \
-                        f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                    return int(proc.name)
-            except OSError:
-                pass
-    return None
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("shard, fault", [("none", "kill"), ("optimizer", "kill"), ("full", "kill"), ("none", "stop")])
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, fault, tmp_path, two_cpu_spec):
@@ -171,11 +166,8 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, f
     assert r.returncode == 0, r.stderr
 
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run),
-                             "--max-restarts", "1"], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = h.placer_run_popen(str(spec), "--run-dir", str(run), "--max-restarts", "1",
+                              cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180
         progress = run / "progress.jsonl"
@@ -183,7 +175,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, f
                 progress.exists() and any(json.loads(line).get("step", 0) >= 3 for line in progress.read_text()
                                           .splitlines() if line.endswith("}"))):
             time.sleep(0.1)
-        pid = worker(run / "program.py", 1)
+        pid = h.worker(run / "program.py", 1)
         assert pid, "rank 1 is not running"
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         out, err = proc.communicate(timeout=240)
@@ -191,7 +183,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, f
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-        if fault == "stop" and worker(run / "program.py", 1) == pid:  # still ours: never leave it stopped
+        if fault == "stop" and h.worker(run / "program.py", 1) == pid:  # still ours: never leave it stopped
             os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, err
     assert "attempt 1 of 2" in out
@@ -246,10 +238,8 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp
     assert r.returncode == 0, r.stderr
 
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, "-m", "placer.cli.main", "run", str(spec), "--run-dir", str(run)],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = h.placer_run_popen(str(spec), "--run-dir", str(run),
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saving = run / "ckpt" / "step_4"
     try:
         deadline = time.monotonic() + 240
@@ -263,7 +253,7 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp
             proc.kill()
             proc.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while worker(run / "program.py", 0) or worker(run / "program.py", 1):
+    while h.worker(run / "program.py", 0) or h.worker(run / "program.py", 1):
         assert time.monotonic() < deadline, "a worker outlived the killed run"
         time.sleep(0.1)
     assert not (saving / "COMPLETE").exists() and (run / "ckpt" / "step_2" / "COMPLETE").exists()
