@@ -253,6 +253,13 @@ def _expand(op: Op, seg: PlacedSegment, a: Attached, m: int, repeat: int = 1) ->
             out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
             out += _instantiate(sum((a.post_fwd.get(i, []) for i in range(s, e)), []), op, m, "fwd", repeat)
         return out
+    if seg.recompute and op.phase in ("bwd", "bwd_input"):
+        # torch.utils.checkpoint runs the segment's forward again as its backward starts: its
+        # collectives (all-gathers, pair all-reduces, halos) run again, in forward order
+        for s, e in chunks:
+            again = a.pre_fwd.get(s, []) + sum((a.post_fwd.get(i, []) for i in range(s, e)), [])
+            out += [o.with_(phase=op.phase, attrs={**o.attrs, "recompute": True})
+                    for o in _instantiate(again, op, m, "fwd", repeat)]
     for s, e in reversed(chunks):
         out += _instantiate(a.pre_bwd.get(s, []), op, m, op.phase, repeat)
         out.append(op.with_(tensor=layer_range(seg.layers[s:e])))

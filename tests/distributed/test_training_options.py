@@ -130,14 +130,18 @@ def test_accumulation_matches_one_device_and_sends_what_the_plan_says(spec, what
 @pytest.mark.parametrize("spec,sets", [
     ("mlp_group_transitions", ["placement.1.recompute=true", "placement.2.recompute=true"]),  # DDP, one device
     ("mlp_pipeline_1f1b", ["placement.0.recompute=true"]),  # a stage under torch's 1F1B schedule
-], ids=["ddp_and_one_device", "1f1b_stage"])
+    ("mlp_tensor", ["placement.0.recompute=true"]),  # the pair all-reduces run again in backward
+    ("cnn_channel", ["placement.0.recompute=true"]),  # the channel all-gathers too
+    ("cnn_spatial", ["placement.0.recompute=true"]),  # and the halo exchanges
+], ids=["ddp_and_one_device", "1f1b_stage", "tensor", "channel", "spatial"])
 def test_recomputed_segments_match_one_device(spec, sets, tmp_path):
     run = tmp_path / "run"
     run_check(ROOT / "specs" / f"{spec}.yaml", run, *[a for s in sets for a in ("--set", s)])
     program = (run / "program.py").read_text()
     calls, wrapped = program.count("torch.utils.checkpoint.checkpoint("), program.count("= Recomputed(seg")
     assert (wrapped, calls) == ((len(sets), 1) if "pipeline" in spec else (0, len(sets)))
-    assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", json.loads((run / "metrics.json").read_text()))
+    assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", json.loads((run / "metrics.json").read_text()),
+                                    sets)
 
 
 @pytest.mark.parametrize("spec", ["mlp_layerwise_direct", "mlp_group_transitions", "mlp_data_shard_full"])

@@ -127,8 +127,27 @@ def test_recompute_keeps_the_segment_input_and_adds_a_forward():
     assert "recompute" not in format_plan(plain.plan)
 
 
-def test_recompute_of_a_segment_whose_forward_communicates_is_refused():
-    doc = load.load_text(SPEC.replace("PARALLEL", "tensor").replace("EXTRA", "").replace(
-        "parallel: tensor}", "parallel: tensor, recompute: true}"), "<spec>")
+@pytest.mark.parametrize("parallel, words", [
+    ("{mode: data, shard: full}", "FSDP2 gathers the parameters in its forward"),
+    ("{mode: data, sync_batchnorm: true}", "SyncBatchNorm all-reduces statistics"),
+])
+def test_recompute_of_a_segment_that_gathers_or_keeps_statistics_is_refused(parallel, words):
+    doc = load.load_text(SPEC.replace("PARALLEL", parallel).replace("EXTRA", "").replace(
+        f"parallel: {parallel}}}", f"parallel: {parallel}, recompute: true}}"), "<spec>")
     (d,) = [d for d in validate_document(doc)[1] if d.code == "P096"]
-    assert "all-reduces each pair's output" in d.message
+    assert words in d.message
+
+
+@pytest.mark.parametrize("spec", ["mlp_tensor", "cnn_channel", "cnn_spatial"])
+def test_recompute_runs_the_forward_collectives_again_in_backward(spec):
+    """A recomputed segment whose forward communicates: checkpoint runs the forward, and so
+    its all-reduces / all-gathers / halo exchanges, again at the start of its backward."""
+    path = str(ROOT / "specs" / f"{spec}.yaml")
+    plain, again = api.plan(path), api.plan(path, ["placement.0.recompute=true"])
+    fwd = [o for o in plain.plan.unique_ops() if o.segment == 0 and o.phase == "fwd" and o.kind != OpKind.COMPUTE
+           and o.kind not in (OpKind.COPY, OpKind.SPLIT, OpKind.MERGE, OpKind.RESPLIT)]
+    redo = [o for o in again.plan.unique_ops() if o.attrs.get("recompute")]
+    assert fwd and [(o.kind, o.bytes) for o in redo] == [(o.kind, o.bytes) for o in fwd]
+    assert all(o.phase == "bwd" for o in redo)
+    assert len(again.plan.unique_ops()) == len(plain.plan.unique_ops()) + len(fwd)
+    assert parse_plan(format_plan(again.plan)) == again.plan
