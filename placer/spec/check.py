@@ -353,9 +353,6 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                 diags.append(D("P092", f"segment {seg.name!r}: clip_grad_norm needs every gradient before any step, "
                                f"and sync {seg.parallel.sync!r} steps as it syncs", seg.parallel.loc,
                                "use sync allreduce (the default) in this segment, or leave clip_grad_norm out"))
-    if t.precision != "fp32" and spec.pipeline:
-        diags.append(D("P093", f"precision {t.precision!r} with a pipeline is not run by this placer yet",
-                       spec.doc.loc(("training", "precision")), "use precision fp32 (the default) here"))
     for seg in spec.placement:
         if t.precision != "fp32" and MODES[seg.mode].forward_sends_activations and len(seg.devices) > 1:
             diags.append(D("P093", f"segment {seg.name!r}: precision {t.precision!r} in a {seg.mode} segment is not "

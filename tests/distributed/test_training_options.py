@@ -144,8 +144,15 @@ def test_recomputed_segments_match_one_device(spec, sets, tmp_path):
                                     sets)
 
 
-@pytest.mark.parametrize("spec", ["mlp_layerwise_direct", "mlp_group_transitions", "mlp_data_shard_full"])
-def test_bf16_matches_a_bf16_reference_under_the_tolerance_it_states(spec, tmp_path):
+ONE_DEVICE_MIDDLE = ["placement.1.parallel=none", "placement.1.devices=[cuda:2]"]
+
+
+@pytest.mark.parametrize("spec, sets", [
+    ("mlp_layerwise_direct", []), ("mlp_group_transitions", []), ("mlp_data_shard_full", []),
+    ("mlp_pipeline_1f1b", []),  # torch's schedule: the stage modules and the loss wrapped in autocast
+    ("mlp_pipeline_gpipe_mixed", ONE_DEVICE_MIDDLE),  # stages of data degrees 2, 1, 1: placer's micro-batch loops
+], ids=["layerwise", "group_transitions", "fsdp", "1f1b", "gpipe_loops"])
+def test_bf16_matches_a_bf16_reference_under_the_tolerance_it_states(spec, sets, tmp_path):
     """precision bf16: autocast in every segment's forward and the loss, on one device too; the
     check states its looser tolerance. The same reference in float32 differs by more than the
     float32 tolerance, so autocast did take effect."""
@@ -153,9 +160,11 @@ def test_bf16_matches_a_bf16_reference_under_the_tolerance_it_states(spec, tmp_p
     import sys
 
     run = tmp_path / "run"
-    result = run_check(ROOT / "specs" / f"{spec}.yaml", run, "--set", "training.precision=bf16")
+    sets = [*sets, "training.precision=bf16"]
+    result = run_check(ROOT / "specs" / f"{spec}.yaml", run, *[a for s in sets for a in ("--set", s)])
     assert "check: the run against the one-device reference (rtol 0.02, atol 0.002)" in result.output
-    assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", json.loads((run / "metrics.json").read_text()))
+    assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", json.loads((run / "metrics.json").read_text()),
+                                    sets)
     program = (run / "program.py").read_text()
     assert program.count('PRECISION = "bf16"') == 1
     fp32 = run / "program_fp32.py"
@@ -164,4 +173,7 @@ def test_bf16_matches_a_bf16_reference_under_the_tolerance_it_states(spec, tmp_p
                     str(tmp_path / "fp32")], check=True, capture_output=True, timeout=300)
     bf16_losses = json.loads((run / "reference" / "metrics.json").read_text())["losses"]
     fp32_losses = json.loads((tmp_path / "fp32" / "metrics.json").read_text())["losses"]
-    assert any(abs(a - b) > 4e-5 + 1e-5 * abs(b) for a, b in zip(bf16_losses, fp32_losses))  # float32's tolerance
+    bf16_params = torch.load(run / "reference" / "final_params.pt", weights_only=True)
+    fp32_params = torch.load(tmp_path / "fp32" / "final_params.pt", weights_only=True)
+    assert any(abs(a - b) > 4e-5 + 1e-5 * abs(b) for a, b in zip(bf16_losses, fp32_losses)) or any(
+        not torch.allclose(bf16_params[n], fp32_params[n], rtol=1e-5, atol=4e-5) for n in fp32_params)  # float32's

@@ -97,7 +97,6 @@ EXTRA
     ("data", "  accumulate: 2\npipeline: {microbatches: 2, schedule: gpipe}", "P095", "pipeline.microbatches to 2 x 2"),
     ("{mode: data, sync: broadcast}", "  clip_grad_norm: 1.0", "P092", "sync 'broadcast' steps as it syncs"),
     ("data", "  lr_schedule: {op: ReduceLROnPlateau}", "P091", "steps on a validation metric"),
-    ("data", "  precision: bf16\npipeline: {microbatches: 2, schedule: gpipe}", "P093", "with a pipeline is not run"),
     ("tensor", "  precision: bf16", "P093", "its forward sends activations"),
 ])
 def test_training_diagnostics(parallel, extra, code, words):
