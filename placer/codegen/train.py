@@ -65,7 +65,7 @@ class TrainWriter(TrainingOptions):
         self.accumulate = training.accumulate if training is not None else 1
         """training.accumulate: micro-steps per step (not with a pipeline: P095)."""
         self.bf16 = training is not None and training.precision == "bf16"
-        """precision bf16: every segment's forward and the loss under autocast (not in channel / tensor / spatial: P093)."""
+        """precision bf16: every segment's forward and the loss under autocast."""
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches

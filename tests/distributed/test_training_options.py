@@ -151,7 +151,9 @@ ONE_DEVICE_MIDDLE = ["placement.1.parallel=none", "placement.1.devices=[cuda:2]"
     ("mlp_layerwise_direct", []), ("mlp_group_transitions", []), ("mlp_data_shard_full", []),
     ("mlp_pipeline_1f1b", []),  # torch's schedule: the stage modules and the loss wrapped in autocast
     ("mlp_pipeline_gpipe_mixed", ONE_DEVICE_MIDDLE),  # stages of data degrees 2, 1, 1: placer's micro-batch loops
-], ids=["layerwise", "group_transitions", "fsdp", "1f1b", "gpipe_loops"])
+    ("mlp_tensor", []), ("cnn_channel", []), ("cnn_spatial", []),  # collectives in bfloat16 where autocast makes it
+    ("cnn_mixed_modes", []),
+], ids=["layerwise", "group_transitions", "fsdp", "1f1b", "gpipe_loops", "tensor", "channel", "spatial", "mixed"])
 def test_bf16_matches_a_bf16_reference_under_the_tolerance_it_states(spec, sets, tmp_path):
     """precision bf16: autocast in every segment's forward and the loss, on one device too; the
     check states its looser tolerance. The same reference in float32 differs by more than the
