@@ -188,9 +188,9 @@ class Sensitivity:
         nudge = (f"a {self.perturb:g} nudge of the initial weights moves the reference itself by "
                  f"{self.nudged[0]:.2e} in the loss and {self.nudged[1]:.2e} in the parameters")
         if self.drift:
-            return (f"float drift: {nudge}, within {DRIFT}x of the run's gaps; the model amplifies rounding "
-                    "(BatchNorm, many steps, a high learning rate): compare with a looser --rtol/--atol or "
-                    "fewer --steps")
+            return (f"float drift: {nudge}, and the run is off by no more than {DRIFT}x that: the model amplifies "
+                    "rounding (BatchNorm, many steps, a high learning rate); compare with a looser --rtol/--atol "
+                    "or fewer --steps")
         if not all(map(math.isfinite, self.run)):
             return f"not float drift: the run's values are not finite, though {nudge}"
         worst = max(a / b if b else math.inf for a, b, f in zip(self.run, self.nudged, self.failed)

@@ -47,7 +47,7 @@ def test_a_gap_the_nudge_also_makes_is_float_drift(tmp_path):
     assert sens.drift and sens.run[1] == report.max_param_abs
     hint = sensitivity_hint(report, sens, [LLAMA_BOUNDARY])
     assert hint.startswith("float drift: a 1e-07 nudge of the initial weights moves the reference itself by 1.00e-04 "
-                           "in the loss and 4.00e-04 in the parameters, within 100x of the run's gaps")
+                           "in the loss and 4.00e-04 in the parameters, and the run is off by no more than 100x that")
     assert "Dropout" not in hint and "several tensors" not in hint
     assert "nudged vs reference: loss 1.00e-04, parameters 4.00e-04" in "\n".join(sens.lines())
 
