@@ -122,7 +122,8 @@ def check_failure(report) -> str:
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
 @click.option("--check", is_flag=True,
               help="Also train the one-device reference and compare every step's loss, every copy of every final "
-                   "parameter and every first-step gradient.")
+                   "parameter and every first-step gradient. When losses or parameters differ, the reference is "
+                   "trained again from weights nudged by 1e-7, to tell float drift from a bug.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=None,
               help="--check: relative tolerance (default 1e-5; first-step gradients: 10x it, of their own scale).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None, help="--check: absolute tolerance (default 4e-5).")
