@@ -1,6 +1,7 @@
 """`placer run`: generate the program into a run directory and launch it, one worker per device."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import json
@@ -117,23 +118,12 @@ def check_failure(report) -> str:
     return "; ".join(parts)
 
 
-def check_hint(report) -> str:
-    """What to look at: the tied parameter involved, else randomness or numerics."""
-    for name in (report.first_bad_grad, report.first_bad_param):
-        tie = report.tie_of(name)
-        if tie:
-            return (f"{name!r} is a tied parameter ({' = '.join(tie)}): every copy must get the sum of all "
-                    "copies' gradients and take the same step; a copy trained on its own part of the gradient "
-                    "drifts (see RUN_DIR/reference and the table above)")
-    return ("see RUN_DIR/reference and the table above; a layer with randomness (Dropout) or a mode that changes "
-            "numerics cannot match (--rtol/--atol loosen the tolerance)")
-
-
 @click.command("run")
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))
 @click.option("--check", is_flag=True,
               help="Also train the one-device reference and compare every step's loss, every copy of every final "
-                   "parameter and every first-step gradient.")
+                   "parameter and every first-step gradient. When losses or parameters differ, the reference is "
+                   "trained again from weights nudged by 1e-7, to tell float drift from a bug.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=None,
               help="--check: relative tolerance (default 1e-5; first-step gradients: 10x it, of their own scale).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None, help="--check: absolute tolerance (default 4e-5).")
@@ -340,14 +330,19 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
     for line in detail_lines(result.metrics):
         console.say(line, level=DETAIL)
     if check:
+        from placer.launch.check import sensitivity_hint
+
         report = _check(spec, run_dir, binding, args, tolerance)
+        sens = _sensitivity(spec, run_dir, binding, args, report, console)
         outcome["check"] = report.as_dict()
+        if sens is not None:
+            outcome["check"]["sensitivity"] = {**dataclasses.asdict(sens), "drift": sens.drift}
         (run_dir / "check.json").write_text(json.dumps(outcome["check"], indent=2))
-        for line in check_lines(report):
+        for line in check_lines(report) + (sens.lines() if sens else []):
             console.say(line)
         if not report.ok:
             diag = Diagnostic("R021", f"the run does not match the one-device reference: {check_failure(report)}",
-                              Loc(spec.file), check_hint(report))
+                              Loc(spec.file), sensitivity_hint(report, sens, list(program.boundaries)))
             console.say(diag.format(), err=True)
             return outcome
         console.say("check passed: every step's loss, every parameter and every first-step gradient match the "
@@ -380,19 +375,37 @@ def ckpt_of(spec):
     return spec.training.checkpoint
 
 
-def _check(spec, run_dir: Path, binding, args: list[str], tolerance=(None, None)):
-    from placer.launch.check import ATOL, BF16_ATOL, BF16_RTOL, RTOL, compare
-
-    ref_dir = run_dir / "reference"
+def _reference(spec, run_dir: Path, binding, args: list[str], name: str = "reference") -> Path:
+    """Train the one-device reference into RUN_DIR/NAME (its output in NAME.log)."""
+    ref_dir = run_dir / name
     cmd = [sys.executable, str(run_dir / "program.py"), "--reference", "--out", str(ref_dir), *args]
     if binding.simulate:
         cmd.append("--simulate")
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    (run_dir / "reference.log").write_text(proc.stdout + proc.stderr)
+    (run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = "\n".join("    " + line for line in proc.stderr.strip().splitlines()[-8:])
         raise RunError(Diagnostic("R022", f"the one-device reference exited with code {proc.returncode}:\n{tail}",
-                                  Loc(spec.file), f"its whole output is in {run_dir / 'reference.log'}"))
+                                  Loc(spec.file), f"its whole output is in {run_dir / (name + '.log')}"))
+    return ref_dir
+
+
+def _sensitivity(spec, run_dir: Path, binding, args: list[str], report, console):
+    """When the losses or parameters differ: the reference again with its initial weights nudged
+    (RUN_DIR/reference_nudged), to tell float drift from a bug. None when they match."""
+    from placer.launch.check import PERTURB, Sensitivity, compare
+
+    if report.ok or report.problem or (report.first_bad_step is None and report.first_bad_param is None):
+        return None
+    console.say(f"the check failed: training the reference again with its weights nudged by {PERTURB:g}")
+    nudged = _reference(spec, run_dir, binding, [*args, "--perturb", repr(PERTURB)], "reference_nudged")
+    return Sensitivity.of(report, compare(nudged, run_dir / "reference", report.rtol, report.atol))
+
+
+def _check(spec, run_dir: Path, binding, args: list[str], tolerance=(None, None)):
+    from placer.launch.check import ATOL, BF16_ATOL, BF16_RTOL, RTOL, compare
+
+    ref_dir = _reference(spec, run_dir, binding, args)
     rtol, atol = tolerance
     bf16 = spec.training.precision == "bf16"  # the looser tolerance check_lines states
     return compare(run_dir, ref_dir, (BF16_RTOL if bf16 else RTOL) if rtol is None else rtol,

@@ -49,6 +49,8 @@ class Program:
     planned_memory: dict[str, int] = field(default_factory=dict)
     """device -> the plan's estimate of its memory for one step (`placer plan`'s total), which
     `placer run` prints beside what each device measured."""
+    boundaries: tuple[str, ...] = ()
+    """Where several tensors cross between two devices, in words (`run --check`'s hint names them)."""
 
     @property
     def world_size(self) -> int:
@@ -154,7 +156,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     parts += ["# " + "-" * 76 + " communication pieces\n\n" + piece_text, (TEMPLATES / "main.py").read_text(),
               'if __name__ == "__main__":\n    main()']
     text = formatted("\n\n\n".join(p.strip("\n") + "\n" for p in parts), spec)
-    return Program(text, devices, nproc, len(per_node), planned)
+    return Program(text, devices, nproc, len(per_node), planned, tuple(crossings.multi_tensor_boundaries(plan)))
 
 
 SYNC_BATCHNORM = '''

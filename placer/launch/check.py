@@ -11,6 +11,7 @@ would hide it in the parameters.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,3 +133,85 @@ def _compare_grads(report: CheckReport, run_file: Path, ref_file: Path) -> None:
         report.grads.append((name, b.numel(), diff, scale, ok))
         if not ok and report.first_bad_grad is None:
             report.first_bad_grad = name
+
+
+PERTURB = 1e-7
+"""How much `run --check` nudges the reference's initial weights (relative) to see how far float
+rounding alone moves the model: about float32's own rounding (2**-24 ~ 6e-8)."""
+DRIFT = 100
+"""A failing run whose gaps stay within DRIFT times the nudged reference's is float drift; a
+bug (a gradient summed twice, a copy trained on its own) lands orders of magnitude further off
+than one rounding-sized nudge does."""
+
+
+def grad_gap(report: CheckReport) -> float:
+    """The largest first-step gradient difference relative to its gradient's scale."""
+    return max((g[2] / g[3] if g[3] else g[2] for g in report.grads), default=0.0)
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """How far the run is from the reference, beside how far a PERTURB nudge of the initial weights
+    moves the reference: largest loss and parameter differences, and first-step gradient
+    differences relative to their scale."""
+    run: tuple[float, float, float]
+    nudged: tuple[float, float, float]
+    failed: tuple[bool, bool, bool]
+    """Which of the three the check failed on: only those are judged (a loss within tolerance
+    may still differ by a rounding where the nudge moved it by none)."""
+    perturb: float = PERTURB
+
+    @classmethod
+    def of(cls, report: CheckReport, nudged: CheckReport, perturb: float = PERTURB) -> Sensitivity:
+        """From the run's report and the nudged reference's report against the reference."""
+        def gaps(r):  # a nan anywhere is an infinite gap (max() would skip it)
+            return (max((s[3] if math.isfinite(s[3]) else math.inf for s in r.steps), default=0.0),
+                    max((p[2] if math.isfinite(p[2]) else math.inf for p in r.params), default=0.0), grad_gap(r))
+        failed = (report.first_bad_step is not None, report.first_bad_param is not None,
+                  report.first_bad_grad is not None)
+        return cls(gaps(report), gaps(nudged), failed, perturb)
+
+    @property
+    def drift(self) -> bool:
+        """Every gap the check failed on within DRIFT times the nudged reference's: the model
+        amplifies rounding."""
+        return all(a <= DRIFT * b for a, b, f in zip(self.run, self.nudged, self.failed) if f)
+
+    def lines(self) -> list[str]:
+        def row(gaps):
+            return f"loss {gaps[0]:.2e}, parameters {gaps[1]:.2e}, first-step gradients {gaps[2]:.2e} of their scale"
+        return [f"  sensitivity: the reference again, its initial weights nudged by {self.perturb:g} (relative)",
+                f"    run vs reference:    {row(self.run)}",
+                f"    nudged vs reference: {row(self.nudged)}"]
+
+    def verdict(self) -> str:
+        nudge = (f"a {self.perturb:g} nudge of the initial weights moves the reference itself by "
+                 f"{self.nudged[0]:.2e} in the loss and {self.nudged[1]:.2e} in the parameters")
+        if self.drift:
+            return (f"float drift: {nudge}, and the run is off by no more than {DRIFT}x that: the model amplifies "
+                    "rounding (BatchNorm, many steps, a high learning rate); compare with a looser --rtol/--atol "
+                    "or fewer --steps")
+        if not all(map(math.isfinite, self.run)):
+            return f"not float drift: the run's values are not finite, though {nudge}"
+        worst = max(a / b if b else math.inf for a, b, f in zip(self.run, self.nudged, self.failed)
+                    if f and a > DRIFT * b)
+        return (f"not float drift: {nudge}; the run is {worst:.1e} times further off" if math.isfinite(worst) else
+                f"not float drift: {nudge}; the run is off where the nudge moves nothing")
+
+
+def sensitivity_hint(report: CheckReport, sens: Sensitivity | None, boundaries: list[str]) -> str:
+    """What to look at when the check fails: float drift or not (`sens`, when the losses or parameters
+    differ), the tied parameter that differs, the boundaries where several tensors cross."""
+    parts = [sens.verdict()] if sens else []
+    drift = sens is not None and sens.drift
+    bad = next((n for n in (report.first_bad_grad, report.first_bad_param) if report.tie_of(n)), None)
+    if bad:
+        parts.append(f"{bad!r} is a tied parameter ({' = '.join(report.tie_of(bad) or [])}): every copy must get "
+                     "the sum of all copies' gradients and take the same step; a copy trained on its own part drifts")
+    if boundaries and not drift:
+        parts.append("several tensors cross " + "; ".join(boundaries) + ": each must arrive, and its gradient go "
+                     "back, as the plan lists them")
+    if not drift and not bad:
+        parts.append("a layer with randomness (Dropout) or a mode that changes numerics cannot match "
+                     "(--rtol/--atol loosen the tolerance)")
+    return "; ".join(parts) + " (see RUN_DIR/reference and the table above)"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic
 from placer.model.graph import INPUT, OUTPUT, ModelGraph
-from placer.plan.ir import PlacedSegment
+from placer.plan.ir import OpKind, PlacedSegment
 
 ITEMSIZE = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
             "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -88,6 +88,20 @@ def crossings(segments, graph: ModelGraph) -> list[Crossing]:
                                  bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"), info.calls)
                         for d, t in dsts.items()]
     return out
+
+
+def multi_tensor_boundaries(plan) -> list[str]:
+    """Each pair of devices between which a lowered plan moves several tensors forward (a hidden
+    state and rotary cos / sin, a skip connection), in words: where `run --check` points when a
+    run differs."""
+    leaves: dict[tuple[str, str], list[str]] = {}
+    for op in plan.unique_ops():
+        if "from" in op.attrs and op.phase == "fwd" and op.kind != OpKind.RECV:
+            names = leaves.setdefault((op.src[0], op.dst[0]), [])
+            name = f"{op.attrs['of']}[{op.attrs['leaf']}]"
+            if name not in names:
+                names.append(name)
+    return [f"{a} -> {b} ({len(n)} tensors: {', '.join(n)})" for (a, b), n in leaves.items() if len(n) > 1]
 
 
 def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:

@@ -25,6 +25,9 @@ RUNS = [
     ("hf_gpt2", "none", "GPT-2 (Conv1D, ModelOutput) under DDP"),
     ("hf_gpt2", "optimizer", "GPT-2 with ZeRO-1"),
     ("hf_gpt2", "full", "GPT-2 with FSDP2: a unit per transformer.h block"),
+    ("hf_gpt2_tied", "none", "GPT-2 as it ships, lm_head.weight IS wte.weight, under DDP"),
+    ("hf_gpt2_tied", "optimizer", "tied GPT-2 with ZeRO-1"),
+    ("hf_gpt2_tied", "full", "tied GPT-2 with FSDP2: wte and lm_head left to the root unit"),
     ("hf_llama", "none", "Llama (rotary, grouped-query attention) under DDP"),
     ("hf_llama", "optimizer", "Llama with ZeRO-1"),
     ("hf_llama", "full", "Llama with FSDP2: a unit per model.layers block"),
@@ -41,14 +44,20 @@ def plan_payloads(spec: Path, overrides: list[str]) -> dict[str, int]:
 
 @pytest.mark.parametrize("name,shard,what", RUNS, ids=[f"{n}-{s}" if s else n for n, s, _ in RUNS])
 def test_real_model_matches_the_one_device_reference(name, shard, what, tmp_path):
-    spec, run_dir = MODELS / f"{name}.yaml", tmp_path / "run"
+    tied = name.endswith("_tied")  # the same spec, GPT2Config(tie_word_embeddings=True)
+    spec, run_dir = MODELS / f"{name.removesuffix('_tied')}.yaml", tmp_path / "run"
     overrides = ["--set", f"placement.0.parallel.shard={shard}"] if shard else []
+    overrides += ["--set", "model.kwargs.tied=true"] if tied else []
     result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), *overrides])
     assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
     assert "check passed" in result.stdout
     run_p = torch.load(run_dir / "final_params.pt")
     ref_p = torch.load(run_dir / "reference" / "final_params.pt")
     assert set(run_p) == set(ref_p) and len(ref_p) >= 10
+    if tied:  # both names compared, and one value
+        assert json.loads((run_dir / "check.json").read_text())["tied"] == [["transformer.wte.weight",
+                                                                             "lm_head.weight"]]
+        torch.testing.assert_close(run_p["lm_head.weight"], run_p["transformer.wte.weight"], rtol=0, atol=0)
     for key, value in ref_p.items():
         torch.testing.assert_close(run_p[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
     metrics = json.loads((run_dir / "metrics.json").read_text())

@@ -1,17 +1,18 @@
 """Tiny Hugging Face models for placer's tests: configs built here, random init, never a download.
 
 Dropout is off (a placed run must match one device exactly). GPT-2's embeddings are untied
-(`tie_word_embeddings=False`): tied weights across segments are another test's subject.
+unless `tied=True` (`lm_head.weight` IS `transformer.wte.weight`, as GPT-2 ships).
 """
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
-def make_gpt2(vocab: int = 128, d_model: int = 32, n_layers: int = 2, seq: int = 16, n_heads: int = 2):
+def make_gpt2(vocab: int = 128, d_model: int = 32, n_layers: int = 2, seq: int = 16, n_heads: int = 2,
+              tied: bool = False):
     """GPT2LMHeadModel: `transformer.wte`, `transformer.h.0` .., `lm_head`; returns a ModelOutput."""
     cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=d_model, n_layer=n_layers, n_head=n_heads,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
                      bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg)
 

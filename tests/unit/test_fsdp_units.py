@@ -50,3 +50,12 @@ def test_a_wrapper_is_opened_and_a_model_without_containers_shards_its_children(
     assert units_of(mlp) == ["0", "2"]
     blocks = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.ReLU()})
     assert units_of(nn.ModuleDict({"blocks": blocks})) == ["blocks.a"]
+
+
+def test_tied_embeddings_stay_with_the_root():
+    """GPT-2 as it ships: lm_head.weight IS wte.weight. fully_shard refuses one parameter in two
+    units, so neither user gets a unit: the root's fully_shard shards it once."""
+    with torch.device("meta"):
+        gpt2 = make_gpt2(n_layers=2, tied=True)
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    assert units_of(gpt2) == ["transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.ln_f"]

@@ -10,11 +10,11 @@ import torch
 from click.testing import CliRunner
 
 from placer.cli.main import main
-from placer.cli.run_cmd import check_failure, check_hint
+from placer.cli.run_cmd import check_failure
 from placer.codegen.program import generate
 from placer.diagnostics import PlacerError
 from placer.estimate.memory import memory
-from placer.launch.check import compare
+from placer.launch.check import compare, sensitivity_hint
 from placer.model.build import build_graph, deep_check
 from placer.plan.ir import OpKind
 from placer.plan.lower import lower
@@ -163,7 +163,7 @@ def test_check_compares_first_step_gradients_at_any_learning_rate(tmp_path):
     report = compare(tmp_path / "run", tmp_path / "ref")
     assert not report.ok and report.first_bad_param is None and report.first_bad_grad == "wte.weight"
     assert "the gradient of 'wte.weight' at step 1 differs" in check_failure(report)
-    hint = check_hint(report)
+    hint = sensitivity_hint(report, None, [])
     assert "tied parameter (wte.weight = lm_head.weight)" in hint and "Dropout" not in hint
     # relative to its own scale: a gradient off by 1e-6 of its largest element passes
     _outputs(tmp_path / "close", [1.0], ref, {"wte.weight": g_ref * (1 + 1e-6), "lm_head.weight": g_ref})

@@ -10,6 +10,8 @@
 #   SUM reductions (gloo has no PREMUL_SUM, which the factor would otherwise use). Works on
 #   CPU with gloo, no offload policy needed. Parameters are DTensor shards: save with
 #   tensor.unsharded_state_dict (a collective over the group).
+from collections import Counter
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -24,18 +26,28 @@ def zero_optimizer(params, group, optimizer_class, **defaults):
                                    process_group=group, **defaults)
 
 
-def fsdp_units(module, prefix=""):
+def fsdp_units(module):
     """The submodules FSDP2 shards one by one before the whole segment, as torch's recipes do:
     each ModuleList/ModuleDict element (a transformer block), and every other child with
     parameters; a child holding such a container is opened instead (a wrapper's blocks get one
-    unit each). fully_shard refuses a bare ModuleList: it has no forward. (path, module) pairs."""
+    unit each). fully_shard refuses a bare ModuleList: it has no forward. A child sharing a
+    parameter with a module outside it (GPT-2's wte and lm_head) is left to the segment's own
+    unit, which shards the tied parameter once: one FSDP group may manage it. (path, module) pairs."""
+    def uses(m):
+        return Counter(id(p) for _, p in m.named_parameters(remove_duplicate=False))
+    total = uses(module)
+    return [(path, unit) for path, unit in _candidates(module, "")
+            if all(total[i] == n for i, n in uses(unit).items())]
+
+
+def _candidates(module, prefix):
     units = []
     for name, child in module.named_children():
         path = prefix + name
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             units += [(f"{path}.{n}", m) for n, m in child.named_children() if _has_params(m)]
         elif any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in child.modules()):
-            units += fsdp_units(child, path + ".")
+            units += _candidates(child, path + ".")
         elif _has_params(child):
             units.append((path, child))
     return units

@@ -17,6 +17,9 @@ def arguments():
     parser.add_argument("--grads", action="store_true",
                         help="also write OUT/first_grads.pt, every parameter's gradient at the first step "
                              "(placer run --check asks for it)")
+    parser.add_argument("--perturb", type=float, default=0.0, metavar="EPS",
+                        help="--reference: scale every initial weight by (1 + EPS * noise) first, to see how far "
+                             "float rounding alone moves this model (placer run --check asks when it fails)")
     return parser.parse_args()
 
 

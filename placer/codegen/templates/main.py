@@ -9,6 +9,12 @@ def reference(args):
     if device.type == "cpu":  # a worker's share of the cores: sums then add up in the same order
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(DEVICES)))
     model = build_model().to(device)
+    if args.perturb:  # a relative nudge about float32 rounding's size; a tied parameter is nudged once
+        noise = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                scale = 1 + args.perturb * torch.randn(p.shape, generator=noise, dtype=torch.float64)
+                p.copy_(p.double() * scale.to(p.device))
     optimizer = make_optimizer(model.parameters())
     scheduler = make_scheduler(optimizer)  # None without training.lr_schedule
     losses, data = [], batches(args.steps)
