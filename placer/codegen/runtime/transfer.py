@@ -38,10 +38,12 @@ class Posted:
 
 
 def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32,
-                 route="direct", device="cpu"):
+                 route="direct", device="cpu", pending=None):
     """Send this rank's slice `x` (None if not in src_ranks) to the ranks of dst_ranks that
     need it; return this rank's slice for dst_ranks (None if not in dst_ranks), a new
-    tensor on `device`. full_shape is the whole batch's shape, dtype the activation's."""
+    tensor on `device`. full_shape is the whole batch's shape, dtype the activation's.
+    `pending` (a list): a rank that only sends appends its messages there to be waited on
+    later, instead of waiting now (placer's loops in a schedule's order: no send blocks)."""
     rank = dist.get_rank()
     n = full_shape[dim]
     src, dst = even_slices(src_ranks, n), even_slices(dst_ranks, n)
@@ -67,6 +69,9 @@ def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32
                 shape = list(full_shape)
                 shape[dim] = stop - start
                 pieces[start] = posted.recv(shape, dtype, peer, device)
+        if rank not in dst and pending is not None:
+            pending.append(posted)
+            return None
         posted.wait()
         if rank not in dst:
             return None
@@ -74,7 +79,7 @@ def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32
 
 
 def redistribute_grad(grad, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32,
-                      route="direct", device="cpu"):
+                      route="direct", device="cpu", pending=None):
     """Backward of redistribute(x, src_ranks, dst_ranks, ...): the dst ranks send the
     gradient of their slice back; return the gradient of this rank's src slice."""
-    return redistribute(grad, dst_ranks, src_ranks, full_shape, dim, dtype, route, device)
+    return redistribute(grad, dst_ranks, src_ranks, full_shape, dim, dtype, route, device, pending)
