@@ -43,11 +43,12 @@ def emit_order(w: "TrainWriter") -> None:
         f"order = {w.orders!r}.get(rank, '').split()")
 
 
-def head(w: "TrainWriter", what: str) -> None:
+def head(w: "TrainWriter", what: str, sends: bool) -> None:
     m = w.microbatches
-    w.c("", f"# {w.schedule} {what}: this rank's actions in `order`;",
+    w.c("", f"# {w.schedule} {what}, this rank's actions in `order`:",
         "# a send is posted now and waited on at the end of the step, so none holds a rank up",
-        f"xs, ys, saved, sends, mb_losses = x.chunk({m}), y.chunk({m}), {{}}, [], []",
+        f"xs, ys, saved{', sends' if sends else ''}, mb_losses = x.chunk({m}), y.chunk({m}), {{}}, "
+        f"{'[], ' if sends else ''}[]",
         "for action in order:").indent()
     w.c("kind, mb = action[0], int(action[1:])",
         'STATUS.at(step, f"micro-batch {mb} " + ("forward" if kind == "F" else "backward"))')
@@ -62,7 +63,7 @@ def lockstep_step(w: "TrainWriter") -> None:
     """1F1B in lockstep (one segment per rank): F is the whole model's forward on a micro-batch,
     B this rank's backward of it (runtime/lockstep.py `backward_own`)."""
     c, last = w.c, w.segs[-1]
-    head(w, "in lockstep (F: the whole model on a micro-batch; B: this rank's segment's backward of it)")
+    head(w, "in lockstep (F: the whole model's forward of a micro-batch, B: this rank's backward of it)", False)
     c('if kind == "F":').indent()
     c("out = model(xs[mb].to(device))", "loss = None")
     w.when(last.ranks, "loss = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
@@ -79,7 +80,7 @@ def stage_step(w: "TrainWriter") -> None:
     half of the row-wise copy), runs, and posts its output to the next stage (the send half);
     its backward receives the output's gradient, backpropagates, and posts its input's back."""
     c, segs = w.c, w.segs
-    head(w, "on placer's copies (stages of any data degree)")
+    head(w, "on placer's copies (stages of any data degree)", True)
     c('if kind == "F":').indent()
     for seg in segs:
         w.when(seg.ranks, *_forward(w, seg))
