@@ -276,7 +276,8 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
     own = own_loops_blocker(spec) if torch_pipeline_blocker(spec) else None  # placer's loops run the rest
     if own and own[0] is None and len(degrees) > 1:
         diags.append(D("P045", f"stages have different data degrees {sorted(degrees)}; schedule {pl.schedule!r} "
-                       "runs one pipeline per data replica", loc, "give every stage the same number of devices"))
+                       "runs one pipeline per data replica", loc, "give every stage the same number of devices, or use "
+                       "schedule gpipe or 1f1b (placer's own micro-batch loops take any data degrees)"))
     if layout == "single" and n != p:
         diags.append(D("P046", f"schedule {pl.schedule!r} takes one stage per device group, but {n} stages share "
                        f"{p} groups", loc, "use interleaved_1f1b for several stages per device"))
