@@ -23,40 +23,39 @@ if TYPE_CHECKING:
 
 
 def rank_orders(plan: "Plan", devices) -> dict[int, str]:
-    """rank -> its actions in order, as `F0 F1 B0 ...` (kind and micro-batch): each device group
-    runs its stage's order. Only schedules with one stage per group are written this way."""
-    assert plan.schedule and SCHEDULES[plan.schedule].layout == "single", plan.schedule
+    """rank -> its actions in order, as torch writes them (`0F0 0F1 0B0 ...`: stage, kind,
+    micro-batch): each device group runs its stages' order."""
     groups: list[tuple] = []
     for s in plan.segments:
         if s.devices not in groups:
             groups.append(s.devices)
+    assert plan.schedule
     orders = action_orders(plan.schedule, len(groups), len(plan.segments), plan.microbatches)
-    return {devices.index(d): " ".join(f"{a.kind}{a.microbatch}" for a in order)
-            for g, order in enumerate(orders) for d in groups[g]}
+    return {devices.index(d): " ".join(map(str, order)) for g, order in enumerate(orders) for d in groups[g]}
 
 
 def emit_order(w: "TrainWriter") -> None:
     """The constant `order`: this rank's actions."""
     cls = SCHEDULES[w.schedule].torch_class
-    w.c("", "# this rank's forwards (F) and backwards (B) of each micro-batch, in the order",
+    w.c("", "# this rank's actions, stage / F forward, B backward / micro-batch, in the order",
         f"# torch's {cls} runs them (the plan's schedule chart draws the same)",
         f"order = {w.orders!r}.get(rank, '').split()")
 
 
-def head(w: "TrainWriter", what: str, sends: bool) -> None:
+def head(w: "TrainWriter", what: str, sends: bool, *before: str) -> None:
     m = w.microbatches
     w.c("", f"# {w.schedule} {what}, this rank's actions in `order`:",
         "# a send is posted now and waited on at the end of the step, so none holds a rank up",
         f"xs, ys, saved{', sends' if sends else ''}, mb_losses = x.chunk({m}), y.chunk({m}), {{}}, "
-        f"{'[], ' if sends else ''}[]",
+        f"{'[], ' if sends else ''}[]", *before,
         "for action in order:").indent()
-    w.c("kind, mb = action[0], int(action[1:])",
-        'STATUS.at(step, f"micro-batch {mb} " + ("forward" if kind == "F" else "backward"))')
+    w.c('kind = action.strip("0123456789")  # F, B (or I, W: backward for the input, for the weights)',
+        "stage, mb = map(int, action.split(kind))",
+        'STATUS.at(step, f"stage {stage} micro-batch {mb} " + ("forward" if kind == "F" else "backward"))')
 
 
 def tail(w: "TrainWriter", *settle: str) -> None:
-    w.c.dedent()(*settle, "loss = sum(mb_losses) if mb_losses and mb_losses[0] is not None else None  "
-                 "# this rank's share of the batch's loss")
+    w.c.dedent()(*settle, "loss = sum(mb_losses) if mb_losses else None  # this rank's share of the batch's loss")
 
 
 def lockstep_step(w: "TrainWriter") -> None:
@@ -70,25 +69,37 @@ def lockstep_step(w: "TrainWriter") -> None:
     c("saved[mb] = (loss, crossing.take(wait=False))").dedent()
     c("else:").indent()
     c("loss, crossed = saved.pop(mb)", 'with timer("comm"):',
-      "    crossing.backward_own(loss, crossed)  # receives the gradients of what it sent, sends those of what it got",
-      "mb_losses.append(loss)").dedent()
+      "    crossing.backward_own(loss, crossed)  # receives the gradients of what it sent, sends those of what it got")
+    w.when(last.ranks, "mb_losses.append(loss)")
+    c.dedent()
     tail(w, "crossing.settle()  # every send of the step")
 
 
 def stage_step(w: "TrainWriter") -> None:
-    """1F1B over stages of any data degree: each stage's forward receives its input (the receive
-    half of the row-wise copy), runs, and posts its output to the next stage (the send half);
-    its backward receives the output's gradient, backpropagates, and posts its input's back."""
+    """A schedule's order over stages of any data degree: each stage's forward receives its input
+    (the receive half of the row-wise copy), runs, and posts its output to the next stage (the
+    send half); its backward receives the output's gradient, backpropagates, and posts its
+    input's back. Zero-bubble schedules' I runs the whole backward and W nothing: placer does not
+    split a backward in two (the chart draws the split it would have)."""
     c, segs = w.c, w.segs
-    head(w, "on placer's copies (stages of any data degree)", True)
-    c('if kind == "F":').indent()
+    split = any(k in order for order in (w.orders or {}).values() for k in "IW")  # zero bubble's
+    head(w, "on placer's copies (stages of any data degree)", True,
+         *(["turn = {}  # the V's turn: the input gradient of the stage after it, on the same ranks"]
+           if any(not s.moved_in for s in segs[1:]) else []))
     for seg in segs:
-        w.when(seg.ranks, *_forward(w, seg))
-    c.dedent()("else:").indent()
+        c(f'if (stage, kind) == ({seg.k}, "F"):').indent()(*_forward(w, seg)).dedent()
     for seg in segs:
-        w.when(seg.ranks, *_backward(w, seg))
-    c.dedent()
+        c(f'if stage == {seg.k} and kind in ("B", "I"):' if split else
+          f'if (stage, kind) == ({seg.k}, "B"):').indent()(*_backward(w, seg)).dedent()
+    if split:
+        c('# kind "W": nothing; the I before it ran the whole backward')
     tail(w, "for posted in sends:  # every send of the step", "    posted.wait()")
+
+
+def _tag(w: "TrainWriter", seg: "Seg", grad: bool) -> str:
+    """The message tag of segment k's input (or its gradient) for micro-batch `mb`: a rank with
+    several stages exchanges several kinds of message with one peer, each matched by its tag."""
+    return f"{(2 * seg.k + grad) * w.microbatches} + mb"
 
 
 def _copy(w: "TrainWriter", x: str, src: "Seg", dst: "Seg", grad: bool, pending: bool) -> str:
@@ -96,7 +107,7 @@ def _copy(w: "TrainWriter", x: str, src: "Seg", dst: "Seg", grad: bool, pending:
     call = "redistribute_grad" if grad else "redistribute"
     more = ", pending=sends" if pending else ""
     return (f"{call}({x}, {list(src.ranks)}, {list(dst.ranks)}, {list(dst.in_shape)}, {w.dtype_arg(dst)}"
-            f"route={w.route(dst)}, device=device{more})")
+            f"route={w.route(dst)}, device=device{more}, tag={_tag(w, dst, grad)})")
 
 
 def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
@@ -108,33 +119,47 @@ def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
         lines += ["a = None", *w.recompute_note(seg), f"h = {w.call(seg, f'{x}.to(device)')}"]
     else:
         prev = segs[k - 1]
-        lines += [f"# receive: {w.transfer_text(prev.ranks, seg.ranks, seg.in_shape)}", 'with timer("comm"):',
-                  f"    a = {_copy(w, 'None', prev, seg, False, False)}"]
+        if seg.moved_in:
+            lines += [f"# receive: {w.transfer_text(prev.ranks, seg.ranks, seg.in_shape)}", 'with timer("comm"):',
+                      f"    a = {_copy(w, 'None', prev, seg, False, False)}"]
+        else:
+            lines += [f"# segment {k - 1}'s output, on these ranks too: no copy",
+                      f"a = saved[{k - 1}, mb][1].detach()"]
         lines += ["a.requires_grad_()"] if seg.grad_in else []
         lines += [*w.recompute_note(seg), f"h = {w.call(seg, 'a')}"]
     if k < len(segs) - 1:
         nxt = segs[k + 1]
-        lines += [f"# send (waited on at the end of the step): {w.transfer_text(seg.ranks, nxt.ranks, nxt.in_shape)}",
-                  'with timer("comm"):', f"    {_copy(w, 'h', seg, nxt, False, True)}", "loss = None"]
+        if nxt.moved_in:
+            lines += [f"# send (waited on at the end of the step): "
+                      f"{w.transfer_text(seg.ranks, nxt.ranks, nxt.in_shape)}",
+                      'with timer("comm"):', f"    {_copy(w, 'h', seg, nxt, False, True)}"]
+        lines += ["loss = None"]
     else:
         y = "ys[mb]" if len(seg.ranks) == 1 else f"local_slice(ys[mb], {list(seg.ranks)}, rank)"
         lines += ["# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM",
                   f"loss = compute_loss(h, {y}.to(device)) * (h.shape[0] / BATCH_SIZE)"]
-    return lines + ["saved[mb] = (a, h, loss)"]
+    return lines + [f"saved[{k}, mb] = (a, h, loss)"]
 
 
 def _backward(w: "TrainWriter", seg: "Seg") -> list[str]:
     k, segs = seg.k, w.segs
-    lines = [f"# segment {k}'s backward", "a, h, loss = saved.pop(mb)"]
+    lines = [f"# segment {k}'s backward", f"a, h, loss = saved.pop(({k}, mb))"]
     if k == len(segs) - 1:
-        lines += ["loss.backward()"]
+        lines += ["loss.backward()", "mb_losses.append(loss)"]
     elif segs[k + 1].grad_in:
         nxt = segs[k + 1]
-        lines += [f"# receive: {w.transfer_text(nxt.ranks, seg.ranks, nxt.in_shape)} (gradient)",
-                  'with timer("comm"):', f"    d = {_copy(w, 'None', seg, nxt, True, False)}",
-                  "torch.autograd.backward(h, d)"]
+        if nxt.moved_in:
+            lines += [f"# receive: {w.transfer_text(nxt.ranks, seg.ranks, nxt.in_shape)} (gradient)",
+                      'with timer("comm"):', f"    d = {_copy(w, 'None', seg, nxt, True, False)}"]
+        else:
+            lines += [f"d = turn.pop(mb)  # segment {k + 1}'s input gradient, on these ranks too"]
+        lines += ["torch.autograd.backward(h, d)"]
     if k > 0 and seg.grad_in:
         prev = segs[k - 1]
-        lines += [f"# send (waited on at the end of the step): {w.transfer_text(seg.ranks, prev.ranks, seg.in_shape)}"
-                  " (gradient)", 'with timer("comm"):', f"    {_copy(w, 'a.grad', prev, seg, True, True)}"]
-    return lines + ["mb_losses.append(loss)"]
+        if seg.moved_in:
+            lines += [f"# send (waited on at the end of the step): "
+                      f"{w.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)",
+                      'with timer("comm"):', f"    {_copy(w, 'a.grad', prev, seg, True, True)}"]
+        else:
+            lines += ["turn[mb] = a.grad"]
+    return lines

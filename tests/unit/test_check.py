@@ -262,7 +262,7 @@ A, B, C = ["cuda:0"], ["cuda:1"], ["cuda:2"]
     ("gpipe", [A, A], ["P043", "P046"]),
     ("1f1b", [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], []),
     ("1f1b", [["cuda:0", "cuda:1"], C], []),          # placer's own loops run it in 1F1B's order
-    ("interleaved_1f1b", [["cuda:0", "cuda:1"], C, ["cuda:0", "cuda:1"], C], ["P045"]),  # those take one per group
+    ("interleaved_1f1b", [["cuda:0", "cuda:1"], C, ["cuda:0", "cuda:1"], C], []),  # and in any schedule's
     ("gpipe", [["cuda:0", "cuda:1"], C], []),
 ])
 def test_pipeline_layouts(schedule, groups, want):
@@ -360,7 +360,7 @@ def test_report_counts_what_is_not_shown():
 def test_pipeline_stages_torch_schedules_do_not_take_warn_except_where_placers_loops_run_them():
     d = pipe("looped_bfs", [["cuda:0"], ["cuda:1"], ["cuda:0"], ["cuda:1"]])
     d["copies"] = {"route": "via_host"}
-    assert codes(d) == ["W005"]  # placer's loops in a schedule's order take one stage per device group
+    assert codes(d) == []  # placer's loops run it in looped BFS's order
     two = spec_with(devices=["cuda:0", "cuda:1"], pipeline={"microbatches": 2, "schedule": "1f1b"},
                     copies={"route": "via_host"}, placement=segs({"layers": "inp", "device": "cuda:0"},
                                                                  {"layers": "act..head", "device": "cuda:1"}))
