@@ -1,9 +1,11 @@
-"""1F1B as placer's own micro-batch loops (placer/codegen/loops.py), each rank in the order torch's
-Schedule1F1B runs it, for what torch's schedules cannot run:
+"""Pipelines as placer's own micro-batch loops (placer/codegen/loops.py), each rank in the order
+torch's schedule runs it, for what torch's schedules cannot run:
 
-- examples/uneven_1f1b: a 3-stage pipeline whose middle stage is data parallel over 2 ranks (different
-  data degrees), and the same with the middle stage's weights broadcast from its root and every copy
-  via host memory;
+- examples/uneven_1f1b: a 3-stage 1F1B pipeline whose middle stage is data parallel over 2 ranks
+  (different data degrees), and the same with the middle stage's weights broadcast from its root
+  and every copy via host memory;
+- 4 stages alternating one device and a data-parallel pair, under interleaved 1F1B (round-robin)
+  and ZBV zero bubble (a V: the pair holds the two middle stages; I runs the whole backward);
 - Hugging Face GPT-2 (tied wte / lm_head on the two ends) over 3 ranks and Llama (rotary cos / sin
   cross) over 2, in lockstep: F runs the whole model on a micro-batch, B the rank's own backward.
 
@@ -39,14 +41,28 @@ GPT2_3 = """placement:
 devices: [cpu, cpu:1, cpu:2]
 pipeline: {microbatches: 4, schedule: 1f1b}
 training:"""
+ONE, TWO = "device: cpu", "devices: [cpu:1, cpu:2], parallel: data"
+FOUR = """devices: [cpu, cpu:1, cpu:2]
+placement:
+  - {{layers: inp..block.0, {}}}
+  - {{layers: block.1, {}}}
+  - {{layers: block.2, {}}}
+  - {{layers: block.3..head, {}}}
+pipeline: {{microbatches: 4, schedule: {}}}
+training:"""
+ONE_F_ONE_B = "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3"
 RUNS = {  # name: (spec, text replaced in it, the order the first rank runs)
-    "uneven": (EXAMPLE, {}, "F0 F1 F2 B0 F3 B1 B2 B3"),
+    "uneven": (EXAMPLE, {}, ONE_F_ONE_B),
     "uneven-broadcast-via-host": (EXAMPLE, {
         "parallel: data}": "parallel: {mode: data, sync: broadcast}}", "devices:": "copies: {route: via_host}\ndevices:"},
-        "F0 F1 F2 B0 F3 B1 B2 B3"),
-    "gpt2-tied-3-ranks": (MODELS / "hf_gpt2_layerwise.yaml", {"placement:": GPT2_3}, "F0 F1 F2 B0 F3 B1 B2 B3"),
+        ONE_F_ONE_B),
+    "interleaved-uneven": (EXAMPLE, {"placement:": FOUR.format(ONE, TWO, ONE, TWO, "interleaved_1f1b")},
+                           "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"),
+    "zbv-uneven": (EXAMPLE, {"placement:": FOUR.format(ONE, TWO, TWO, ONE, "zbv_zero_bubble")},
+                   "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3"),
+    "gpt2-tied-3-ranks": (MODELS / "hf_gpt2_layerwise.yaml", {"placement:": GPT2_3}, ONE_F_ONE_B),
     "llama": (MODELS / "hf_llama_layerwise.yaml", {"training:": "pipeline: {microbatches: 2, schedule: 1f1b}\n"
-                                                                "training:"}, "F0 F1 B0 B1"),
+                                                                "training:"}, "0F0 0F1 0B0 0B1"),
 }
 
 
@@ -54,8 +70,8 @@ def spec_for(name: str, tmp_path: Path) -> Path:
     base, edits, _ = RUNS[name]
     text = base.read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
     if "placement:" in edits:  # the whole placement block, devices and pipeline with it
-        head, tail = text.split("devices:")
-        text = head + edits["placement:"] + tail.split("training:")[1]
+        head, tail = text.split("\ndevices:", 1)
+        text = head + "\n" + edits["placement:"] + tail.split("\ntraining:", 1)[1]
     else:
         for old, new in edits.items():
             assert old in text, old
