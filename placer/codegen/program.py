@@ -143,8 +143,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         stages_source(spec, segs, cut, lockstep_source(plan, graph, segs, devices) if ls else None),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied, spec.training) if pl else
         train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, ls, spec.training,
-                     *((spec.pipeline.schedule, rank_orders(plan, devices)) if loops and
-                       spec.pipeline.schedule != "gpipe" else ())),
+                     *((plan.schedule, rank_orders(plan, devices)) if loops and plan.schedule != "gpipe" else ())),
         "# " + "=" * 76 + "\n# Below: placer's runtime, the same in every program that uses it\n"
         "# (placer/codegen/templates and placer/codegen/runtime)",
         (TEMPLATES / "helpers.py").read_text(),
