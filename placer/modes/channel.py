@@ -108,9 +108,6 @@ class Channel(Mode):
     module_models = False
     forward_sends_activations = True
 
-    def recompute_blocker(self, p):
-        return "its forward all-gathers the channel slices"
-
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

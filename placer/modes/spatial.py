@@ -111,9 +111,6 @@ class Spatial(Mode):
     module_models = False
     forward_sends_activations = True
 
-    def recompute_blocker(self, p):
-        return "its forward exchanges halo rows"
-
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

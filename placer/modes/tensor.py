@@ -106,9 +106,6 @@ class Tensor(Mode):
     module_models = False
     forward_sends_activations = True
 
-    def recompute_blocker(self, p):
-        return "its forward all-reduces each pair's output"
-
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 
