@@ -93,6 +93,7 @@ def stage_step(w: "TrainWriter") -> None:
           f'if (stage, kind) == ({seg.k}, "B"):').indent()(*_backward(w, seg)).dedent()
     if split:
         c('# kind "W": nothing; the I before it ran the whole backward')
+    c("sends = [p for p in sends if not p.done()]  # let go of what was sent: its buffers hold activations")
     tail(w, "for posted in sends:  # every send of the step", "    posted.wait()")
 
 
@@ -116,7 +117,7 @@ def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
     lines = [f"# segment {k}'s forward"]
     if k == 0:
         x = "xs[mb]" if len(seg.ranks) == 1 else f"local_slice(xs[mb], {list(seg.ranks)}, rank)"
-        lines += ["a = None", *w.recompute_note(seg), f"h = {w.call(seg, f'{x}.to(device)')}"]
+        lines += ["a = None", *_compute(w, seg, f"{x}.to(device)")]
     else:
         prev = segs[k - 1]
         if seg.moved_in:
@@ -126,7 +127,7 @@ def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
             lines += [f"# segment {k - 1}'s output, on these ranks too: no copy",
                       f"a = saved[{k - 1}, mb][1].detach()"]
         lines += ["a.requires_grad_()"] if seg.grad_in else []
-        lines += [*w.recompute_note(seg), f"h = {w.call(seg, 'a')}"]
+        lines += _compute(w, seg, "a")
     if k < len(segs) - 1:
         nxt = segs[k + 1]
         if nxt.moved_in:
@@ -136,9 +137,24 @@ def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
         lines += ["loss = None"]
     else:
         y = "ys[mb]" if len(seg.ranks) == 1 else f"local_slice(ys[mb], {list(seg.ranks)}, rank)"
+        loss = f"loss = compute_loss(h, {y}.to(device)) * (h.shape[0] / BATCH_SIZE)"
         lines += ["# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM",
-                  f"loss = compute_loss(h, {y}.to(device)) * (h.shape[0] / BATCH_SIZE)"]
+                  *([AUTOCAST, f"    {loss}"] if w.bf16 else [loss])]
     return lines + [f"saved[{k}, mb] = (a, h, loss)"]
+
+
+AUTOCAST = "with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16"
+
+
+def _compute(w: "TrainWriter", seg: "Seg", arg: str) -> list[str]:
+    """`h = seg{k}(arg)`; with precision bf16 under autocast, the output cast back to float32 to
+    cross to the next stage, as TrainWriter.forward_line does."""
+    call = w.call(seg, arg)
+    if not w.bf16:
+        return [*w.recompute_note(seg), f"h = {call}"]
+    if seg.k < len(w.segs) - 1 and seg.out_dtype == "float32":
+        call += ".float()"
+    return [*w.recompute_note(seg), AUTOCAST, f"    h = {call}"]
 
 
 def _backward(w: "TrainWriter", seg: "Seg") -> list[str]:

@@ -158,6 +158,7 @@ class Lockstep:
             p = Posted(route)
             p.send(t.grad if t.grad is not None else torch.zeros_like(t), src)
             self.pending.append(p)
+        self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
 
     def settle(self):
         """Wait on every send left pending this step (their peers have received them all by now)."""

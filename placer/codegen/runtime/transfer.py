@@ -36,6 +36,10 @@ class Posted:
         for w in self.works:
             w.wait()
 
+    def done(self):
+        """Whether every message has gone (its buffers may be let go without waiting)."""
+        return all(w.is_completed() for w in self.works)
+
 
 def redistribute(x, src_ranks, dst_ranks, full_shape, dim=0, dtype=torch.float32,
                  route="direct", device="cpu", pending=None, tag=0):
