@@ -64,7 +64,9 @@ def test_each_rank_runs_its_plan_and_chart_order(which, tmp_path):
         gpt2_1f1b(tmp_path) if which == "gpt2" else uneven(tmp_path, which))
     spec = load_spec(str(path))
     order = program_order(generate(spec).text)
-    _, plan, _, timeline = build_and_plan(spec)
+    _, plan, est, timeline = build_and_plan(spec)
+    honest = [n for n in est.notes if "each I runs the whole backward" in n]  # the plan says what the loops do
+    assert len(honest) == (which == "zbv_zero_bubble")
     devices = rank_order(spec.devices)
     for d in plan.devices:
         planned = [f"{o.segment}{KIND[o.phase]}{o.microbatch}" for o in plan.ops[d] if o.kind == OpKind.COMPUTE]
