@@ -1,14 +1,18 @@
-"""Placer's own micro-batch loops in a pipeline schedule's order (1F1B), for what torch's
-schedules cannot run: stages of different data degrees, data stages with another sync, shard
-or sync_batchnorm, copies via host memory, and module models in lockstep.
+"""Placer's own micro-batch loops in a pipeline schedule's order (1F1B, interleaved 1F1B, looped
+BFS, zero bubble, V), for what torch's schedules cannot run: stages of different data degrees,
+data stages with another sync, shard or sync_batchnorm, copies via host memory; and 1F1B for
+module models in lockstep.
 
-Each rank walks its own list of actions (`order`: F = a stage's forward of a micro-batch, B =
-its backward), taken from torch's own generator (`plan.schedules.action_orders`), the order the
-plan's schedule chart draws. A rank blocks only where it needs its neighbours' data (it
-receives before it computes); every send is posted and waited on at the end of the step, so no
-send holds a rank up, and each pair of ranks sends and receives its messages in the same order
-(activations in the forwards' micro-batch order, gradients in the backwards'). Gradients of the
-micro-batches accumulate in the order each rank runs its backwards, as on one device.
+Each rank walks its own list of actions (`order`: `0F0` = stage 0's forward of micro-batch 0, B
+its backward, I / W a zero-bubble split of it), taken from torch's own generator
+(`plan.schedules.action_orders`), the order the plan's schedule chart draws. A rank blocks only
+where it needs its neighbours' data (it receives before it computes); every send is posted and
+waited on at the end of the step (let go earlier once received), so no send holds a rank up.
+Each stage copy's messages carry a tag per boundary, direction and micro-batch, so a rank with
+several stages never takes one message for another; in lockstep (one stage per rank) each pair
+sends and receives in the same order (forwards', then backwards' micro-batch order). Gradients
+of the micro-batches accumulate in the order each rank runs its backwards, as on one device.
+I runs the whole backward and W nothing: placer does not split a backward in two.
 """
 from __future__ import annotations
 
