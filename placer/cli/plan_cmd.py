@@ -6,6 +6,7 @@ docs/plan-json.md and stay stable.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -199,6 +200,7 @@ def build_and_plan(spec, progress=None):
     from placer.model.build import checked_graph
     from placer.plan.lower import lower
     from placer.plan.place import place
+    from placer.spec.check import torch_pipeline_blocker
 
     t0 = time.perf_counter()
     if progress and not spec.model.inline:
@@ -209,6 +211,10 @@ def build_and_plan(spec, progress=None):
                  f"({time.perf_counter() - t0:.1f}s); planning ...")
     plan = lower(place(spec, graph), spec, graph)
     est = estimate(plan, graph, spec.training.optimizer)
+    if spec.pipeline and torch_pipeline_blocker(spec) and any(o.phase == "bwd_weight" for o in plan.unique_ops()):
+        est = dataclasses.replace(est, notes=est.notes + (  # what codegen/loops.py runs, said plainly
+            "placer's own loops run this schedule: each I runs the whole backward and each W nothing "
+            "(the chart and timeline draw torch's split)",))
     return graph, plan, est, _timeline(plan, graph)
 
 

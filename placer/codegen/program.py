@@ -24,6 +24,7 @@ from pathlib import Path
 
 from placer import __version__
 from placer.codegen import preflight, runtime, ties
+from placer.codegen.loops import rank_orders
 from placer.codegen.pipeline import pipeline_train_source
 from placer.codegen.segments import FLOAT_DTYPES, Seg, identifier, program_segments, rank_order, torch_schedules_take
 from placer.codegen.train import Code, TrainWriter, train_source
@@ -106,7 +107,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         preflight.check_optimizer(spec)
         preflight.check_lr_schedule(spec)
     devices = rank_order(spec.devices)
-    ls = crossings.lockstep(spec, plan.segments)  # a module model: runtime/lockstep.py, GPipe as loops
+    ls = crossings.lockstep(spec, plan.segments)  # a module model: runtime/lockstep.py, GPipe / 1F1B as loops
     pl = spec.pipeline if spec.pipeline and not ls and torch_schedules_take(spec) else None  # else: micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     segs = program_segments(plan, spec, graph, loops=bool(loops))
@@ -144,7 +145,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         model_source(spec, graph), data_source(spec),
         stages_source(spec, segs, cut, lockstep_source(plan, graph, segs, devices) if ls else None),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied, spec.training) if pl else
-        train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, ls, spec.training),
+        train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, ls, spec.training,
+                     *((plan.schedule, rank_orders(plan, devices)) if loops and plan.schedule != "gpipe" else ())),
         "# " + "=" * 76 + "\n# Below: placer's runtime, the same in every program that uses it\n"
         "# (placer/codegen/templates and placer/codegen/runtime)",
         (TEMPLATES / "helpers.py").read_text(),

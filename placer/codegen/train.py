@@ -11,11 +11,12 @@ a SUM and the step equals the one-device step on the whole batch.
 Groups hold activations in one of three layouts (`Seg.layout`): slices of a dim (rows of
 a data group, bands of a spatial one), the whole tensor on every rank (channel, tensor),
 or one rank. `relayout` moves between any two. A gpipe pipeline that torch's schedules
-cannot run is this same step inside micro-batch loops (`gpipe_step`).
+cannot run is this same step inside micro-batch loops (`gpipe_step`); a 1f1b one runs
+each rank's actions in the schedule's order (codegen/loops.py).
 """
 from __future__ import annotations
 
-from placer.codegen import ties
+from placer.codegen import loops, ties
 from placer.codegen.segments import Seg
 from placer.codegen.train_options import TrainingOptions
 from placer.modes import MODES, data
@@ -54,7 +55,8 @@ class TrainWriter(TrainingOptions):
     """Whether the step calls every optimizer of the rank in one loop (torch's pipeline schedules)."""
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=(), lockstep: bool = False, training=None):
+                 microbatches: int = 0, tied=(), lockstep: bool = False, training=None, schedule: str = "gpipe",
+                 orders: dict[int, str] | None = None):
         self.segs, self.world, self.devices = segs, world, devices
         self.lockstep = lockstep
         """A module model run in lockstep (runtime/lockstep.py): every rank runs the whole forward."""
@@ -69,7 +71,9 @@ class TrainWriter(TrainingOptions):
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches
-        """> 0: a gpipe pipeline that torch's schedules cannot run, written as micro-batch loops."""
+        """> 0: a pipeline that torch's schedules cannot run, written as micro-batch loops."""
+        self.schedule, self.orders = schedule, orders
+        """Its schedule; other than gpipe, each rank's actions in order (codegen/loops.py)."""
         self.cut, self.checkpoint = cut, checkpoint
         self.zero_args = zero_args
         """`torch.optim.X, lr=...`: the optimizer class and arguments ZeroRedundancyOptimizer wraps."""
@@ -185,6 +189,8 @@ class TrainWriter(TrainingOptions):
             c("schedulers = [make_scheduler(o) for o in optimizers]  # training.lr_schedule, one per optimizer")
         if self.gathered:
             self.owned()
+        if self.orders:
+            loops.emit_order(self)
 
     def owned(self) -> None:
         c = self.c
@@ -249,8 +255,12 @@ class TrainWriter(TrainingOptions):
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        if self.lockstep:
+        if self.lockstep and self.orders:
+            loops.lockstep_step(self)
+        elif self.lockstep:
             self.lockstep_step()
+        elif self.orders:
+            loops.stage_step(self)
         elif self.microbatches:
             self.gpipe_step()
         elif self.accumulate > 1:
@@ -508,9 +518,11 @@ class TrainWriter(TrainingOptions):
 
 
 def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "",
-                 microbatches: int = 0, tied=(), lockstep: bool = False, training=None) -> str:
+                 microbatches: int = 0, tied=(), lockstep: bool = False, training=None, schedule: str = "gpipe",
+                 orders: dict[int, str] | None = None) -> str:
     """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`);
     `lockstep`: one run in lockstep (runtime/lockstep.py); `training`: the spec's training
-    options (lr_schedule, clip_grad_norm, accumulate, precision)."""
+    options (lr_schedule, clip_grad_norm, accumulate, precision); `orders`: each rank's actions
+    of a schedule other than gpipe, run as placer's loops (codegen/loops.py)."""
     return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied,
-                       lockstep, training).write()
+                       lockstep, training, schedule, orders).write()

@@ -1,7 +1,7 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
 A module model (`model.module`) whose segments sit on one device each, without a pipeline or with
-a GPipe one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
+a GPipe or 1F1B one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
 embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
 rotary `cos`/`sin`, a skip connection) crosses to that device, once per device and call. Masks
@@ -53,11 +53,18 @@ class Crossing:
         return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 4) * self.calls
 
 
+LOCKSTEP_SCHEDULES = ("gpipe", "1f1b")
+"""The schedules lockstep runs as placer's micro-batch loops: one stage per rank, each forward
+the whole model's. A rank holding several stages (interleaved, looped, V) would run a part of
+one forward per action, which the model's single forward cannot do: those are cut by
+torch.distributed.pipelining instead."""
+
+
 def lockstep(spec, segments) -> bool:
     """Whether a module model runs in lockstep: several segments, one device each, and no
-    pipeline or a GPipe one (placer's micro-batch loops)."""
+    pipeline or a GPipe or 1F1B one (placer's micro-batch loops)."""
     return (not spec.model.inline and len(segments) > 1 and all(len(s.devices) == 1 for s in segments)
-            and (spec.pipeline is None or spec.pipeline.schedule == "gpipe"))
+            and (spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES))
 
 
 def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
@@ -142,7 +149,7 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                 "output, or the parent's work before it: a mask, rotary, a skip connection); a pipeline schedule or "
                 "a multi-device segment cuts a module model with torch.distributed.pipelining, which passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment, without a pipeline or with schedule gpipe "
-                "(lockstep passes any crossing), or cut where only the hidden state crosses"))
+                "place the module model one device per segment, without a pipeline or with schedule gpipe or "
+                "1f1b (lockstep passes any crossing), or cut where only the hidden state crosses"))
     return out
 

@@ -215,6 +215,22 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
     return None
 
 
+def own_loops_blocker(spec: Spec) -> tuple[int | None, str] | None:
+    """Why placer's own micro-batch loops cannot run the spec's stages in its schedule's order,
+    as torch_pipeline_blocker says it, or None when they can. GPipe's loops run any stages; the
+    other schedules' (codegen/loops.py) take stages that are one device or cut the batch by rows
+    over all their devices (data), so that every copy is a row-wise `redistribute` whose send and
+    receive halves run in different actions."""
+    assert spec.pipeline is not None
+    if spec.pipeline.schedule == "gpipe":
+        return None
+    for k, seg in enumerate(spec.placement):
+        n = len(seg.devices)
+        if n > 1 and MODES[seg.parallel.mode].data_degree(n) != n:
+            return k, f"mode {seg.parallel.mode!r} beside stages of other modes or sizes"
+    return None
+
+
 def _check_pipeline(spec: Spec) -> list[Diagnostic]:
     pl = spec.pipeline
     if not pl:
@@ -253,10 +269,8 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
                 diags.append(D("P044", f"stage {seg.name!r} overlaps the device group {list(g)} of another stage "
                                "without equalling it", seg.loc, "stages that share devices must use the same group"))
                 break
-    degrees = {data_degree(s) for s in stages}
-    if pl.schedule != "gpipe" and len(degrees) > 1:
-        diags.append(D("P045", f"stages have different data degrees {sorted(degrees)}; schedule {pl.schedule!r} "
-                       "runs one pipeline per data replica", loc, "give every stage the same number of devices"))
+    # different data degrees are fine: placer's own loops run them under every schedule (P045 retired)
+    own = own_loops_blocker(spec) if torch_pipeline_blocker(spec) else None
     if layout == "single" and n != p:
         diags.append(D("P046", f"schedule {pl.schedule!r} takes one stage per device group, but {n} stages share "
                        f"{p} groups", loc, "use interleaved_1f1b for several stages per device"))
@@ -275,11 +289,11 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
                                    f"{pl.schedule!r} expects {list(g)} ({shape} order)", seg.loc,
                                    "reorder the device groups of the stages"))
                     break
-    blocker = torch_pipeline_blocker(spec) if pl.schedule != "gpipe" else None
-    if blocker and blocker[0] is not None:  # (different data degrees: P045 above)
-        diags.append(D("W005", f"{blocker[1]} cannot run under schedule {pl.schedule!r}: placer generates it "
-                       "only as gpipe", stages[blocker[0]].loc, "use schedule gpipe, or make every stage one "
-                       "device or data parallel with sync allreduce, copied directly", severity="warning"))
+    if own:
+        diags.append(D("W005", f"{own[1]} cannot run under schedule {pl.schedule!r}: placer generates it "
+                       "only as gpipe", stages[own[0]].loc if own[0] is not None else loc, "use schedule gpipe, "
+                       "or make every stage one device or data parallel (placer's own loops run those under "
+                       "every schedule)", severity="warning"))
     problem = sched.microbatch_problem(m, n, p)
     if problem:
         diags.append(D("P049", f"schedule {pl.schedule!r} needs {problem[0]}", loc, problem[1]))

@@ -261,7 +261,8 @@ A, B, C = ["cuda:0"], ["cuda:1"], ["cuda:2"]
     ("interleaved_1f1b", [A, B, B, A], ["P043", "P048"]),  # only a V may put neighbours together
     ("gpipe", [A, A], ["P043", "P046"]),
     ("1f1b", [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]], []),
-    ("1f1b", [["cuda:0", "cuda:1"], C], ["P045"]),
+    ("1f1b", [["cuda:0", "cuda:1"], C], []),          # placer's own loops run it in 1F1B's order
+    ("interleaved_1f1b", [["cuda:0", "cuda:1"], C, ["cuda:0", "cuda:1"], C], []),  # and in any schedule's
     ("gpipe", [["cuda:0", "cuda:1"], C], []),
 ])
 def test_pipeline_layouts(schedule, groups, want):
@@ -356,13 +357,19 @@ def test_report_counts_what_is_not_shown():
     assert text.splitlines()[-1] == "2 more errors, 1 more warning"
 
 
-def test_pipeline_stages_torch_schedules_do_not_take_warn_except_under_gpipe():
-    d = spec_with(devices=["cuda:0", "cuda:1"], pipeline={"microbatches": 2, "schedule": "1f1b"},
-                  copies={"route": "via_host"}, placement=segs({"layers": "inp", "device": "cuda:0"},
-                                                               {"layers": "act..head", "device": "cuda:1"}))
-    assert codes(d) == ["W005"]
-    d["pipeline"]["schedule"] = "gpipe"  # gpipe runs as micro-batch loops on placer's copies
-    assert codes(d) == []
+def test_pipeline_stages_torch_schedules_do_not_take_warn_except_where_placers_loops_run_them():
+    d = pipe("looped_bfs", [["cuda:0"], ["cuda:1"], ["cuda:0"], ["cuda:1"]])
+    d["copies"] = {"route": "via_host"}
+    assert codes(d) == []  # placer's loops run it in looped BFS's order
+    two = spec_with(devices=["cuda:0", "cuda:1"], pipeline={"microbatches": 2, "schedule": "1f1b"},
+                    copies={"route": "via_host"}, placement=segs({"layers": "inp", "device": "cuda:0"},
+                                                                 {"layers": "act..head", "device": "cuda:1"}))
+    assert codes(two) == []  # 1f1b runs as placer's loops in its order
+    two["pipeline"]["schedule"] = "gpipe"  # gpipe runs as micro-batch loops on placer's copies
+    assert codes(two) == []
+    tensor = pipe("1f1b", [["cuda:0"], ["cuda:1", "cuda:2"]])
+    tensor["placement"][1]["parallel"] = "tensor"  # a tensor stage beside one device: only GPipe's loops
+    assert "W005" in codes(tensor)
 
 
 def test_split_modes_of_a_module_model_warn_that_generate_cannot_write_them():

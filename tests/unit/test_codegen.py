@@ -145,14 +145,21 @@ def test_generate_cli_writes_the_program(tmp_path):
 
 def test_generate_cli_reports_an_unsupported_mode_without_traceback(tmp_path):
     spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text((ROOT / "specs" / "mlp_pipeline_data_stages.yaml").read_text().replace(
-        "parallel: data\n  - name: stage1", "parallel: {mode: data, sync: broadcast}\n  - name: stage1"))
+    text = (ROOT / "specs" / "mlp_pipeline_data_stages.yaml").read_text()
+    spec_file.write_text(text.replace("parallel: data\npipeline", "parallel: channel\npipeline"))
     r = CliRunner().invoke(main, ["validate", str(spec_file)])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 0 and "warning[W005]" in r.output, r.output
     r = CliRunner().invoke(main, ["generate", str(spec_file), "-o", str(tmp_path / "p.py")])
     assert r.exit_code == 1
-    assert "error[G001]" in r.stderr and "sync 'broadcast'" in r.stderr and "Traceback" not in r.output
+    assert "error[G001]" in r.stderr and "mode 'channel'" in r.stderr and "Traceback" not in r.output
     assert not (tmp_path / "p.py").exists()
+    # a data stage that syncs by broadcast: placer's own loops run it in 1F1B's order
+    spec_file.write_text(text.replace("parallel: data\n  - name: stage1", "parallel: {mode: data, sync: broadcast}\n"
+                                      "  - name: stage1"))
+    r = CliRunner().invoke(main, ["generate", str(spec_file), "-o", str(tmp_path / "p.py")])
+    assert r.exit_code == 0, r.output
+    program = (tmp_path / "p.py").read_text()
+    assert "order = {" in program and "make_pipeline_schedule" not in program
 
 
 # what each mode's program calls: the pasted piece that does the mode's communication

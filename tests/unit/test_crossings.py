@@ -108,13 +108,26 @@ def test_a_layer_returning_a_mapping_is_refused(tmp_path):
     assert result.exit_code == 1 and "error[P081]: layer 'pair' (Pair)" in result.output, result.output
 
 
+def looped_llama(schedule: str = "looped_bfs") -> str:
+    """Llama in 4 stages on 2 ranks: a schedule where a rank holds several stages is not run in
+    lockstep (one forward holds them all), so torch.distributed.pipelining cuts it."""
+    text = LLAMA.read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
+    head, tail = text.split("placement:")
+    return head + """placement:
+  - {name: embed, layers: [model.embed_tokens, model.rotary_emb], device: cpu}
+  - {name: first, layers: model.layers.0, device: cpu:1}
+  - {name: back, layers: model.layers.1, device: cpu}
+  - {name: head, layers: [model.norm, lm_head], device: cpu:1}
+pipeline: {microbatches: 2, schedule: %s}
+training:""" % schedule + tail.split("training:")[1]
+
+
 def test_a_pipeline_cut_that_would_pass_several_tensors_is_refused_before_the_workers(tmp_path):
     """torch's schedules cut a module model with torch.distributed.pipelining, which passes one
     tensor into each stage: the workers died there ("takes 3 tensors"); now validate --deep and
     generate name what crosses."""
     path = tmp_path / "spec.yaml"
-    path.write_text(LLAMA.read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py")) +
-                    "pipeline: {microbatches: 2, schedule: 1f1b}\n")
+    path.write_text(looped_llama())
     result = CliRunner().invoke(main, ["validate", str(path), "--deep"])
     assert result.exit_code == 1 and "error[P083]: segment 'back' reads tensors made in earlier segments at " \
         "model.layers.0, model.rotary_emb" in result.output, result.output
@@ -137,18 +150,26 @@ def test_the_diagram_draws_each_crossing_tensor_from_the_layer_that_makes_it():
 
 def test_gpt2s_mask_made_before_the_cut_is_seen_under_a_pipeline(tmp_path):
     """GPT2Model builds its causal mask in its own forward (glue, before wpe runs) and hands it to
-    every block: cut by torch.distributed.pipelining for torch's 1F1B, the back stage would take the
-    mask too; GPipe runs in lockstep, where each rank builds the mask."""
+    every block: cut by torch.distributed.pipelining for a V schedule (a rank holds two stages),
+    the second stage would take the mask too; GPipe and 1F1B run in lockstep, where each rank
+    builds the mask."""
     graph = build_graph(load_spec(str(MODELS / "hf_gpt2_layerwise.yaml")))
     assert graph.layer("transformer.h.1").homes == ("transformer.h.0", "transformer.wpe")
     path = tmp_path / "spec.yaml"
-    path.write_text((MODELS / "hf_gpt2_layerwise.yaml").read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
-                    + "pipeline: {microbatches: 2, schedule: 1f1b}\n")
+    text = (MODELS / "hf_gpt2_layerwise.yaml").read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
+    for schedule in ("gpipe", "1f1b"):  # placer's loops run it in lockstep
+        path.write_text(text + f"pipeline: {{microbatches: 2, schedule: {schedule}}}\n")
+        assert not [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
+    head, tail = text.split("placement:")
+    path.write_text(head + """placement:
+  - {name: front, layers: [transformer.wte..transformer.h.0], device: cpu}
+  - {name: back, layers: transformer.h.1, device: cpu:1}
+  - {name: norm, layers: transformer.ln_f, device: cpu:1}
+  - {name: head, layers: lm_head, device: cpu}
+pipeline: {microbatches: 2, schedule: zbv_zero_bubble}
+training:""" + tail.split("training:")[1])
     diags = [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
     assert [d.code for d in diags] == ["P083"]
-    gpipe = path.read_text().replace("1f1b", "gpipe")  # placer's GPipe loops run it in lockstep
-    path.write_text(gpipe)
-    assert not [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
     assert "at transformer.h.0, transformer.wpe" in diags[0].message and "transformer.h.0's output" in diags[0].message
 
 

@@ -54,6 +54,7 @@ class Lockstep:
             else:  # an instance attribute: nn.Module.__call__ calls it instead of the class's forward
                 module.forward = self._stand_in(name)
         self.sent, self.received, self.posted = [], [], []
+        self.pending = []  # 1F1B: sends waited on at the end of the step (settle), so none blocks a rank
         self.rows = batch
         model.register_forward_pre_hook(self._rows)
 
@@ -99,10 +100,11 @@ class Lockstep:
             return out[0] if kind == "tensor" else tuple(out) if kind == "tuple" else out
         return forward
 
-    def take(self):
-        """What this forward sent and received (its sends waited on), for its backward."""
+    def take(self, wait=True):
+        """What this forward sent and received (its sends waited on, or with wait=False left for
+        settle), for its backward."""
         for posted in self.posted:
-            posted.wait()
+            posted.wait() if wait else self.pending.append(posted)
         crossed = (self.sent, self.received)
         self.sent, self.received, self.posted = [], [], []
         return crossed
@@ -133,3 +135,33 @@ class Lockstep:
             roots = list(grads.values()) + ([(loss, None)] if k == len(self.segments) - 1 and loss is not None else [])
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=True)
+
+    def backward_own(self, loss, crossed):
+        """1F1B, one segment per rank: this rank's backward of one forward (`crossed`, from take)
+        alone. It receives the gradients of what it sent (summed per tensor), backpropagates from
+        them and the loss, and posts the gradients of what it received to their makers without
+        waiting (settle waits): a send never holds up this rank's next action."""
+        sent, received = crossed
+        posted, pairs = [], []
+        for name, t, dst, route in sent:
+            posted.append(Posted(route))
+            pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device)))
+        for p in posted:
+            p.wait()
+        grads = {}  # one gradient per tensor: the sum over the ranks that read it
+        for t, g in pairs:
+            grads[id(t)] = (t, grads[id(t)][1] + g.to(self.device) if id(t) in grads else g.to(self.device))
+        roots = list(grads.values()) + ([(loss, None)] if loss is not None else [])
+        if roots:
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+        for name, t, src, route in received:
+            p = Posted(route)
+            p.send(t.grad if t.grad is not None else torch.zeros_like(t), src)
+            self.pending.append(p)
+        self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
+
+    def settle(self):
+        """Wait on every send left pending this step (their peers have received them all by now)."""
+        for posted in self.pending:
+            posted.wait()
+        self.pending = []
