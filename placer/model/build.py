@@ -33,6 +33,8 @@ from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
 from placer.model.deferred import defer_compile_imports
 from placer.model.graph import OUTPUT, LayerInfo, ModelGraph, RootParam, Tie
 from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
+from placer.modes import MODES
+from placer.modes.tensor import HEAD_ATTRS
 from placer.plan import crossings, ties
 from placer.plan.ir import PlacedSegment
 from placer.spec import check
@@ -303,6 +305,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
             shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()), out_leaves=t.out_leaves,
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
+            **({} if spec.model.inline else _projections(m)),
         ))
     roots = tuple(
         RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,
@@ -319,6 +322,22 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         output_dtype=dtype_name(out.dtype) if out is not None else None, root_params=roots,
         ties=find_ties(module, names),
     )
+
+
+def _projections(layer: nn.Module) -> dict:
+    """LayerInfo's `projections` and `heads` of a module model's layer (tensor's inputs)."""
+    proj, heads = [], []
+    for path, m in layer.named_modules():
+        if path and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
+            # transformers' Conv1D keeps its weight as [in, out] (nx, nf)
+            n_in, n_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.nx, m.nf)
+            proj.append((path, type(m).__name__, n_in, n_out, m.bias is not None))
+        for holder, prefix in ((m, ""), (getattr(m, "config", None), "config.")):
+            for attr in HEAD_ATTRS:
+                value = getattr(holder, attr, None) if holder is not None else None
+                if isinstance(value, int) and not isinstance(value, bool):
+                    heads.append((path, prefix + attr, value))
+    return {"projections": tuple(proj), "heads": tuple(heads)}
 
 
 def model_output(spec: Spec, output):
@@ -494,7 +513,15 @@ def _check_module_modes(spec: Spec, module: nn.Module, graph: ModelGraph, groups
         op = cls.__name__ if cls.__module__.startswith("torch.nn") else f"user class {cls.__name__}"
         layers.append(Layer(name=info.name, op=op, loc=locs.get(i, spec.model.loc)))
     as_inline = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=tuple(layers)))
-    return check.check_layer_kinds(as_inline, groups)
+    diags, own = [], set()  # modes with rules of their own on module models (tensor's blocks)
+    for seg, idx in zip(spec.placement, groups):
+        if len(seg.devices) > 1:
+            found = MODES[seg.parallel.mode].check_module(seg, [graph.layers[i] for i in idx],
+                                                          [layers[i].loc for i in idx], len(seg.devices))
+            if found is not None:
+                diags += found
+                own.add(seg.index)
+    return diags + check.check_layer_kinds(as_inline, groups, skip=own)
 
 
 def _selects(text: str, names: list[str], i: int) -> bool:

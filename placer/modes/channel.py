@@ -105,8 +105,10 @@ def out_axis(layers, graph) -> int:
 class Channel(Mode):
     name = "channel"
     whole_on_each = True
-    module_models = False
     forward_sends_activations = True
+
+    def module_model_blocker(self, spec, seg):
+        return "on any segment"
 
     def recompute_blocker(self, p):
         return "its forward all-gathers the channel slices"
