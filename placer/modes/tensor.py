@@ -87,26 +87,24 @@ def groups(projections) -> list[tuple[tuple[str, ...], str]]:
 
 def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
     """A module model's tensor segment (LayerInfos, each one's spec loc): P084 for a Linear-like
-    layer tensor cannot split (transformers' Conv1D), P028 for a Linear without a partner or a
+    module tensor cannot split (transformers' Conv1D), P028 for a Linear without a partner or a
     segment with no block to split, P085 for features or heads the degree does not divide."""
-    out = []
     for l, loc in zip(info, locs):
-        for path, cls, *_ in l.projections:
-            if cls != "Linear":
-                out.append(Diagnostic("P084", f"segment {seg.name!r}: layer {l.name!r} holds {cls} {path!r}, a Linear "
-                                      "with a transposed weight [in, out] whose fused q/k/v output a column split would "
-                                      "cut across q, k and v: tensor parallel cannot split it", loc,
-                                      "place this layer in a segment with mode data or none (GPT-2's Conv1D: c_attn, "
-                                      "c_proj, c_fc)"))
-        if out:
-            continue
+        other = [(path, cls) for path, cls, *_ in l.projections if cls != "Linear"]
+        if other:  # one is enough: every block of such a model holds them
+            (path, cls), more = other[0], [p for p, _ in other[1:]]
+            return [Diagnostic("P084", f"segment {seg.name!r}: layer {l.name!r} holds {cls} {path!r}"
+                               f"{f' (and {len(more)} more)' if more else ''}, not a torch.nn.Linear: tensor parallel "
+                               "splits Linears only (transformers' Conv1D keeps its weight transposed, [in, out], and "
+                               "GPT-2's c_attn fuses q, k and v in one output, which a column split would cut across "
+                               "q, k and v)", loc, "use mode data (or shard: full) for this segment")]
+    for l, loc in zip(info, locs):  # the first refusal is enough: the other blocks are alike
         paired = {p for cols, row in groups(l.projections) for p in (*cols, row)}
         lone = [p for p, *_ in l.projections if p not in paired]
         if lone:
-            out.append(Diagnostic("P028", f"segment {seg.name!r}: Linear {l.name}.{lone[0]} has no partner in its "
-                                  "module (tensor parallel splits a module's Linears as column halves, then its "
-                                  "last as the row half)", loc, "place this layer in a segment with mode data or none"))
-            continue
+            return [Diagnostic("P028", f"segment {seg.name!r}: Linear {l.name}.{lone[0]} has no partner in its "
+                               "module (tensor parallel splits a module's Linears as column halves, then its "
+                               "last as the row half)", loc, "place this layer in a segment with mode data or none")]
         sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
         for cols, row in groups(l.projections):
             parent = row.rpartition(".")[0]
@@ -116,16 +114,15 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
             bad = [(what, v) for what, v in bad if v % degree]
             if bad:
                 what, v = bad[0]
-                out.append(Diagnostic("P085", f"segment {seg.name!r}: layer {l.name!r}: {what} is {v}, not divisible "
-                                      f"by the {degree} devices of tensor parallel (each runs 1/{degree} of the "
-                                      "heads and features)", loc,
-                                      f"use a number of devices that divides {v}, or a model whose heads divide"))
-                break
-    if not out and not any(groups(l.projections) for l in info):
-        out.append(Diagnostic("P028", f"segment {seg.name!r}: tensor parallel found no transformer block to split "
-                              "(a module holding Linears: q, k, v then the output; up, gate then down)",
-                              locs[0] if locs else seg.loc, "place the blocks in this segment, or use mode data"))
-    return out
+                return [Diagnostic("P085", f"segment {seg.name!r}: layer {l.name!r}: {what} is {v}, not divisible "
+                                   f"by the {degree} devices of tensor parallel (each runs 1/{degree} of the "
+                                   "heads and features)", loc,
+                                   f"use a number of devices that divides {v}, or a model whose heads divide")]
+    if not any(groups(l.projections) for l in info):
+        return [Diagnostic("P028", f"segment {seg.name!r}: tensor parallel found no transformer block to split "
+                           "(a module holding Linears: q, k, v then the output; up, gate then down)",
+                           locs[0] if locs else seg.loc, "place the blocks in this segment, or use mode data")]
+    return []
 
 
 def module_collectives(a: Attached, info, grads: Sequence[bool], op) -> None:

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from placer.cli.main import main
 from placer.diagnostics import SpecError
 from placer.model import build
+from placer.modes import tensor
 from placer.spec import check, load
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "specs")
@@ -148,12 +149,82 @@ def test_sibling_import_and_package_ref(tmp_path):
     assert d.code == "M001"
 
 
-def test_mode_rules_apply_to_module_layers(tmp_path):
+def test_a_split_mode_the_program_cannot_run_on_a_module_model_is_an_error(tmp_path):
+    """Plain validate's W007 becomes P086 once the model is built: plan --deep must not show it."""
     text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
                        "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
     path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
     (d,) = deep(path)[1]
-    assert d.code == "P028" and "'xxL'" in d.message and d.loc.line == line_of(path, "parallel: tensor")
+    assert d.code == "P086" and "beside other segments" in d.message and d.loc.line == line_of(path, "parallel: tensor")
+
+
+WHOLE_TENSOR = "  - {layers: [embed, blocks.*, ln_f, lm_head], devices: [cuda:0, cuda:1], parallel: tensor}\n"
+
+LONE = """from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.lm_head = nn.Linear(16, 64)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+"""
+
+
+def whole_tensor(text: str) -> str:
+    head, _, _ = text.partition("placement:\n")
+    return head + "placement:\n" + WHOLE_TENSOR + "training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}\n"
+
+
+def test_tensor_splits_each_block_of_a_module_model(tmp_path):
+    path = write(tmp_path, whole_tensor(GPT))
+    assert deep(path)[1] == []
+    spec = check.load_spec(path)
+    graph = build.build_graph(spec)
+    assert [g for l in graph.layers for g in tensor.groups(l.projections)] == [
+        (("attn.q", "attn.k", "attn.v"), "attn.proj"), (("mlp.fc",), "mlp.proj")] * 2
+    assert ("attn", "n_heads", 2) in graph.layer("blocks.0").heads
+
+
+def test_tensor_refuses_a_lone_linear_in_a_block(tmp_path):
+    path = write(tmp_path, whole_tensor(GPT).replace("tinygpt.py:TinyGPT", "lone.py:Net")
+                 .replace("  kwargs: {vocab: 64, d_model: 16, n_layers: 2, seq: 8, n_heads: 2}\n", "")
+                 .replace("blocks.*, ln_f, lm_head", "blocks.*, lm_head"), **{"lone.py": LONE})
+    (d,) = deep(path)[1]
+    assert d.code == "P028" and "Linear blocks.0.fc has no partner" in d.message
+    assert d.loc.line == line_of(path, "parallel: tensor")
+
+
+def test_tensor_refuses_gpt2_conv1d():
+    """transformers' Conv1D (GPT-2's c_attn: q, k, v fused, weight [in, out]) is named, with why."""
+    hf = os.path.join(os.path.dirname(__file__), "..", "models", "hf_gpt2.yaml")
+    r = CliRunner().invoke(main, ["validate", "--deep", hf, "--set", "placement.0.parallel=tensor"])
+    assert r.exit_code == 1 and r.output.count("error[") == 1, r.output
+    assert "error[P084]: segment 'all': layer 'transformer.h.0' holds Conv1D 'attn.c_attn' (and 3 more)" in r.output
+    assert "fuses q, k and v" in r.output
+
+
+def test_tensor_refuses_heads_the_degree_does_not_divide(tmp_path):
+    path = write(tmp_path, whole_tensor(GPT).replace("n_heads: 2", "n_heads: 1"))
+    (d,) = deep(path)[1]
+    assert d.code == "P085" and "n_heads of blocks.0.attn is 1" in d.message and "2 devices" in d.message
 
 
 def test_inline_name_clash(tmp_path):
@@ -207,8 +278,8 @@ def test_plan_and_generate_refuse_what_validate_deep_refuses(tmp_path, command):
                        "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
     path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
     validated = CliRunner().invoke(main, ["validate", "--deep", path])
-    assert validated.exit_code == 1 and "error[P028]" in validated.output
+    assert validated.exit_code == 1 and "error[P086]" in validated.output
     out = CliRunner().invoke(main, [c.format(tmp=tmp_path) for c in command] + [path])
     assert out.exit_code == 1, out.output
-    assert f"{path}:{line_of(path, 'parallel: tensor')}" in out.output and "error[P028]" in out.output
+    assert f"{path}:{line_of(path, 'parallel: tensor')}" in out.output and "error[P086]" in out.output
     assert "plan g:" not in out.output and not (tmp_path / "program.py").exists()
