@@ -40,3 +40,16 @@ def test_the_program_splits_exactly_the_planned_groups(tmp_path):
     program = out.read_text().replace(" ", "").replace("\n", "")
     assert ('tensor_parallelize_blocks(stage,g0,[("blocks.0.attn.q+blocks.0.attn.k+blocks.0.attn.v",'
             '"blocks.0.attn.proj"),("blocks.0.mlp.fc","blocks.0.mlp.proj")') in program
+
+
+def test_the_program_divides_the_head_counts_the_check_reads():
+    """The runtime piece (stdlib and torch only) repeats the mode's list: held equal here."""
+    import ast
+
+    from placer.codegen import runtime
+    from placer.modes import tensor
+
+    source = open(os.path.join(os.path.dirname(runtime.__file__), "tensor.py")).read()
+    found = next(ast.literal_eval(n.value) for n in ast.parse(source).body
+                 if isinstance(n, ast.Assign) and n.targets[0].id == "HEAD_ATTRS")
+    assert found == tensor.HEAD_ATTRS
