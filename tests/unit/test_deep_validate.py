@@ -283,3 +283,36 @@ def test_plan_and_generate_refuse_what_validate_deep_refuses(tmp_path, command):
     assert out.exit_code == 1, out.output
     assert f"{path}:{line_of(path, 'parallel: tensor')}" in out.output and "error[P086]" in out.output
     assert "plan g:" not in out.output and not (tmp_path / "program.py").exists()
+
+
+RESNET_STEM = """placer: 1
+name: resnet_stem
+model:
+  module: ../../models/resnet_tv.py:ResNet18
+  input: {shape: [B, 3, 32, 32]}
+  target: {shape: [B], dtype: int64, high: 10}
+  loss: CrossEntropyLoss
+devices: [cpu, cpu:1, cpu:2]
+placement:
+  - {name: stem, layers: [conv1, bn1, relu, maxpool], devices: [cpu, cpu:1], parallel: MODE}
+  - {name: body, layers: [layer1, layer2, layer3, layer4, avgpool, fc], device: cpu:2}
+training: {batch_size: 4, steps: 2, optimizer: {op: SGD, lr: 0.1}, seed: 0}
+"""
+
+
+@pytest.mark.parametrize("mode", ["channel", "spatial"])
+def test_channel_and_spatial_of_a_resnet_stem_are_refused_before_a_plan(tmp_path, mode):
+    """Not generated yet for module models: validate --deep and plan --deep say so (P086), once."""
+    spec = tmp_path / "a" / "b" / "spec.yaml"
+    spec.parent.mkdir(parents=True)
+    (tmp_path / "models").mkdir()
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "models", "resnet_tv.py"), tmp_path / "models")
+    spec.write_text(RESNET_STEM.replace("MODE", mode))
+    r = CliRunner().invoke(main, ["validate", "--deep", str(spec)])
+    assert r.exit_code == 1 and r.output.count("error[P086]") == 1 and "W007" not in r.output, r.output
+    assert f"mode {mode!r} of a module model on any segment" in r.output
+    assert f"{spec}:{line_of(str(spec), 'name: stem')}" in r.output
+    planned = CliRunner().invoke(main, ["plan", "--deep", str(spec)])
+    assert planned.exit_code == 1 and "error[P086]" in planned.output and "plan resnet_stem" not in planned.output
+    fine = CliRunner().invoke(main, ["validate", "--deep", str(spec), "--set", "placement.0.parallel=data"])
+    assert fine.exit_code == 0, fine.output  # the torchvision layout's names place as print(model) shows them
