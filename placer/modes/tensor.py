@@ -192,7 +192,8 @@ def emit_stage(k: int, pairs) -> list[str]:
 
 def emit_blocks(k: int, pairs) -> list[str]:
     """A module model's segment k: each block's groups split over g{k} by their module paths."""
-    return [f"tensor_parallelize_blocks(stage, g{k}, {list(pairs)!r}, device.type)  # (column halves, row half)",
+    split = [(tuple(cols.split("+")), row) for cols, row in pairs]
+    return [f"tensor_parallelize_blocks(stage, g{k}, {split!r}, device.type)  # ((column halves), row half)",
             f"seg{k} = stage"]
 
 
@@ -242,6 +243,9 @@ class Tensor(Mode):
                 for l in info]
 
     def describe(self, seg, devices):
+        if seg.blocks:
+            return (f"tensor parallel over {len(seg.ranks)} ranks: in each block, q/k/v and up/gate split by columns "
+                    "(heads), the output and down projections by rows; other layers whole")
         return f"tensor parallel, Linear pairs split by columns then rows over {len(seg.ranks)} ranks"
 
     def runtime(self, seg, torch_pipeline):

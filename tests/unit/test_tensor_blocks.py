@@ -38,8 +38,8 @@ def test_the_program_splits_exactly_the_planned_groups(tmp_path):
     out = tmp_path / "program.py"
     api.generate(SPEC, out)
     program = out.read_text().replace(" ", "").replace("\n", "")
-    assert ('tensor_parallelize_blocks(stage,g0,[("blocks.0.attn.q+blocks.0.attn.k+blocks.0.attn.v",'
-            '"blocks.0.attn.proj"),("blocks.0.mlp.fc","blocks.0.mlp.proj")') in program
+    assert ('tensor_parallelize_blocks(stage,g0,[(("blocks.0.attn.q","blocks.0.attn.k","blocks.0.attn.v"),'
+            '"blocks.0.attn.proj"),(("blocks.0.mlp.fc",),"blocks.0.mlp.proj")') in program
 
 
 def test_the_program_divides_the_head_counts_the_check_reads():

@@ -50,14 +50,14 @@ HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "num_attention_heads", "n_kv_hea
 
 def tensor_parallelize_blocks(model, group, groups, device_type="cpu"):
     """Split a model's transformer blocks over the ranks of group, in place: each group
-    ("attn.q+attn.k+attn.v", "attn.proj") is its column halves (split by output features, so
+    (("attn.q", "attn.k", "attn.v"), "attn.proj") is its column halves (split by output features, so
     each rank runs 1/d of the heads on the whole input) and its row half (split by input
     features; its partial sums all-reduced). The module holding a group runs 1/d of the heads:
     its head counts are divided (the model reads them to reshape). Every rank of the group calls it."""
     mesh = DeviceMesh.from_group(group, device_type)
     plan = {}
     for cols, row in groups:
-        plan.update({col: ColwiseParallel() for col in cols.split("+")})
+        plan.update({col: ColwiseParallel() for col in cols})
         plan[row] = RowwiseParallel()
         holder = model.get_submodule(row.rpartition(".")[0])
         for attr in HEAD_ATTRS:
