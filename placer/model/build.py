@@ -305,7 +305,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
             shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()), out_leaves=t.out_leaves,
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
-            **({} if spec.model.inline else _projections(m)),
+            glue_before=name in tr.glue_before, **({} if spec.model.inline else _projections(m)),
         ))
     roots = tuple(
         RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,

@@ -32,6 +32,9 @@ class Mode:
     whole_on_each = False
     """Every device of the group holds the whole input and output activation (channel, tensor)."""
     forward_sends_activations = False
+    chain = False
+    """Whether the program runs the segment as a chain of its layers (nn.Sequential), not the
+    model's own forward: a module model's segment must then be one (channel)."""
     """Whether the group's forward communicates activations (channel, tensor, spatial)."""
 
     # -- validate -----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 tests/models/hf_tiny.py, random init, no download) named by their `named_modules()` paths, the
 loss on the ModelOutput's `logits`, one segment over two gloo ranks as DDP, ZeRO-1 and FSDP2;
 the shipped TinyGPT fully sharded (one fully_shard per block); TinyGPT and Llama tensor
-parallel (a DTensor plan per block); and a wrapper model whose nested layers are placed layer-wise. Each `placer run --check` matches the one-device
+parallel (a DTensor plan per block); a ResNet-18's stem split by channels; and a wrapper model
+whose nested layers are placed layer-wise. Each `placer run --check` matches the one-device
 reference (rtol 1e-5, atol 4e-5 on every parameter), and each device sends what its plan says."""
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ RUNS = [
     ("nested_layerwise", None, "nested names (net.blocks.2..) cut layer-wise over two ranks"),
     ("tinygpt_tensor", None, "the shipped TinyGPT tensor parallel: q, k, v and fc by columns, proj by rows"),
     ("hf_llama_tensor", None, "Llama tensor parallel: 4 heads and 2 kv heads split over 2 ranks"),
+    ("resnet_stem_channel", None, "a torchvision-layout ResNet-18's stem split by channels over 2 ranks"),
 ]
 
 

@@ -300,19 +300,53 @@ training: {batch_size: 4, steps: 2, optimizer: {op: SGD, lr: 0.1}, seed: 0}
 """
 
 
-@pytest.mark.parametrize("mode", ["channel", "spatial"])
-def test_channel_and_spatial_of_a_resnet_stem_are_refused_before_a_plan(tmp_path, mode):
-    """Not generated yet for module models: validate --deep and plan --deep say so (P086), once."""
+def resnet_spec(tmp_path, mode: str, body: str = "") -> str:
     spec = tmp_path / "a" / "b" / "spec.yaml"
-    spec.parent.mkdir(parents=True)
-    (tmp_path / "models").mkdir()
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "models").mkdir(exist_ok=True)
     shutil.copy(os.path.join(os.path.dirname(__file__), "..", "models", "resnet_tv.py"), tmp_path / "models")
-    spec.write_text(RESNET_STEM.replace("MODE", mode))
-    r = CliRunner().invoke(main, ["validate", "--deep", str(spec)])
+    spec.write_text(RESNET_STEM.replace("MODE", mode) + body)
+    return str(spec)
+
+
+def test_channel_runs_a_resnet_stem_as_the_chain_it_is(tmp_path):
+    spec = resnet_spec(tmp_path, "channel")
+    r = CliRunner().invoke(main, ["validate", "--deep", spec])
+    assert r.exit_code == 0, r.output
+    program = build_program(spec, tmp_path)
+    assert 'nn.Sequential(*(model.get_submodule(name) for name in ["conv1", "bn1", "relu", "maxpool"]))' in program
+    assert "ChannelSplit(stage, g0, [0, 1])" in program
+
+
+def build_program(spec: str, tmp_path) -> str:
+    out = tmp_path / "program.py"
+    r = CliRunner().invoke(main, ["generate", spec, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return " ".join(out.read_text().split()).replace("( ", "(").replace(" )", ")")
+
+
+def test_channel_refuses_a_module_segment_that_is_not_a_chain(tmp_path):
+    """TinyGPT's blocks.0 reads embed's output plus the root's pos (glue): no chain (P087)."""
+    text = GPT.replace("{layers: [embed, blocks.0], device: cuda:0}",
+                       "{layers: [embed, blocks.0], devices: [cuda:0, cuda:2], parallel: channel}")
+    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+    (d,) = deep(path)[1]
+    assert d.code == "P087" and "layer 'blocks.0' reads the parent's glue" in d.message
+    assert d.loc.line == line_of(path, "blocks.0], devices")
+
+
+def test_spatial_and_a_last_channel_segment_of_a_module_model_are_refused_before_a_plan(tmp_path):
+    """Not generated yet for module models: validate --deep and plan --deep say so (P086), once."""
+    spec = resnet_spec(tmp_path, "spatial")
+    r = CliRunner().invoke(main, ["validate", "--deep", spec])
     assert r.exit_code == 1 and r.output.count("error[P086]") == 1 and "W007" not in r.output, r.output
-    assert f"mode {mode!r} of a module model on any segment" in r.output
-    assert f"{spec}:{line_of(str(spec), 'name: stem')}" in r.output
-    planned = CliRunner().invoke(main, ["plan", "--deep", str(spec)])
+    assert "mode 'spatial' of a module model on any segment" in r.output
+    assert f"{spec}:{line_of(spec, 'name: stem')}" in r.output
+    planned = CliRunner().invoke(main, ["plan", "--deep", spec])
     assert planned.exit_code == 1 and "error[P086]" in planned.output and "plan resnet_stem" not in planned.output
-    fine = CliRunner().invoke(main, ["validate", "--deep", str(spec), "--set", "placement.0.parallel=data"])
+    fine = CliRunner().invoke(main, ["validate", "--deep", spec, "--set", "placement.0.parallel=data"])
     assert fine.exit_code == 0, fine.output  # the torchvision layout's names place as print(model) shows them
+    text = open(spec).read().replace("devices: [cpu, cpu:1], parallel: spatial", "device: cpu")
+    open(spec, "w").write(text.replace("device: cpu:2}", "devices: [cpu:1, cpu:2], parallel: channel}"))
+    last = CliRunner().invoke(main, ["validate", "--deep", spec])
+    assert last.exit_code == 1 and "error[P086]" in last.output and "as the last segment" in last.output, last.output
