@@ -46,6 +46,7 @@ def comm_lines(plan, est) -> list[str]:
     for row in est.comm.rows:
         op = row.op
         tensor = f"tied {op.attrs['tie']}" if "tie" in op.attrs else op.tensor
+        tensor += " (recompute)" if op.attrs.get("recompute") else ""
         key = (op.kind.value, op.segment, op.phase, tensor, _ends(op), op.route or "")
         g = groups.setdefault(key, [0, 0, 0])
         g[0] += 1

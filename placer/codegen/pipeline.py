@@ -71,6 +71,8 @@ class PipelineWriter(TrainWriter):
         self.norm_share(seg)
         if seg.recompute:
             c(f"seg{k} = Recomputed(seg{k})  # recompute: backward runs the stage's forward again")
+        if self.bf16:
+            c(f"seg{k} = Autocast(seg{k})  # precision bf16: the stage's forward under autocast, its output float32")
         c.dedent()
 
     def setup(self) -> None:
@@ -87,7 +89,8 @@ class PipelineWriter(TrainWriter):
           f"mine = {{s: m for s, m in enumerate({self.tuple_of('seg')}) if m is not None}}  # stage index -> module",
           *self.stage_shapes(),
           f"stages = pipeline_stages(mine, {n}, pp_groups[j], device{', STAGE_SHAPES' if self.shapes_known else ''})",
-          f"schedule = make_pipeline_schedule({self.schedule!r}, stages, {self.microbatches}, compute_loss, BATCH_SIZE)")
+          f"schedule = make_pipeline_schedule({self.schedule!r}, stages, {self.microbatches}, "
+          f"{'autocast_loss(compute_loss)' if self.bf16 else 'compute_loss'}, BATCH_SIZE)")
 
     @property
     def shapes_known(self) -> bool:

@@ -125,6 +125,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     used |= {"lockstep"} if ls else set()
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
     used |= {"recompute"} if pl and any(s.recompute for s in segs) else set()
+    used |= {"precision"} if pl and spec.training.precision == "bf16" else set()
     used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
         segs, len(devices), devices, False, False).syncs_in_backward else set()
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [

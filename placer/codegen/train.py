@@ -65,7 +65,7 @@ class TrainWriter(TrainingOptions):
         self.accumulate = training.accumulate if training is not None else 1
         """training.accumulate: micro-steps per step (not with a pipeline: P095)."""
         self.bf16 = training is not None and training.precision == "bf16"
-        """precision bf16: every segment's forward and the loss under autocast (not with a pipeline: P093)."""
+        """precision bf16: every segment's forward and the loss under autocast."""
         self.tied = list(tied)
         """The parameters tied across segments (codegen/ties.py ProgramTie)."""
         self.microbatches = microbatches
@@ -421,6 +421,10 @@ class TrainWriter(TrainingOptions):
     @staticmethod
     def call(seg: Seg, arg: str) -> str:
         """Segment k's forward on `arg`: recomputed in backward where the spec says `recompute`."""
+        if seg.recompute and MODES[seg.mode].forward_sends_activations:
+            # the whole forward again, collectives included (early stop would skip the last
+            # ones once every saved tensor is back): what the plan counts, on every rank alike
+            return f"torch.utils.checkpoint.checkpoint(seg{seg.k}, {arg}, use_reentrant=False, early_stop=False)"
         if seg.recompute:
             return f"torch.utils.checkpoint.checkpoint(seg{seg.k}, {arg}, use_reentrant=False)"
         return f"seg{seg.k}({arg})"

@@ -139,9 +139,6 @@ class Channel(Mode):
         found = chain_check(seg, info, locs)
         return found or None  # a chain: the layer rules of inline models (P027) apply
 
-    def recompute_blocker(self, p):
-        return "its forward all-gathers the channel slices"
-
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

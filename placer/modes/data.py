@@ -152,7 +152,8 @@ class Data(Mode):
 
     def recompute_blocker(self, p):
         if p.shard == "full":
-            return "FSDP2 gathers the parameters in its forward"
+            return "FSDP2 gathers the parameters in its forward"  # and again in backward: a third gather
+        # (and BatchNorm would update its running statistics twice)
         return "SyncBatchNorm all-reduces statistics in its forward" if p.sync_batchnorm else None
 
     def data_degree(self, n):

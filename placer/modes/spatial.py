@@ -113,9 +113,6 @@ class Spatial(Mode):
     def module_model_blocker(self, spec, seg):
         return "on any segment"
 
-    def recompute_blocker(self, p):
-        return "its forward exchanges halo rows"
-
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

@@ -207,9 +207,6 @@ class Tensor(Mode):
             return "beside other segments or in a pipeline (it must hold the whole model)"
         return None
 
-    def recompute_blocker(self, p):
-        return "its forward all-reduces each pair's output"
-
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 

@@ -20,6 +20,7 @@ segment s, ...), so all devices see shared ops in the same order.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
@@ -31,6 +32,7 @@ from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
 from placer.plan.ties import insert_ties
 from placer.plan.verify import verify
+from placer.spec.shapes import op_kind
 from placer.spec.types import Spec
 from placer.units import MiB
 
@@ -191,10 +193,26 @@ def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tup
     return out
 
 
+def under_autocast(info: list) -> list:
+    """The layers as `precision: bf16` runs them, for what their collectives move: autocast makes
+    Linear / Conv outputs bfloat16, and the layers that channel, tensor and spatial segments
+    hold besides keep their input's dtype (AvgPool3d excepted: float32); a segment's input
+    arrives float32 (the program casts crossings back). Gradients take their tensor's dtype."""
+    out, half = [], False
+    for l in info:
+        kind = op_kind(l.op)
+        was, half = half, kind in ("linear", "conv") or (half and l.op != "AvgPool3d")
+        out.append(replace(l, in_bytes=l.in_bytes // 2 if was else l.in_bytes,
+                           out_bytes=l.out_bytes // 2 if half and l.out_dtype == "float32" else l.out_bytes))
+    return out
+
+
 def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> Attached:
     """The collectives a segment's mode needs, by where they run."""
     a = Attached(step_devices=seg.devices)
     info = [graph.layer(n) for n in seg.layers]
+    if spec.training.precision == "bf16" and MODES[seg.mode].forward_sends_activations:
+        info = under_autocast(info)
     g, i0 = seg.devices, seg.index
     grads = _input_grads(plan, seg, graph)
 
@@ -253,6 +271,13 @@ def _expand(op: Op, seg: PlacedSegment, a: Attached, m: int, repeat: int = 1) ->
             out.append(op.with_(tensor=layer_range(seg.layers[s:e])))
             out += _instantiate(sum((a.post_fwd.get(i, []) for i in range(s, e)), []), op, m, "fwd", repeat)
         return out
+    if seg.recompute and op.phase in ("bwd", "bwd_input"):
+        # torch.utils.checkpoint runs the segment's forward again as its backward starts: its
+        # collectives (all-gathers, pair all-reduces, halos) run again, in forward order
+        for s, e in chunks:
+            again = a.pre_fwd.get(s, []) + sum((a.post_fwd.get(i, []) for i in range(s, e)), [])
+            out += [o.with_(phase=op.phase, attrs={**o.attrs, "recompute": True})
+                    for o in _instantiate(again, op, m, "fwd", repeat)]
     for s, e in reversed(chunks):
         out += _instantiate(a.pre_bwd.get(s, []), op, m, op.phase, repeat)
         out.append(op.with_(tensor=layer_range(seg.layers[s:e])))

@@ -338,7 +338,7 @@ SPEC_LESS_SCHEDULERS = {
 
 def _check_training(spec: Spec) -> list[Diagnostic]:
     """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
-    gradients of every segment before any step; P093 / P096: options not run yet; P094 / P095: the
+    gradients of every segment before any step; P096: an option not run yet; P094 / P095: the
     micro-steps of accumulate split the batch evenly, and not a pipeline's."""
     t, diags = spec.training, []
     sched = t.lr_schedule
@@ -356,14 +356,6 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                 diags.append(D("P092", f"segment {seg.name!r}: clip_grad_norm needs every gradient before any step, "
                                f"and sync {seg.parallel.sync!r} steps as it syncs", seg.parallel.loc,
                                "use sync allreduce (the default) in this segment, or leave clip_grad_norm out"))
-    if t.precision != "fp32" and spec.pipeline:
-        diags.append(D("P093", f"precision {t.precision!r} with a pipeline is not run by this placer yet",
-                       spec.doc.loc(("training", "precision")), "use precision fp32 (the default) here"))
-    for seg in spec.placement:
-        if t.precision != "fp32" and MODES[seg.mode].forward_sends_activations and len(seg.devices) > 1:
-            diags.append(D("P093", f"segment {seg.name!r}: precision {t.precision!r} in a {seg.mode} segment is not "
-                           "run by this placer yet: its forward sends activations, which bf16 would halve",
-                           spec.doc.loc(("training", "precision")), "use precision fp32 (the default) here"))
     if t.accumulate > 1 and t.batch_size % t.accumulate:
         diags.append(D("P094", f"batch_size {t.batch_size} is not divisible by accumulate {t.accumulate}",
                        spec.doc.loc(("training", "accumulate")),

@@ -63,10 +63,12 @@ MEASURED: dict[str, tuple] = {}
 SENT_TOLERANCE = {"mlp_data_shard_optimizer": 0.01, "zero_optimizer": 0.01}
 
 
-def assert_sends_what_the_plan_says(name: str, spec: Path, metrics: dict) -> None:
+def assert_sends_what_the_plan_says(name: str, spec: Path, metrics: dict, sets=()) -> None:
     """Each device's bytes per step in the run equal the plan's `payload_bytes`: one definition of
-    bytes (the payload handed to torch.distributed, docs/plan-json.md), on groups of any size."""
-    planned = CliRunner().invoke(main, ["plan", str(spec), "--format", "json", "--deep"])
+    bytes (the payload handed to torch.distributed, docs/plan-json.md), on groups of any size.
+    `sets`: the run's `--set` overrides."""
+    overrides = [a for s in sets for a in ("--set", s)]
+    planned = CliRunner().invoke(main, ["plan", str(spec), "--format", "json", "--deep", *overrides])
     assert planned.exit_code == 0, planned.output
     steps, doc = len(metrics["losses"]), json.loads(planned.stdout)
     # torch's pipeline stages also exchange two 4-byte handshakes per stage, once, at the first step

@@ -97,14 +97,28 @@ EXTRA
     ("data", "  accumulate: 2\npipeline: {microbatches: 2, schedule: gpipe}", "P095", "pipeline.microbatches to 2 x 2"),
     ("{mode: data, sync: broadcast}", "  clip_grad_norm: 1.0", "P092", "sync 'broadcast' steps as it syncs"),
     ("data", "  lr_schedule: {op: ReduceLROnPlateau}", "P091", "steps on a validation metric"),
-    ("data", "  precision: bf16\npipeline: {microbatches: 2, schedule: gpipe}", "P093", "with a pipeline is not run"),
-    ("tensor", "  precision: bf16", "P093", "its forward sends activations"),
 ])
 def test_training_diagnostics(parallel, extra, code, words):
     doc = load.load_text(SPEC.replace("PARALLEL", parallel).replace("EXTRA", extra), "<spec>")
     diags = [d for d in validate_document(doc)[1] if d.code == code]
     assert len(diags) == 1 and diags[0].severity == "error", diags
     assert words in diags[0].message + " " + (diags[0].hint or ""), diags[0]
+
+
+@pytest.mark.parametrize("spec, kind, fwd, bwd", [
+    ("mlp_tensor", OpKind.ALL_REDUCE, 2, 1),  # the pairs' sums and the column halves' input gradients
+    ("cnn_channel", OpKind.ALL_GATHER, 2, 1),  # slices after a Conv, and the partial input gradients summed
+])
+def test_bf16_collectives_move_what_autocast_makes(spec, kind, fwd, bwd):
+    """Under autocast a Linear / Conv output is bfloat16, and so is what the split layers after
+    it exchange: those collectives halve; the gradient all-reduces of parameters do not."""
+    path = str(ROOT / "specs" / f"{spec}.yaml")
+    plain, half = api.plan(path), api.plan(path, ["training.precision=bf16"])
+    pairs = list(zip(plain.plan.unique_ops(), half.plan.unique_ops()))
+    assert all(a.with_(bytes=0) == b.with_(bytes=0) for a, b in pairs)
+    halved = [(a.phase, a.kind) for a, b in pairs if b.bytes * 2 == a.bytes != 0]
+    assert halved.count(("fwd", kind)) == fwd and halved.count(("bwd", OpKind.ALL_REDUCE)) == bwd, halved
+    assert all(a.bytes == b.bytes for a, b in pairs if a.tensor in ("grads", "params") or a.attrs.get("bucket") is not None)
 
 
 def test_bf16_halves_the_activations():
@@ -127,8 +141,27 @@ def test_recompute_keeps_the_segment_input_and_adds_a_forward():
     assert "recompute" not in format_plan(plain.plan)
 
 
-def test_recompute_of_a_segment_whose_forward_communicates_is_refused():
-    doc = load.load_text(SPEC.replace("PARALLEL", "tensor").replace("EXTRA", "").replace(
-        "parallel: tensor}", "parallel: tensor, recompute: true}"), "<spec>")
+@pytest.mark.parametrize("parallel, words", [
+    ("{mode: data, shard: full}", "FSDP2 gathers the parameters in its forward"),
+    ("{mode: data, sync_batchnorm: true}", "SyncBatchNorm all-reduces statistics"),
+])
+def test_recompute_of_a_segment_that_gathers_or_keeps_statistics_is_refused(parallel, words):
+    doc = load.load_text(SPEC.replace("PARALLEL", parallel).replace("EXTRA", "").replace(
+        f"parallel: {parallel}}}", f"parallel: {parallel}, recompute: true}}"), "<spec>")
     (d,) = [d for d in validate_document(doc)[1] if d.code == "P096"]
-    assert "all-reduces each pair's output" in d.message
+    assert words in d.message
+
+
+@pytest.mark.parametrize("spec", ["mlp_tensor", "cnn_channel", "cnn_spatial"])
+def test_recompute_runs_the_forward_collectives_again_in_backward(spec):
+    """A recomputed segment whose forward communicates: checkpoint runs the forward, and so
+    its all-reduces / all-gathers / halo exchanges, again at the start of its backward."""
+    path = str(ROOT / "specs" / f"{spec}.yaml")
+    plain, again = api.plan(path), api.plan(path, ["placement.0.recompute=true"])
+    fwd = [o for o in plain.plan.unique_ops() if o.segment == 0 and o.phase == "fwd" and o.kind != OpKind.COMPUTE
+           and o.kind not in (OpKind.COPY, OpKind.SPLIT, OpKind.MERGE, OpKind.RESPLIT)]
+    redo = [o for o in again.plan.unique_ops() if o.attrs.get("recompute")]
+    assert fwd and [(o.kind, o.bytes) for o in redo] == [(o.kind, o.bytes) for o in fwd]
+    assert all(o.phase == "bwd" for o in redo)
+    assert len(again.plan.unique_ops()) == len(plain.plan.unique_ops()) + len(fwd)
+    assert parse_plan(format_plan(again.plan)) == again.plan
