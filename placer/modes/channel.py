@@ -131,6 +131,8 @@ class Channel(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline:
             return "in a pipeline"
+        if spec.training.precision != "fp32":
+            return f"with precision {spec.training.precision}"
         if seg.index == len(spec.placement) - 1:
             return "as the last segment (the model's own forward may still work on its output)"
         return None

@@ -205,6 +205,8 @@ class Tensor(Mode):
     def module_model_blocker(self, spec, seg):
         if len(spec.placement) > 1 or spec.pipeline:
             return "beside other segments or in a pipeline (it must hold the whole model)"
+        if spec.training.precision != "fp32":  # the plan counts float32 all-reduces in each block
+            return f"with precision {spec.training.precision}"
         return None
 
     def check(self, seg, seg_layers, kinds, pipelined):
