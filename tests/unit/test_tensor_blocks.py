@@ -53,3 +53,13 @@ def test_the_program_divides_the_head_counts_the_check_reads():
     found = next(ast.literal_eval(n.value) for n in ast.parse(source).body
                  if isinstance(n, ast.Assign) and n.targets[0].id == "HEAD_ATTRS")
     assert found == tensor.HEAD_ATTRS
+
+
+def test_bf16_is_refused_on_a_block_plan():
+    """The plan counts float32 all-reduces in each block: bf16 there is P086, before any plan."""
+    from click.testing import CliRunner
+
+    from placer.cli.main import main
+
+    r = CliRunner().invoke(main, ["plan", "--deep", SPEC, "--set", "training.precision=bf16"])
+    assert r.exit_code == 1 and "error[P086]" in r.output and "with precision bf16" in r.output, r.output
