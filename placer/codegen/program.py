@@ -523,6 +523,10 @@ def stages_source(spec: Spec, segs: list[Seg], cut: bool, lockstep=None) -> str:
         if lockstep:
             c(f"def {seg.func}(model):", f"    {_stage_doc(seg, devices)}",
               f"    return segment_module(model, {lockstep[1][seg.k]!r})")
+        elif not spec.model.inline and MODES[seg.mode].chain:  # validate --deep found it a chain (P087)
+            c(f"def {seg.func}(model, pipe):" if cut else f"def {seg.func}(model):",
+              f"    {_stage_doc(seg, devices)}",
+              f"    return nn.Sequential(*(model.get_submodule(name) for name in {list(seg.layers)!r}))")
         elif not spec.model.inline:
             c(f"def {seg.func}(model, pipe):" if cut else f"def {seg.func}(model):",
               f"    {_stage_doc(seg, devices)}",

@@ -70,7 +70,10 @@ class Seg:
     """The plan gathers this (last) segment's output on its first rank for the loss (a spatial
     group's bands: the loss takes rows)."""
     pairs: tuple = ()
-    """tensor: the Linear pairs the plan all-reduces, as (column, row) child names of the stage."""
+    """tensor: the Linear pairs the plan all-reduces, as (column, row) child names of the stage;
+    a module model's blocks: ('q+k+v', 'proj') module paths."""
+    blocks: bool = False
+    """tensor over a module model's blocks (placer.modes.tensor.groups)."""
     recompute: bool = False
     """Activation checkpointing: the forward runs again in backward (torch.utils.checkpoint)."""
 
@@ -172,8 +175,9 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
         k = placed.index
         opts = placed.options
         mode = placed.mode if len(placed.devices) > 1 else "none"  # a mode over one device: the layers whole
-        if not MODES[mode].module_models and not spec.model.inline:
-            raise _unsupported(spec, k, f"mode {mode!r} of a module model (`model.module`)",
+        why = MODES[mode].module_model_blocker(spec, spec.placement[k]) if not spec.model.inline else None
+        if why:
+            raise _unsupported(spec, k, f"mode {mode!r} of a module model (`model.module`) {why}",
                                "give the model as inline `layers`, or use mode data / none here")
         ranks = tuple(devices.index(d) for d in placed.devices)
         first = graph.layer(placed.layers[0])
@@ -205,8 +209,9 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             shard=opts.get("shard", "none"),
             dim=None if dim is None else dim % len(shape),  # -1 is W of NCHW: 3
             moved_in=k in moved, loss_gather=k in gathered,
-            pairs=tuple(tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),  # () but in tensor
-            recompute=placed.recompute,
+            pairs=tuple(tensor.planned_pairs(plan, k) if opts.get("blocks") else  # () but in tensor
+                        tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),
+            recompute=placed.recompute, blocks=bool(opts.get("blocks")),
         ))
         any_params |= n_params > 0
         # the plan moves what the program copies: a move exactly where the layouts differ

@@ -60,6 +60,16 @@ class LayerInfo:
     """(output leaf index, the layers (or `output`, the loss) it reaches through work owned by no
     layer, in model order): what crosses a boundary where they run on other devices. Found for
     module models, whatever traced them."""
+    projections: tuple = ()
+    """Module models: (path inside the layer, class name, in features, out features, has a bias) of each
+    Linear-like submodule (torch's Linear, transformers' Conv1D) in registration order: what
+    `tensor` splits (placer.modes.tensor.groups)."""
+    glue_before: bool = False
+    """Work owned by no layer (the parent's glue) made a tensor right before its call: a segment
+    run as a chain of its layers (channel) would skip it."""
+    heads: tuple = ()
+    """Module models: (path inside the layer, attribute, value) of the integer head counts its
+    submodules (or their `config`) hold: `tensor` divides them by its degree."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,6 +68,8 @@ class TraceResult:
     """Root parameter name -> every layer (or `output`) its value reaches through glue."""
     homes: dict[str, tuple] = field(default_factory=dict)
     """Layer -> where its inputs are made, cut at layer boundaries (`_Recorder.input_homes`)."""
+    glue_before: frozenset = frozenset()
+    """Layers right before whose call the parent's glue made a tensor (work owned by no layer)."""
 
 
 class ForwardFailed(Exception):
@@ -393,7 +395,8 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
     return TraceResult(order=rec.order, layers=rec.traces, output=output,
                        traced_with="fx" if gm is not None else "hooks",
                        inputs=layer_inputs(gm, set(layers)) if gm is not None else {},
-                       root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes())
+                       root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes(),
+                       glue_before=frozenset(rec.calls[n] for n in rec.glue_reads if n < len(rec.calls)))
 
 
 def _run(rec: _Recorder, mods: dict, forward, inputs=()):

@@ -31,12 +31,23 @@ class Mode:
     per-mode properties are tested equal to them)."""
     whole_on_each = False
     """Every device of the group holds the whole input and output activation (channel, tensor)."""
-    module_models = True
-    """Whether the program can split a module model's (`model.module`) segment this way."""
     forward_sends_activations = False
+    chain = False
+    """Whether the program runs the segment as a chain of its layers (nn.Sequential), not the
+    model's own forward: a module model's segment must then be one (channel)."""
     """Whether the group's forward communicates activations (channel, tensor, spatial)."""
 
     # -- validate -----------------------------------------------------------------------------------
+    def module_model_blocker(self, spec, seg) -> str | None:
+        """Why the program cannot split a module model's (`model.module`) segment `seg` (a spec
+        Segment over several devices) this way, as words after the mode's name; None if it can."""
+        return None
+
+    def check_module(self, seg, info, locs, degree: int) -> list[Diagnostic] | None:
+        """The mode's rules on a module model's segment (its LayerInfos and each one's spec loc),
+        or None: `check` on the layers' classes, as for inline layers."""
+        return None
+
     def check_options(self, spec, seg) -> list[Diagnostic]:
         """The mode's options against the spec (devices, batch), before layers are known."""
         return []

@@ -102,11 +102,44 @@ def out_axis(layers, graph) -> int:
     return 1
 
 
+def chain_check(seg, info, locs) -> list[Diagnostic]:
+    """P087 unless a module model's segment is a chain: each layer called once, on the previous
+    one's output only, with no glue of the parent's before it, and each output read by the next
+    layer alone. The program runs the segment's layers as an nn.Sequential, as the model's forward
+    would (a ResNet stem: conv1, bn1, relu, maxpool)."""
+    for i, (l, loc) in enumerate(zip(info, locs)):
+        nxt = info[i + 1].name if i + 1 < len(info) else None
+        why = ("is called more than once" if l.calls > 1 else
+               "reads the parent's glue (work owned by no layer) made right before it" if l.glue_before else
+               "reads more than the previous layer's output" if i and l.inputs != (info[i - 1].name,) else
+               f"has an output read by more than {nxt!r}" if nxt and l.consumers != ((0, (nxt,)),) else None)
+        if why:
+            return [Diagnostic("P087", f"segment {seg.name!r}: layer {l.name!r} {why}: mode 'channel' runs a module "
+                               "model's segment as a chain of its layers, each on the output of the one before",
+                               loc, "place the layers of a plain chain (conv, norm, activation, pool) in this "
+                               "segment, or use mode data or none")]
+    return []
+
+
 class Channel(Mode):
     name = "channel"
     whole_on_each = True
-    module_models = False
     forward_sends_activations = True
+
+    chain = True
+
+    def module_model_blocker(self, spec, seg):
+        if spec.pipeline:
+            return "in a pipeline"
+        if spec.training.precision != "fp32":
+            return f"with precision {spec.training.precision}"
+        if seg.index == len(spec.placement) - 1:
+            return "as the last segment (the model's own forward may still work on its output)"
+        return None
+
+    def check_module(self, seg, info, locs, degree):
+        found = chain_check(seg, info, locs)
+        return found or None  # a chain: the layer rules of inline models (P027) apply
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

@@ -108,8 +108,10 @@ def axis_of(dim, in_shape) -> int:
 class Spatial(Mode):
     name = "spatial"
     options_keys = ("dim",)
-    module_models = False
     forward_sends_activations = True
+
+    def module_model_blocker(self, spec, seg):
+        return "on any segment"
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

@@ -10,6 +10,7 @@ output are whole on every device of the group.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from placer.diagnostics import Diagnostic
@@ -20,6 +21,10 @@ from placer.spec.shapes import op_kind
 
 BETWEEN = frozenset({"elementwise", "dropout"})
 """Layer kinds that may sit between the two Linears of a pair (they act on each feature alone)."""
+
+HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
+"""Head counts a module model's attention reads (on the module or its `config`): each rank
+runs 1/d of the heads, so each must divide by the degree."""
 
 
 def pairs(kinds: Sequence[str]) -> list[tuple[int, int]]:
@@ -64,6 +69,91 @@ def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
                                       attrs={"pair": pair}))
 
 
+# -- module models: a parallel plan per transformer block -------------------------------------------
+# Inside a placed layer (a transformer block), every module that directly holds Linears is one
+# group: its last Linear is the row half (attention's output, MLP's down), the ones before it
+# the column halves (q, k, v; up, gate), as torchtitan's and transformers' TP plans name them.
+# Each column half runs 1/d of the heads (features), its input whole; the row half sums.
+# A layer that is itself a Linear (an LM head), or holds none, runs whole on every device.
+
+def groups(projections) -> list[tuple[tuple[str, ...], str]]:
+    """(column halves, row half) of each module in a layer that directly holds several
+    Linear-like submodules (LayerInfo.projections), in registration order."""
+    by_parent: dict[str, list[str]] = {}
+    for path, *_ in projections:
+        by_parent.setdefault(path.rpartition(".")[0], []).append(path)
+    return [(tuple(ps[:-1]), ps[-1]) for ps in by_parent.values() if len(ps) > 1]
+
+
+def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
+    """A module model's tensor segment (LayerInfos, each one's spec loc): P084 for a Linear-like
+    module tensor cannot split (transformers' Conv1D), P028 for a Linear without a partner or a
+    segment with no block to split, P085 for features or heads the degree does not divide."""
+    for l, loc in zip(info, locs):
+        other = [(path, cls) for path, cls, *_ in l.projections if cls != "Linear"]
+        if other:  # one is enough: every block of such a model holds them
+            (path, cls), more = other[0], [p for p, _ in other[1:]]
+            return [Diagnostic("P084", f"segment {seg.name!r}: layer {l.name!r} holds {cls} {path!r}"
+                               f"{f' (and {len(more)} more)' if more else ''}, not a torch.nn.Linear: tensor parallel "
+                               "splits Linears only (transformers' Conv1D keeps its weight transposed, [in, out], and "
+                               "GPT-2's c_attn fuses q, k and v in one output, which a column split would cut across "
+                               "q, k and v)", loc, "use mode data (or shard: full) for this segment")]
+    for l, loc in zip(info, locs):  # the first refusal is enough: the other blocks are alike
+        paired = {p for cols, row in groups(l.projections) for p in (*cols, row)}
+        lone = [p for p, *_ in l.projections if p not in paired]
+        if lone:
+            return [Diagnostic("P028", f"segment {seg.name!r}: Linear {l.name}.{lone[0]} has no partner in its "
+                               "module (tensor parallel splits a module's Linears as column halves, then its "
+                               "last as the row half)", loc, "place this layer in a segment with mode data or none")]
+        sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
+        for cols, row in groups(l.projections):
+            parent = row.rpartition(".")[0]
+            bad = [(f"{p} out_features", sizes[p][1]) for p in cols] + [(f"{row} in_features", sizes[row][0])]
+            bad += [(f"{a} of {l.name}.{parent}" if parent else f"{a} of {l.name}", v)
+                    for path, a, v in l.heads if path == parent]
+            bad = [(what, v) for what, v in bad if v % degree]
+            if bad:
+                what, v = bad[0]
+                return [Diagnostic("P085", f"segment {seg.name!r}: layer {l.name!r}: {what} is {v}, not divisible "
+                                   f"by the {degree} devices of tensor parallel (each runs 1/{degree} of the "
+                                   "heads and features)", loc,
+                                   f"use a number of devices that divides {v}, or a model whose heads divide")]
+    if not any(groups(l.projections) for l in info):
+        return [Diagnostic("P028", f"segment {seg.name!r}: tensor parallel found no transformer block to split "
+                           "(a module holding Linears: q, k, v then the output; up, gate then down)",
+                           locs[0] if locs else seg.loc, "place the blocks in this segment, or use mode data")]
+    return []
+
+
+def module_collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
+    """The plan's all-reduces of each block's groups: the row half's sum forward, and in
+    backward, when something before trains, one per column half (DTensor all-reduces each
+    column Linear's input gradient)."""
+    for i, l in enumerate(info):
+        sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
+        tokens = math.prod(l.in_shape[:-1]) if l.in_shape else 0  # rows x positions (float32 activations)
+        for cols, row in groups(l.projections):
+            a.cuts |= {i, i + 1}
+            pair = f"{'+'.join(f'{l.name}.{c}' for c in cols)}..{l.name}.{row}"
+            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * 4, l.name,
+                                    attrs={"pair": pair}))
+            if grads[i]:
+                for c in cols:
+                    a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", tokens * sizes[c][0] * 4, l.name,
+                                            attrs={"pair": pair}))
+
+
+def module_held(l, d: int, r: int, share) -> int:
+    """Parameter elements of a module model's layer that rank r of d holds: 1/d of each column
+    half (weight and bias) and of each row half's weight; the rest whole."""
+    held = l.params
+    sizes = {p: (n_in * n_out, n_out if bias else 0) for p, _, n_in, n_out, bias in l.projections}
+    for cols, row in groups(l.projections):
+        for n in [sizes[row][0]] + [sum(sizes[c]) for c in cols]:  # a row half's bias stays whole
+            held += share(n, d, r) - n
+    return held
+
+
 def planned_pairs(plan, segment: int) -> list[tuple[str, str]]:
     """The pairs the lowered plan all-reduces for a segment: what the program splits."""
     seen: dict[tuple[str, str], None] = {}  # insertion-ordered set
@@ -100,19 +190,43 @@ def emit_stage(k: int, pairs) -> list[str]:
             f"seg{k} = stage"]
 
 
+def emit_blocks(k: int, pairs) -> list[str]:
+    """A module model's segment k: each block's groups split over g{k} by their module paths."""
+    split = [(tuple(cols.split("+")), row) for cols, row in pairs]
+    return [f"tensor_parallelize_blocks(stage, g{k}, {split!r}, device.type)  # ((column halves), row half)",
+            f"seg{k} = stage"]
+
+
 class Tensor(Mode):
     name = "tensor"
     whole_on_each = True
-    module_models = False
     forward_sends_activations = True
+
+    def module_model_blocker(self, spec, seg):
+        if len(spec.placement) > 1 or spec.pipeline:
+            return "beside other segments or in a pipeline (it must hold the whole model)"
+        if spec.training.precision != "fp32":  # the plan counts float32 all-reduces in each block
+            return f"with precision {spec.training.precision}"
+        return None
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 
+    def check_module(self, seg, info, locs, degree):
+        return check_module(seg, info, locs, degree)
+
+    def options(self, p, layers, graph):
+        return {} if graph.traced_with == "inline" else {"blocks": True}
+
     def collectives(self, a, seg, info, grads, op, ctx):
-        collectives(a, info, grads, op)
+        if seg.options.get("blocks"):
+            module_collectives(a, info, grads, op)
+        else:
+            collectives(a, info, grads, op)
 
     def sliced_dims(self, seg, info):
+        if seg.options.get("blocks"):  # inside a block only: its input and output are whole
+            return [None] * len(info)
         split, rows = split_layers(info)
         out, inside = [], False
         for l in info:  # a column half's output is cut by features until its row half sums it
@@ -121,17 +235,24 @@ class Tensor(Mode):
         return out
 
     def held(self, seg, info, d, r, share):
+        if seg.options.get("blocks"):
+            return [(module_held(l, d, r, share), l.buffer_bytes) for l in info]
         split, rows = split_layers(info)
         return [(held(l, l.name in rows, d, r, share) if l.name in split else l.params, l.buffer_bytes)
                 for l in info]
 
     def describe(self, seg, devices):
+        if seg.blocks:
+            return (f"tensor parallel over {len(seg.ranks)} ranks: in each block, q/k/v and up/gate split by columns "
+                    "(heads), the output and down projections by rows; other layers whole")
         return f"tensor parallel, Linear pairs split by columns then rows over {len(seg.ranks)} ranks"
 
     def runtime(self, seg, torch_pipeline):
         return {"tensor"}
 
     def emit_stage(self, seg, resumable):
+        if seg.blocks:
+            return emit_blocks(seg.k, seg.pairs)
         return emit_stage(seg.k, seg.pairs)
 
 

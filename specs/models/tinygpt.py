@@ -4,7 +4,8 @@ Token embedding, a learned positional embedding added in `forward` (a root
 parameter: work owned by no placed layer, which runs with the segment that
 consumes it), pre-LN blocks with causal attention, a final LayerNorm and an
 LM head. Plain Linear/LayerNorm/GELU, no dropout, so a placed run can match a
-one-device run exactly. `forward` avoids unpacking shapes so it traces with
+one-device run exactly. Separate q, k, v projections (not one fused Linear), so that
+tensor parallel splits each by heads. `forward` avoids unpacking shapes so it traces with
 torch.fx.
 """
 import torch
@@ -17,16 +18,17 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.n_heads = n_heads  # read in forward: tensor parallel sets it to the heads of one rank
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, self.n_heads, -1).transpose(1, 2) for z in (self.q(x), self.k(x), self.v(x)))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

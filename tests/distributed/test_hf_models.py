@@ -1,8 +1,9 @@
 """Real models, placed as users write them: Hugging Face GPT-2 and Llama (tiny configs built in
 tests/models/hf_tiny.py, random init, no download) named by their `named_modules()` paths, the
 loss on the ModelOutput's `logits`, one segment over two gloo ranks as DDP, ZeRO-1 and FSDP2;
-the shipped TinyGPT fully sharded (one fully_shard per block); and a wrapper model whose
-nested layers are placed layer-wise. Each `placer run --check` matches the one-device
+the shipped TinyGPT fully sharded (one fully_shard per block); TinyGPT and Llama tensor
+parallel (a DTensor plan per block); a ResNet-18's stem split by channels; and a wrapper model
+whose nested layers are placed layer-wise. Each `placer run --check` matches the one-device
 reference (rtol 1e-5, atol 4e-5 on every parameter), and each device sends what its plan says."""
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ RUNS = [
     ("hf_llama", "full", "Llama with FSDP2: a unit per model.layers block"),
     ("tinygpt_fsdp", None, "the shipped TinyGPT (a ModuleList of blocks) with FSDP2"),
     ("nested_layerwise", None, "nested names (net.blocks.2..) cut layer-wise over two ranks"),
+    ("tinygpt_tensor", None, "the shipped TinyGPT tensor parallel: q, k, v and fc by columns, proj by rows"),
+    ("hf_llama_tensor", None, "Llama tensor parallel: 4 heads and 2 kv heads split over 2 ranks"),
+    ("resnet_stem_channel", None, "a torchvision-layout ResNet-18's stem split by channels over 2 ranks"),
 ]
 
 
@@ -69,3 +73,11 @@ def test_real_model_matches_the_one_device_reference(name, shard, what, tmp_path
     for device, payload in plan_payloads(spec, overrides).items():
         want = (payload + 4) * steps  # and the loss's all-reduce
         assert abs(metrics["bytes_sent"][device] - want) <= max(handshakes, slack * want), (device, payload)
+
+
+def test_tensor_refuses_kv_heads_the_degree_does_not_divide():
+    """Grouped-query attention: each rank runs 1/d of the kv heads too (1 kv head over 2 ranks: P085)."""
+    result = CliRunner().invoke(main, ["validate", "--deep", str(MODELS / "hf_llama_tensor.yaml"),
+                                       "--set", "model.kwargs.n_kv_heads=1"])
+    assert result.exit_code == 1 and "error[P085]" in result.output, result.output
+    assert "config.num_key_value_heads of model.layers.0.self_attn is 1, not divisible by the 2 devices" in result.output

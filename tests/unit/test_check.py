@@ -376,8 +376,13 @@ def test_split_modes_of_a_module_model_warn_that_generate_cannot_write_them():
     model = {"module": "models/tinygpt.py:TinyGPT", "input": {"shape": ["B", 8], "dtype": "int64", "high": 16},
              "target": {"shape": ["B", 8], "dtype": "int64", "high": 16}, "loss": "CrossEntropyLoss"}
     two = ["cuda:0", "cuda:1"]
-    for mode in ("channel", "tensor", "spatial"):
+    for mode in ("channel", "spatial"):
         spec = spec_with(model=model, devices=two, placement=segs({"layers": "*", "devices": two, "parallel": mode}))
         assert "W007" in codes(spec), mode
-    data = spec_with(model=model, devices=two, placement=segs({"layers": "*", "devices": two, "parallel": "data"}))
-    assert "W007" not in codes(data)
+    for mode in ("data", "tensor"):  # tensor: a plan per transformer block, when it holds the whole model
+        spec = spec_with(model=model, devices=two, placement=segs({"layers": "*", "devices": two, "parallel": mode}))
+        assert "W007" not in codes(spec), mode
+    three = [*two, "cuda:2"]
+    beside = spec_with(model=model, devices=three, placement=segs(
+        {"layers": "embed", "device": "cuda:2"}, {"layers": "blocks.0..lm_head", "devices": two, "parallel": "tensor"}))
+    assert "W007" in codes(beside)

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from placer.cli.main import main
 from placer.diagnostics import SpecError
 from placer.model import build
+from placer.modes import tensor
 from placer.spec import check, load
 
 SPECS = os.path.join(os.path.dirname(__file__), "..", "..", "specs")
@@ -148,12 +149,82 @@ def test_sibling_import_and_package_ref(tmp_path):
     assert d.code == "M001"
 
 
-def test_mode_rules_apply_to_module_layers(tmp_path):
+def test_a_split_mode_the_program_cannot_run_on_a_module_model_is_an_error(tmp_path):
+    """Plain validate's W007 becomes P086 once the model is built: plan --deep must not show it."""
     text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
                        "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
     path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
     (d,) = deep(path)[1]
-    assert d.code == "P028" and "'xxL'" in d.message and d.loc.line == line_of(path, "parallel: tensor")
+    assert d.code == "P086" and "beside other segments" in d.message and d.loc.line == line_of(path, "parallel: tensor")
+
+
+WHOLE_TENSOR = "  - {layers: [embed, blocks.*, ln_f, lm_head], devices: [cuda:0, cuda:1], parallel: tensor}\n"
+
+LONE = """from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.lm_head = nn.Linear(16, 64)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+"""
+
+
+def whole_tensor(text: str) -> str:
+    head, _, _ = text.partition("placement:\n")
+    return head + "placement:\n" + WHOLE_TENSOR + "training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}\n"
+
+
+def test_tensor_splits_each_block_of_a_module_model(tmp_path):
+    path = write(tmp_path, whole_tensor(GPT))
+    assert deep(path)[1] == []
+    spec = check.load_spec(path)
+    graph = build.build_graph(spec)
+    assert [g for l in graph.layers for g in tensor.groups(l.projections)] == [
+        (("attn.q", "attn.k", "attn.v"), "attn.proj"), (("mlp.fc",), "mlp.proj")] * 2
+    assert ("attn", "n_heads", 2) in graph.layer("blocks.0").heads
+
+
+def test_tensor_refuses_a_lone_linear_in_a_block(tmp_path):
+    path = write(tmp_path, whole_tensor(GPT).replace("tinygpt.py:TinyGPT", "lone.py:Net")
+                 .replace("  kwargs: {vocab: 64, d_model: 16, n_layers: 2, seq: 8, n_heads: 2}\n", "")
+                 .replace("blocks.*, ln_f, lm_head", "blocks.*, lm_head"), **{"lone.py": LONE})
+    (d,) = deep(path)[1]
+    assert d.code == "P028" and "Linear blocks.0.fc has no partner" in d.message
+    assert d.loc.line == line_of(path, "parallel: tensor")
+
+
+def test_tensor_refuses_gpt2_conv1d():
+    """transformers' Conv1D (GPT-2's c_attn: q, k, v fused, weight [in, out]) is named, with why."""
+    hf = os.path.join(os.path.dirname(__file__), "..", "models", "hf_gpt2.yaml")
+    r = CliRunner().invoke(main, ["validate", "--deep", hf, "--set", "placement.0.parallel=tensor"])
+    assert r.exit_code == 1 and r.output.count("error[") == 1, r.output
+    assert "error[P084]: segment 'all': layer 'transformer.h.0' holds Conv1D 'attn.c_attn' (and 3 more)" in r.output
+    assert "fuses q, k and v" in r.output
+
+
+def test_tensor_refuses_heads_the_degree_does_not_divide(tmp_path):
+    path = write(tmp_path, whole_tensor(GPT).replace("n_heads: 2", "n_heads: 1"))
+    (d,) = deep(path)[1]
+    assert d.code == "P085" and "n_heads of blocks.0.attn is 1" in d.message and "2 devices" in d.message
 
 
 def test_inline_name_clash(tmp_path):
@@ -207,8 +278,75 @@ def test_plan_and_generate_refuse_what_validate_deep_refuses(tmp_path, command):
                        "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
     path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
     validated = CliRunner().invoke(main, ["validate", "--deep", path])
-    assert validated.exit_code == 1 and "error[P028]" in validated.output
+    assert validated.exit_code == 1 and "error[P086]" in validated.output
     out = CliRunner().invoke(main, [c.format(tmp=tmp_path) for c in command] + [path])
     assert out.exit_code == 1, out.output
-    assert f"{path}:{line_of(path, 'parallel: tensor')}" in out.output and "error[P028]" in out.output
+    assert f"{path}:{line_of(path, 'parallel: tensor')}" in out.output and "error[P086]" in out.output
     assert "plan g:" not in out.output and not (tmp_path / "program.py").exists()
+
+
+RESNET_STEM = """placer: 1
+name: resnet_stem
+model:
+  module: ../../models/resnet_tv.py:ResNet18
+  input: {shape: [B, 3, 32, 32]}
+  target: {shape: [B], dtype: int64, high: 10}
+  loss: CrossEntropyLoss
+devices: [cpu, cpu:1, cpu:2]
+placement:
+  - {name: stem, layers: [conv1, bn1, relu, maxpool], devices: [cpu, cpu:1], parallel: MODE}
+  - {name: body, layers: [layer1, layer2, layer3, layer4, avgpool, fc], device: cpu:2}
+training: {batch_size: 4, steps: 2, optimizer: {op: SGD, lr: 0.1}, seed: 0}
+"""
+
+
+def resnet_spec(tmp_path, mode: str, body: str = "") -> str:
+    spec = tmp_path / "a" / "b" / "spec.yaml"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "models").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "models", "resnet_tv.py"), tmp_path / "models")
+    spec.write_text(RESNET_STEM.replace("MODE", mode) + body)
+    return str(spec)
+
+
+def test_channel_runs_a_resnet_stem_as_the_chain_it_is(tmp_path):
+    spec = resnet_spec(tmp_path, "channel")
+    r = CliRunner().invoke(main, ["validate", "--deep", spec])
+    assert r.exit_code == 0, r.output
+    program = build_program(spec, tmp_path)
+    assert 'nn.Sequential(*(model.get_submodule(name) for name in ["conv1", "bn1", "relu", "maxpool"]))' in program
+    assert "ChannelSplit(stage, g0, [0, 1])" in program
+
+
+def build_program(spec: str, tmp_path) -> str:
+    out = tmp_path / "program.py"
+    r = CliRunner().invoke(main, ["generate", spec, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return " ".join(out.read_text().split()).replace("( ", "(").replace(" )", ")")
+
+
+def test_channel_refuses_a_module_segment_that_is_not_a_chain(tmp_path):
+    """TinyGPT's blocks.0 reads embed's output plus the root's pos (glue): no chain (P087)."""
+    text = GPT.replace("{layers: [embed, blocks.0], device: cuda:0}",
+                       "{layers: [embed, blocks.0], devices: [cuda:0, cuda:2], parallel: channel}")
+    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+    (d,) = deep(path)[1]
+    assert d.code == "P087" and "layer 'blocks.0' reads the parent's glue" in d.message
+    assert d.loc.line == line_of(path, "blocks.0], devices")
+
+
+def test_spatial_and_a_last_channel_segment_of_a_module_model_are_refused_before_a_plan(tmp_path):
+    """Not generated yet for module models: validate --deep and plan --deep say so (P086), once."""
+    spec = resnet_spec(tmp_path, "spatial")
+    r = CliRunner().invoke(main, ["validate", "--deep", spec])
+    assert r.exit_code == 1 and r.output.count("error[P086]") == 1 and "W007" not in r.output, r.output
+    assert "mode 'spatial' of a module model on any segment" in r.output
+    assert f"{spec}:{line_of(spec, 'name: stem')}" in r.output
+    planned = CliRunner().invoke(main, ["plan", "--deep", spec])
+    assert planned.exit_code == 1 and "error[P086]" in planned.output and "plan resnet_stem" not in planned.output
+    fine = CliRunner().invoke(main, ["validate", "--deep", spec, "--set", "placement.0.parallel=data"])
+    assert fine.exit_code == 0, fine.output  # the torchvision layout's names place as print(model) shows them
+    text = open(spec).read().replace("devices: [cpu, cpu:1], parallel: spatial", "device: cpu")
+    open(spec, "w").write(text.replace("device: cpu:2}", "devices: [cpu:1, cpu:2], parallel: channel}"))
+    last = CliRunner().invoke(main, ["validate", "--deep", spec])
+    assert last.exit_code == 1 and "error[P086]" in last.output and "as the last segment" in last.output, last.output

@@ -45,6 +45,27 @@ def tensor_parallelize(module, group, pairs, device_type="cpu"):
     parallelize_module(module, mesh, plan)
 
 
+HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
+
+
+def tensor_parallelize_blocks(model, group, groups, device_type="cpu"):
+    """Split a model's transformer blocks over the ranks of group, in place: each group
+    (("attn.q", "attn.k", "attn.v"), "attn.proj") is its column halves (split by output features, so
+    each rank runs 1/d of the heads on the whole input) and its row half (split by input
+    features; its partial sums all-reduced). The module holding a group runs 1/d of the heads:
+    its head counts are divided (the model reads them to reshape). Every rank of the group calls it."""
+    mesh = DeviceMesh.from_group(group, device_type)
+    plan = {}
+    for cols, row in groups:
+        plan.update({col: ColwiseParallel() for col in cols})
+        plan[row] = RowwiseParallel()
+        holder = model.get_submodule(row.rpartition(".")[0])
+        for attr in HEAD_ATTRS:
+            if isinstance(getattr(holder, attr, None), int):
+                setattr(holder, attr, getattr(holder, attr) // mesh.size())
+    parallelize_module(model, mesh, plan)
+
+
 def whole_params(named):
     """{name: whole tensor} of {name: parameter}: DTensors (tensor parallel, FSDP) gathered
     with full_tensor(), a collective over each one's mesh (every rank of it calls, in the
