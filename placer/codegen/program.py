@@ -123,6 +123,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
     used |= {"ties"} if tied else set()
     used |= {"lockstep"} if ls else set()
+    cut = not spec.model.inline and len(segs) > 1 and not ls  # torch's pipelining cuts the module model
+    used |= {"seed"} if not ls and not cut else set()  # ranks materialise only their segments (TrainWriter.seeded)
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
     used |= {"recompute"} if pl and any(s.recompute for s in segs) else set()
     used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
@@ -130,8 +132,6 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
-    module_model = not spec.model.inline
-    cut = module_model and len(segs) > 1 and not ls
     ckpt = spec.training.checkpoint is not None
     # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [
