@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from placer.model.graph import ModelGraph
 from placer.modes import MODES
+from placer.plan.crossings import ITEMSIZE
 from placer.plan.ir import OpKind, PlacedSegment, Plan
 from placer.plan.layout import in_layout
 from placer.plan.place import steppers
-from placer.plan.crossings import ITEMSIZE
 from placer.plan.ties import copy_elements
 from placer.spec.types import Optimizer
 
