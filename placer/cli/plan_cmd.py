@@ -114,8 +114,8 @@ def table(plan, graph, est, timeline=None) -> str:
     state = f"{est.optimizer_slots} state buffer{'s' if est.optimizer_slots != 1 else ''} per parameter"
     lines += ["", f"memory per device (optimizer {est.optimizer}: {state}"
               + ("" if est.optimizer_known else ", assumed") + ")"]
-    rows = [["device", "params", "weights", "grads", "optimizer", "activations", "total", "FLOPs/step"]]
-    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
+    rows = [["device", "params", "weights", "grads", "optimizer", "activations", "working", "total", "FLOPs/step"]]
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "working_bytes", "total_bytes")
     for d, e in est.per_device.items():
         rows.append([d, f"{e.params:,}", units.size(e.param_bytes + e.buffer_bytes)]
                     + [units.size(getattr(e, k)) for k in keys[1:]] + [units.si(e.flops)])
@@ -123,7 +123,7 @@ def table(plan, graph, est, timeline=None) -> str:
     rows.append(["total", f"{sum(e.params for e in est.per_device.values()):,}",
                  units.size(tot["param_bytes"] + tot["buffer_bytes"])] + [units.size(tot[k]) for k in keys[1:]]
                 + [units.si(tot["flops"])])
-    lines += _table(rows, set(range(1, 8)))
+    lines += _table(rows, set(range(1, 9)))
     lines += ["", "communication per step"] + comm_lines(plan, est)
     lines.append("")
     if est.busiest is None:
@@ -156,6 +156,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
         devices.append({"device": d, "rank": rank, "params": e.params, "param_bytes": e.param_bytes,
                         "buffer_bytes": e.buffer_bytes, "grad_bytes": e.grad_bytes,
                         "optimizer_bytes": e.optimizer_bytes, "activation_bytes": e.activation_bytes,
+                        "step_bytes": e.step_bytes, "data_bytes": e.data_bytes, "comm_bytes": e.comm_bytes,
                         "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes, "payload_bytes": e.payload_bytes,
                         "recv_bytes": e.recv_bytes})
     ops = [{"kind": r.op.kind.value, "segment": r.op.segment, "phase": r.op.phase, "tensor": r.op.tensor,
@@ -164,7 +165,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
             "route": r.op.route, "bytes": r.op.bytes, "moved_bytes": r.bytes, "attrs": r.op.attrs,
             "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
     sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                "total_bytes", "flops")
+                "step_bytes", "data_bytes", "comm_bytes", "total_bytes", "flops")
     doc = {
         "format": JSON_FORMAT,
         "name": plan.name,
@@ -210,7 +211,7 @@ def build_and_plan(spec, progress=None):
         progress(f"built {len(graph.layers)} layers, {graph.total_params:,} parameters "
                  f"({time.perf_counter() - t0:.1f}s); planning ...")
     plan = lower(place(spec, graph), spec, graph)
-    est = estimate(plan, graph, spec.training.optimizer)
+    est = estimate(plan, graph, spec.training.optimizer, spec.training.prefetch)
     if spec.pipeline and torch_pipeline_blocker(spec) and any(o.phase == "bwd_weight" for o in plan.unique_ops()):
         est = dataclasses.replace(est, notes=est.notes + (  # what codegen/loops.py runs, said plainly
             "placer's own loops run this schedule: each I runs the whole backward and each W nothing "

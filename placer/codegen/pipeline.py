@@ -52,7 +52,7 @@ class PipelineWriter(TrainWriter):
         c(f"seg{k} = opt{k} = None")
         self.c(f"if {self.cond(seg.ranks)}:").indent()
         if self.replicated:
-            c(f"stage = {seg.func}(model).to(device)", *MODES[seg.mode].emit_stage(seg, self.checkpoint))
+            c(f"stage = {self.placed(f'{seg.func}(model)')}", *MODES[seg.mode].emit_stage(seg, self.checkpoint))
             if seg.has_params:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
             self.norm_share(seg)
@@ -61,7 +61,7 @@ class PipelineWriter(TrainWriter):
         if self.cut:
             c(f"model, pipe = cut_model({seg.rows})", f"seg{k} = {seg.func}(model, pipe).to(device)")
         else:
-            c(f"seg{k} = {seg.func}(model).to(device)")
+            c(f"seg{k} = {self.placed(f'{seg.func}(model)')}")
         if seg.has_params:
             if self.degree > 1:
                 c(f"if rank == {seg.owner}:", f"    own.update(named_params(seg{k}, model))")

@@ -119,13 +119,15 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     nproc = max(per_node.values())
     from placer.estimate.memory import memory
 
-    planned = {d: m.total_bytes for d, m in memory(plan, graph, spec.training.optimizer).items()}
+    planned = {d: m.total_bytes for d, m in memory(plan, graph, spec.training.optimizer, spec.training.prefetch).items()}
     program = Program("", devices, nproc, len(per_node), planned)
     used = set().union(*(MODES[s.mode].runtime(s, bool(pl)) for s in segs))
     used |= {"replicate"} if not pl and (segs[-1].loss_gather or any(
         TrainWriter.relaid(a, b) for a, b in zip(segs, segs[1:]))) else set()
     used |= {"ties"} if tied else set()
     used |= {"lockstep"} if ls else set()
+    cut = not spec.model.inline and len(segs) > 1 and not ls  # torch's pipelining cuts the module model
+    used |= {"seed"} if not ls and not cut else set()  # ranks materialise only their segments (TrainWriter.seeded)
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
     used |= {"recompute"} if pl and any(s.recompute for s in segs) else set()
     used |= {"precision"} if pl and spec.training.precision == "bf16" else set()
@@ -134,8 +136,6 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
-    module_model = not spec.model.inline
-    cut = module_model and len(segs) > 1 and not ls
     ckpt = spec.training.checkpoint is not None
     # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [

@@ -83,6 +83,17 @@ class TrainWriter(TrainingOptions):
         self.gathered = [s for s in segs if s.sharded_params and s.has_params and len(s.ranks) > 1]
         self.own = "owned()" if self.gathered else "own"
 
+    @property
+    def seeded(self) -> bool:
+        """Whether ranks build the model on the meta device and materialise only their segments
+        from the seed file (runtime/seed.py): not in lockstep, which runs the whole model on
+        every rank, nor where torch's pipelining cuts it."""
+        return not self.lockstep and not self.cut
+
+    def placed(self, stage: str) -> str:
+        """The stage module `stage` on this rank's device, with its seed values."""
+        return f"materialize({stage}, model, seed, device)" if self.seeded else f"{stage}.to(device)"
+
     # -- small helpers ----------------------------------------------------------------------------
     def cond(self, ranks) -> str | None:
         """The condition `rank` is one of `ranks` (None: every rank is)."""
@@ -167,7 +178,12 @@ class TrainWriter(TrainingOptions):
               "# glue); each placed layer runs only on its segment's rank (Lockstep, below)",
               "model = build_model().to(device)")
         elif not self.cut:
-            c("", "model = build_model()  # every rank builds the whole model from the seed, then keeps its part")
+            c("", "# the first worker of each machine builds the whole model from the seed once and saves it;",
+              "# every rank builds it on the meta device (no memory) and takes its own segments' values",
+              "with uncounted():  # set-up, not training: left out of the bytes sent",
+              "    seed = seed_tensors(build_model, args.out)",
+              'with torch.device("meta"):',
+              "    model = build_model()")
         c("own = {}  # name -> parameter, for those this rank owns (saved at the end)",
           "if args.grads and not resuming(args):  # run --check compares the first step's gradients too",
           "    record_first_grads(own)")
@@ -175,6 +191,8 @@ class TrainWriter(TrainingOptions):
             c("norm_params = []  # the parameters whose gradients this rank counts in the global norm")
         for seg in self.segs:
             self.setup_segment(seg)
+        if self.seeded:
+            c("del seed  # the rest of the model stays on the meta device: this rank holds only what it owns")
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
@@ -222,7 +240,7 @@ class TrainWriter(TrainingOptions):
         if self.cut:
             c(f"model, pipe = cut_model({seg.rows})", f"stage = {seg.func}(model, pipe).to(device)")
         else:
-            c(f"stage = {seg.func}(model).to(device)")
+            c(f"stage = {self.placed(f'{seg.func}(model)')}")
         if seg.has_params and seg not in self.gathered:  # (split parameters are saved through owned())
             if seg.owner in seg.holders and len(seg.holders) > 1:
                 c(f"if rank == {seg.owner}:").indent()("own.update(named_params(stage, model))").dedent()

@@ -74,9 +74,10 @@ class Estimate:
         return self.per_device
 
 
-def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> Estimate:
-    """Memory, communication and FLOPs of one step of the plan, per device and in total."""
-    mem = memory(plan, graph, optimizer)
+def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2) -> Estimate:
+    """Memory, communication and FLOPs of one step of the plan, per device and in total
+    (`prefetch`: training.prefetch, the batches made ahead)."""
+    mem = memory(plan, graph, optimizer, prefetch)
     fl = flops(plan, graph)
     comm = communication(plan)
     slots, known = state_slots(optimizer)

@@ -12,6 +12,13 @@
   micro-batch in flight: the peak of a walk through the device's ops where a
   forward keeps its chunk's activations and a backward frees them (GPipe: m
   micro-batches; 1F1B: min(m, p - stage); interleaved: as its order runs).
+- Step temporaries (`step_bytes`): what the optimizer step allocates and frees. torch's Adam
+  and AdamW step a CPU tensor at a time (a sqrt and a quotient of the largest: 2 of its size)
+  and CUDA tensors all at once (`_foreach_sqrt` of every state: 1 of everything); RMSprop one.
+- Batches (`data_bytes`): every rank makes each step's whole input, `prefetch` ahead plus
+  the one in use (targets left out).
+- Communication buffers (`comm_bytes`): DDP's gradient buckets (a copy of the gradients);
+  FSDP2 gathers one unit's whole parameters and its whole gradients before reduce-scatter.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 
 from placer.model.graph import ModelGraph
 from placer.modes import MODES
+from placer.plan.crossings import ITEMSIZE
 from placer.plan.ir import OpKind, PlacedSegment, Plan
 from placer.plan.layout import in_layout
 from placer.plan.place import steppers
@@ -28,6 +36,8 @@ from placer.spec.types import Optimizer
 KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
                "Adagrad": 1, "ASGD": 1}
 ASSUMED_SLOTS = 2
+STEP_TEMPORARIES = {"Adam": 2, "AdamW": 2, "RMSprop": 1}
+"""Parameter-sized temporaries of one tensor's step on CPU (on CUDA, foreach: half as many of all)."""
 
 
 def state_slots(opt: Optimizer) -> tuple[int, bool]:
@@ -58,10 +68,22 @@ class DeviceMemory:
     optimizer_bytes: int = 0
     activation_bytes: int = 0
     """Peak bytes of activations kept for backward."""
+    step_bytes: int = 0
+    """The optimizer step's temporaries."""
+    data_bytes: int = 0
+    """Batches made ahead and the one in use."""
+    comm_bytes: int = 0
+    """DDP's gradient buckets, FSDP2's gathered unit."""
+
+    @property
+    def working_bytes(self) -> int:
+        """What torch allocates besides the model, its gradients, state and activations."""
+        return self.step_bytes + self.data_bytes + self.comm_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes
+                + self.activation_bytes + self.working_bytes)
 
 
 def _share(x: int, d: int, r: int) -> int:
@@ -81,14 +103,23 @@ def _roots(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int, int]:
     return n, b, buf
 
 
+def held_layers(seg: PlacedSegment, graph: ModelGraph, device: str) -> list[tuple[int, int, int]]:
+    """(parameter elements, parameter bytes, buffer bytes) of each layer of a segment that
+    `device` holds (before `shard: full`)."""
+    d = len(seg.devices)
+    r = seg.devices.index(device) if device in seg.devices else 0
+    info = [graph.layer(x) for x in seg.layers]
+    return [(k, k * l.param_bytes // l.params if l.params else 0, kb)
+            for l, (k, kb) in zip(info, MODES[seg.mode].held(seg, info, d, r, _share))]
+
+
 def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int, int, int]:
     """(parameter elements, parameter bytes, buffer bytes) of a segment that `device` holds."""
     d = len(seg.devices)
     r = seg.devices.index(device) if device in seg.devices else 0
-    info = [graph.layer(x) for x in seg.layers]
     n = b = buf = 0
-    for l, (k, kb) in zip(info, MODES[seg.mode].held(seg, info, d, r, _share)):
-        n, b, buf = n + k, b + (k * l.param_bytes // l.params if l.params else 0), buf + kb
+    for k, kb, bb in held_layers(seg, graph, device):
+        n, b, buf = n + k, b + kb, buf + bb
     rn, rb, rbuf = _roots(seg, graph)
     tn, tb = copy_elements(seg, graph)  # its own copy of a parameter tied to another segment's layer
     n, b, buf = n + rn + tn, b + rb + tb, buf + rbuf
@@ -97,11 +128,15 @@ def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int
     return n, b, buf
 
 
-def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> dict[str, DeviceMemory]:
-    """Bytes per device for one step of the plan."""
+def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2) -> dict[str, DeviceMemory]:
+    """Bytes per device for one step of the plan (`prefetch`: training.prefetch)."""
     slots, _ = state_slots(optimizer)
-    acc = {dev: dict(params=0, param_bytes=0, buffer_bytes=0, grad_bytes=0, optimizer_bytes=0)
-           for dev in plan.devices}
+    batch = ITEMSIZE.get(graph.input_dtype, 4)
+    for n in graph.input_shape:
+        batch *= n
+    acc = {dev: dict(params=0, param_bytes=0, buffer_bytes=0, grad_bytes=0, optimizer_bytes=0, step_bytes=0,
+                     data_bytes=batch * (prefetch + 1), comm_bytes=0) for dev in plan.devices}
+    temps = STEP_TEMPORARIES.get(optimizer.op, 0)
     for seg in plan.segments:
         server = seg.server
         holders = seg.devices + ((server,) if server and server not in seg.devices else ())
@@ -114,10 +149,14 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer) -> dict[str, Dev
             a["param_bytes"] += b
             a["buffer_bytes"] += buf
             a["grad_bytes"] += b  # computed here, or (a server) summed into here
+            largest = max((kb for _, kb, _ in held_layers(seg, graph, dev)), default=0)
+            a["comm_bytes"] += MODES[seg.mode].comm_buffers(seg, b, largest)
             if dev in stepping:
                 r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
                 state = slots * b
                 a["optimizer_bytes"] += _share(state, d, r) if shard == "optimizer" else state
+                step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
+                a["step_bytes"] = max(a["step_bytes"], step)
     act = activations(plan, graph)
     return {dev: DeviceMemory(activation_bytes=act[dev], **acc[dev]) for dev in plan.devices}
 

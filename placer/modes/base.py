@@ -102,6 +102,11 @@ class Mode:
         (`share(n, d, r)`: its part of n split d ways)."""
         return [(l.params, l.buffer_bytes) for l in info]
 
+    def comm_buffers(self, seg, held: int, largest: int) -> int:
+        """Bytes of communication buffers a device of the segment allocates in a step, given the
+        parameter bytes it holds and those of its largest layer."""
+        return 0
+
     # -- the program --------------------------------------------------------------------------------
     def describe(self, seg, devices) -> str:
         """What the group does, for the program's comments ('' for one device)."""

@@ -204,6 +204,13 @@ class Data(Mode):
                 "syncbn": seg.sync_batchnorm, "tensor": seg.shard == "full", "sharding": seg.shard != "none"}
         return {piece for piece, on in used.items() if on}
 
+    def comm_buffers(self, seg, held, largest):
+        if seg.options.get("shard") == "full":  # FSDP2: one unit gathered whole, then its whole gradients
+            return 2 * largest
+        if seg.options.get("sync") == "allreduce" and seg.options.get("overlap"):
+            return held  # DDP's buckets: a copy of the gradients
+        return 0
+
     def emit_stage(self, seg, resumable):
         return emit_stage(seg.k, seg.shard, uses_ddp(seg), seg.bucket_mb, resumable)
 

@@ -49,6 +49,27 @@ def bytes_by_kind(est) -> dict:
     return out
 
 
+def test_working_memory_follows_the_optimizer_the_device_and_the_sync(tmp_path):
+    """What torch allocates in a step besides weights, gradients, state and activations."""
+    cpu_adam = """\
+        devices: [cpu, cpu:1]
+        placement:
+          - {layers: fc1..act, device: cpu}
+          - {layers: fc2, devices: [cpu, cpu:1], parallel: {mode: data, overlap: false}}
+        """
+    _, est = plan_of(tmp_path, cpu_adam, optimizer="{op: Adam, lr: 0.001}")
+    cpu, cpu1 = est.per_device["cpu"], est.per_device["cpu:1"]
+    # on CPU Adam steps one tensor at a time: two temporaries of the largest layer it steps,
+    # fc1 (576 B) on cpu, fc2 (272 B) on cpu:1; no DDP (overlap: false), so no buckets
+    assert (cpu.step_bytes, cpu1.step_bytes) == (2 * 576, 2 * 272)
+    assert cpu.comm_bytes == cpu1.comm_bytes == 0
+    _, sgd = plan_of(tmp_path, cpu_adam)
+    assert sgd.per_device["cpu"].step_bytes == 0  # SGD steps in place
+    _, fsdp = plan_of(tmp_path, cpu_adam.replace("overlap: false", "shard: full"))
+    # FSDP2 gathers fc2 whole (272 B) and its whole gradient before reduce-scattering it
+    assert fsdp.per_device["cpu:1"].comm_bytes == 2 * 272
+
+
 def test_data_parallel_allreduce(tmp_path):
     plan, est = plan_of(tmp_path, """\
         devices: [cuda:0, cuda:1, cuda:2, cuda:3]
@@ -62,7 +83,10 @@ def test_data_parallel_allreduce(tmp_path):
         # saved for backward, batch 16: fc1's input 16*8*4 = 512, ReLU's output 16*16*4 = 1024
         # (fc2 saves the same tensor); each device has 1/4 of the batch: 1536 / 4
         assert e.activation_bytes == 384
-        assert e.total_bytes == 848 * 4 + 384
+        # Adam on CUDA steps all tensors at once: a sqrt of every exp_avg_sq, 848; the whole input
+        # batch 16*8*4 = 512 made on every rank, 2 ahead and 1 in use; DDP's buckets, 848
+        assert (e.step_bytes, e.data_bytes, e.comm_bytes) == (848, 3 * 512, 848)
+        assert e.total_bytes == 848 * 4 + 384 + 848 + 3 * 512 + 848
         # forward 2*16*8*16 + 2*16*16*4 = 4096 + 2048 = 6144; x3 for the step, / 4 devices
         assert e.flops == 4608
     # one 848-byte bucket, ring of 4: each device sends 2*3/4*848 = 1272 to the next

@@ -1,0 +1,58 @@
+# seed: a rank holds only what it owns. The first worker of each machine builds the whole model
+# once from the seed and saves its tensors (a seed checkpoint, as torchtitan makes one); every
+# rank builds the model on the meta device, which holds no memory, and gives only its own
+# segments' parameters and buffers their values, read through a memory map of that file: equal
+# to the one-device reference's bit for bit, and the rest of the model is never held.
+import os
+import tempfile
+import uuid
+
+import torch
+import torch.distributed as dist
+
+
+def seed_tensors(build, folder=None):
+    """name -> seed value of every parameter and buffer of `build()` (non-persistent buffers
+    too), memory-mapped: pages are read only where a rank copies them. The file lives in
+    `folder` (the run directory) or the temporary folder, and is removed once every rank
+    has mapped it."""
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)  # one name for the file, on every machine
+    node = os.environ.get("GROUP_RANK", "0")
+    path = os.path.join(folder or tempfile.gettempdir(), f"seed-{token[0]}-node{node}.pt")
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if first:
+        model = build()
+        tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        torch.save({name: t.detach() for name, t in tensors}, path)
+        del model, tensors
+    dist.barrier()
+    try:
+        seed = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    finally:
+        dist.barrier()  # every rank of this machine has the file open: it can go
+        if first:
+            os.remove(path)
+    return seed
+
+
+def materialize(stage, model, seed, device):
+    """`stage` (modules of `model`, built on the meta device) with its parameters and buffers
+    copied from `seed` onto `device`; a tensor that several modules share stays one."""
+    names = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), name)
+    made = {}
+    for module in stage.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    src = seed[names[id(t)]]
+                    value = torch.empty_like(src, device=device).copy_(src)  # not the mapped file's pages
+                    if isinstance(t, torch.nn.Parameter):
+                        value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+                    made[id(t)] = (t, value)  # (t kept: its id stays its own)
+                table[key] = made[id(t)][1]
+    return stage
