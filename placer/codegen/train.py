@@ -11,8 +11,8 @@ a SUM and the step equals the one-device step on the whole batch.
 Groups hold activations in one of three layouts (`Seg.layout`): slices of a dim (rows of
 a data group, bands of a spatial one), the whole tensor on every rank (channel, tensor),
 or one rank. `relayout` moves between any two. A gpipe pipeline that torch's schedules
-cannot run is this same step inside micro-batch loops (`gpipe_step`); a 1f1b one runs
-each rank's actions in the schedule's order (codegen/loops.py).
+cannot run is this same step inside micro-batch loops (`gpipe_step`); under another schedule
+each rank runs its actions in the schedule's order (codegen/loops.py), with the same copies.
 """
 from __future__ import annotations
 
@@ -435,13 +435,14 @@ class TrainWriter(TrainingOptions):
     def forward_line(self, seg: Seg, arg: str) -> None:
         """`h{k} = seg{k}(arg)` on the segment's ranks. With precision bf16 under autocast, the
         output cast back to float32 to cross to the next segment (exact: autocast rounds it to
-        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is."""
+        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is,
+        but where its bands are gathered for the loss (the copy is of float32)."""
         c, call = self.c, self.call(seg, arg)
         c(*self.recompute_note(seg))
         if not self.bf16:
             c(f"h{seg.k} = {self.guarded(call, seg.ranks)}")
             return
-        if seg.k < len(self.segs) - 1 and seg.out_dtype == "float32":
+        if (seg.k < len(self.segs) - 1 or seg.loss_gather) and seg.out_dtype == "float32":
             call += ".float()"
         c("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16",
           f"    h{seg.k} = {self.guarded(call, seg.ranks)}")

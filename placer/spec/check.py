@@ -221,16 +221,16 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
 def own_loops_blocker(spec: Spec) -> tuple[int | None, str] | None:
     """Why placer's own micro-batch loops cannot run the spec's stages in its schedule's order,
     as torch_pipeline_blocker says it, or None when they can. GPipe's loops run any stages; the
-    other schedules' (codegen/loops.py) take stages that are one device or cut the batch by rows
-    over all their devices (data), so that every copy is a row-wise `redistribute` whose send and
-    receive halves run in different actions."""
+    other schedules' (codegen/loops.py) take stages whose group holds the activation as rows,
+    bands or whole on each rank (every mode over one dim of devices), so that every copy is a
+    `redistribute` or `relayout` whose send and receive halves run in different actions."""
     assert spec.pipeline is not None
     if spec.pipeline.schedule == "gpipe":
         return None
     for k, seg in enumerate(spec.placement):
         n = len(seg.devices)
-        if n > 1 and MODES[seg.parallel.mode].data_degree(n) != n:
-            return k, f"mode {seg.parallel.mode!r} beside stages of other modes or sizes"
+        if 1 < MODES[seg.parallel.mode].data_degree(n) < n:
+            return k, f"a 2-D stage (mode {seg.parallel.mode!r} inside data replicas) beside other stages"
     return None
 
 
@@ -295,8 +295,8 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
     if own:
         diags.append(D("W005", f"{own[1]} cannot run under schedule {pl.schedule!r}: placer generates it "
                        "only as gpipe", stages[own[0]].loc if own[0] is not None else loc, "use schedule gpipe, "
-                       "or make every stage one device or data parallel (placer's own loops run those under "
-                       "every schedule)", severity="warning"))
+                       "or a one-dimensional split or data parallelism for that stage (placer's own loops run "
+                       "those under every schedule)", severity="warning"))
     problem = sched.microbatch_problem(m, n, p)
     if problem:
         diags.append(D("P049", f"schedule {pl.schedule!r} needs {problem[0]}", loc, problem[1]))
