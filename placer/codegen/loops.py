@@ -74,8 +74,8 @@ def lockstep_step(w: "TrainWriter") -> None:
     c, last = w.c, w.segs[-1]
     head(w, "in lockstep (F: the whole model's forward of a micro-batch, B: this rank's backward of it)", False)
     c('if kind == "F":').indent()
-    c("out = model(xs[mb].to(device))", "loss = None")
-    w.when(last.ranks, "loss = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
+    c(*w.autocast("out = model(xs[mb].to(device))"), "loss = None")
+    w.when(last.ranks, *w.autocast("loss = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)"))
     c("saved[mb] = (loss, crossing.take(wait=False))").dedent()
     c("else:").indent()
     c("loss, crossed = saved.pop(mb)", 'with timer("comm"):',

@@ -197,6 +197,10 @@ class TrainWriter(TrainingOptions):
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
               "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
+            for seg in self.segs:
+                if seg.recompute:
+                    self.when(seg.ranks, f"# recompute: segment {seg.k}'s layers keep only their inputs; backward runs "
+                              "each forward again", f"recompute_layers(model, {list(seg.layers)!r})")
         if self.clip is not None:
             c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
@@ -275,7 +279,7 @@ class TrainWriter(TrainingOptions):
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
         if self.lockstep and self.orders:
             loops.lockstep_step(self)
-        elif self.lockstep:
+        elif self.lockstep and self.accumulate == 1:
             self.lockstep_step()
         elif self.orders:
             loops.stage_step(self)
@@ -308,9 +312,9 @@ class TrainWriter(TrainingOptions):
               f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []", f"for mb in range({m}):")
             c.indent()("x, y = xs[mb], ys[mb]")
         c("", "# forward: the whole model on every rank; what crosses a boundary is sent as it is made",
-          "out = model(x.to(device))",
+          *self.autocast("out = model(x.to(device))"),
           "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
-        self.when(last.ranks, "loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)")
+        self.when(last.ranks, *self.autocast("loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)"))
         if m:
             c("saved.append((loss, crossing.take()))").dedent()
             c("mb_losses = []", "for loss, crossed in saved:").indent()
@@ -320,7 +324,15 @@ class TrainWriter(TrainingOptions):
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
 
+    def autocast(self, line: str) -> list[str]:
+        """`line`, under autocast with precision bf16."""
+        return ["with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16", f"    {line}"] \
+            if self.bf16 else [line]
+
     def forward_backward(self) -> None:
+        if self.lockstep:  # (accumulate's micro-steps)
+            self.lockstep_step()
+            return
         c, segs = self.c, self.segs
         c("", "# forward, segment by segment", 'STATUS.at(step, "forward")')
         for seg in segs:

@@ -10,7 +10,6 @@ import os
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
 from placer.modes import MODES
-from placer.plan.crossings import lockstep
 from placer.plan.schedules import SCHEDULES
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Spec, from_document
@@ -353,7 +352,8 @@ SPEC_LESS_SCHEDULERS = {
 def _check_training(spec: Spec) -> list[Diagnostic]:
     """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
     gradients of every segment before any step; P096: an option not run yet; P094 / P095: the
-    micro-steps of accumulate split the batch evenly, and not a pipeline's."""
+    micro-steps of accumulate split the batch evenly, and not a pipeline's. (Lockstep runs every
+    option: P097 retired.)"""
     t, diags = spec.training, []
     sched = t.lr_schedule
     if sched and sched.op not in torch_names.LR_SCHEDULERS:
@@ -388,15 +388,6 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                            f"placer yet: {why}, and recomputing would repeat that in backward",
                            spec.doc.loc(("placement", seg.index, "recompute")),
                            "recompute the one-device or data-parallel segments around it instead"))
-    if lockstep(spec, spec.placement):
-        unrun: list[tuple[str | None, str]] = [(k, what) for k, what, on in (
-            ("precision", f"precision {t.precision!r}", t.precision != "fp32"),
-            ("accumulate", f"accumulate {t.accumulate}", t.accumulate > 1)) if on]
-        unrun += [(None, f"recompute in segment {seg.name!r}") for seg in spec.placement if seg.recompute]
-        for key, what in unrun:
-            diags.append(D("P097", f"{what} with a module model placed one device per segment (run in lockstep) "
-                           "is not run by this placer yet", spec.doc.loc(("training", key)) if key else spec.model.loc,
-                           "leave it out here, or give the model as inline layers"))
     return diags
 
 
