@@ -11,8 +11,8 @@ a SUM and the step equals the one-device step on the whole batch.
 Groups hold activations in one of three layouts (`Seg.layout`): slices of a dim (rows of
 a data group, bands of a spatial one), the whole tensor on every rank (channel, tensor),
 or one rank. `relayout` moves between any two. A gpipe pipeline that torch's schedules
-cannot run is this same step inside micro-batch loops (`gpipe_step`); a 1f1b one runs
-each rank's actions in the schedule's order (codegen/loops.py).
+cannot run is this same step inside micro-batch loops (`gpipe_step`); under another schedule
+each rank runs its actions in the schedule's order (codegen/loops.py), with the same copies.
 """
 from __future__ import annotations
 
@@ -197,6 +197,10 @@ class TrainWriter(TrainingOptions):
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
               "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
+            for seg in self.segs:
+                if seg.recompute:
+                    self.when(seg.ranks, f"# recompute: segment {seg.k}'s layers keep only their inputs; backward runs "
+                              "each forward again", f"recompute_layers(model, {list(seg.layers)!r})")
         if self.clip is not None:
             c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
@@ -275,7 +279,7 @@ class TrainWriter(TrainingOptions):
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
         if self.lockstep and self.orders:
             loops.lockstep_step(self)
-        elif self.lockstep:
+        elif self.lockstep and self.accumulate == 1:
             self.lockstep_step()
         elif self.orders:
             loops.stage_step(self)
@@ -308,9 +312,9 @@ class TrainWriter(TrainingOptions):
               f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []", f"for mb in range({m}):")
             c.indent()("x, y = xs[mb], ys[mb]")
         c("", "# forward: the whole model on every rank; what crosses a boundary is sent as it is made",
-          "out = model(x.to(device))",
+          *self.autocast("out = model(x.to(device))"),
           "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
-        self.when(last.ranks, "loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)")
+        self.when(last.ranks, *self.autocast("loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)"))
         if m:
             c("saved.append((loss, crossing.take()))").dedent()
             c("mb_losses = []", "for loss, crossed in saved:").indent()
@@ -320,7 +324,15 @@ class TrainWriter(TrainingOptions):
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
 
+    def autocast(self, line: str) -> list[str]:
+        """`line`, under autocast with precision bf16."""
+        return ["with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16", f"    {line}"] \
+            if self.bf16 else [line]
+
     def forward_backward(self) -> None:
+        if self.lockstep:  # (accumulate's micro-steps)
+            self.lockstep_step()
+            return
         c, segs = self.c, self.segs
         c("", "# forward, segment by segment", 'STATUS.at(step, "forward")')
         for seg in segs:
@@ -435,13 +447,14 @@ class TrainWriter(TrainingOptions):
     def forward_line(self, seg: Seg, arg: str) -> None:
         """`h{k} = seg{k}(arg)` on the segment's ranks. With precision bf16 under autocast, the
         output cast back to float32 to cross to the next segment (exact: autocast rounds it to
-        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is."""
+        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is,
+        but where its bands are gathered for the loss (the copy is of float32)."""
         c, call = self.c, self.call(seg, arg)
         c(*self.recompute_note(seg))
         if not self.bf16:
             c(f"h{seg.k} = {self.guarded(call, seg.ranks)}")
             return
-        if seg.k < len(self.segs) - 1 and seg.out_dtype == "float32":
+        if (seg.k < len(self.segs) - 1 or seg.loss_gather) and seg.out_dtype == "float32":
             call += ".float()"
         c("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16",
           f"    h{seg.k} = {self.guarded(call, seg.ranks)}")

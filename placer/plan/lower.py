@@ -129,10 +129,12 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     """One COPY per crossing tensor and receiving device (attrs: `of` the producing layer, its
     output `leaf`, `from` its segment), at the points the lockstep program moves it: forward after
     the producer's segment and before the consumer's; the gradient after every later segment's
-    backward on the receiving device and before the producer's backward."""
+    backward on the receiving device and before the producer's backward. With accumulate, once
+    per micro-step: a leaf that is not cut by rows (rotary's cos / sin) crosses N times."""
     ops = {d: list(v) for d, v in plan.ops.items()}
     segs = plan.segments
     found = crossings(segs, graph)
+    n = plan.accumulate
 
     def xing(o: Op, phase: str, src: int) -> bool:
         return o.attrs.get("from") == src and o.phase == phase
@@ -140,7 +142,7 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     for c in found:
         attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
         fwd = Op(kind=OpKind.COPY, devices=(c.src_device, c.dst_device), segment=c.dst, phase="fwd", tensor="act",
-                 bytes=c.bytes, route=segs[c.dst].route, src=(c.src_device,), dst=(c.dst_device,), attrs=attrs)
+                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.src_device,), dst=(c.dst_device,), attrs=attrs)
         lst = ops[c.src_device]
         lst.insert(_found(_last(lst, lambda o: _is_compute(o, c.src, ("fwd",)) or xing(o, "fwd", c.src))) + 1, fwd)
         lst = ops[c.dst_device]
@@ -148,7 +150,7 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     for c in sorted((c for c in found if c.grad), key=lambda c: -c.src):
         attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
         bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, c.src_device), segment=c.dst, phase="bwd", tensor="grad",
-                 bytes=c.bytes, route=segs[c.dst].route, src=(c.dst_device,), dst=(c.src_device,), attrs=attrs)
+                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.dst_device,), dst=(c.src_device,), attrs=attrs)
         lst = ops[c.dst_device]
         lst.insert(_found(_last(lst, lambda o: (o.kind == OpKind.COMPUTE and o.segment > c.src and o.phase in BWD)
                                 or (o.phase == "bwd" and "from" in o.attrs))) + 1, bwd)

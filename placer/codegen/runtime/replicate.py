@@ -31,7 +31,16 @@ def Replicate(ranks):
     return Layout(list(ranks), 0, True)
 
 
-def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device):
+def _settle(posted, receives, pending):
+    """Wait for `posted`, or (a rank that only sends, given a `pending` list) leave it there to be
+    waited on later: placer's loops in a schedule's order let no send hold a rank up."""
+    if not receives and pending is not None:
+        pending.append(posted)
+    else:
+        posted.wait()
+
+
+def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device, pending=None, tag=0):
     """x is the whole tensor on every rank of holders: each rank of dst_ranks gets its slice
     along dim (the whole tensor if `whole`) from its own copy if it holds one, else from a
     holder, the i-th destination from holders[i % len(holders)] (placer plan's choice).
@@ -43,7 +52,7 @@ def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, de
     with torch.no_grad():
         for peer, (a, b) in parts.items():
             if sender[peer] == rank and peer != rank:
-                posted.send(x.narrow(dim, a, b - a), peer)
+                posted.send(x.narrow(dim, a, b - a), peer, tag)
         if rank in parts:
             a, b = parts[rank]
             if rank in holders:
@@ -51,25 +60,25 @@ def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, de
             else:
                 shape = list(full_shape)
                 shape[dim] = b - a
-                mine = posted.recv(shape, dtype, sender[rank], device)
-        posted.wait()
+                mine = posted.recv(shape, dtype, sender[rank], device, tag)
+        _settle(posted, rank in parts, pending)
     return None if mine is None else mine.to(device)
 
 
 def redistribute_replicated(x, src_ranks, dst_ranks, full_shape, dim=0, src_replicated=False,
                             dst_replicated=False, dtype=torch.float32, route="direct",
-                            device="cpu"):
+                            device="cpu", pending=None, tag=0):
     """redistribute, where either side may be replicated. Returns this rank's tensor for
     dst_ranks (the whole tensor when dst_replicated), None outside dst_ranks. Every rank of
-    the program calls it."""
+    the program calls it (or, with `pending`, each side in its own turn: see redistribute)."""
     if src_replicated:
         return _from_copies(x, src_ranks, dst_ranks, full_shape, dim, dst_replicated, dtype,
-                            route, device)
+                            route, device, pending, tag)
     if not dst_replicated:
-        return redistribute(x, src_ranks, dst_ranks, full_shape, dim, dtype, route, device)
+        return redistribute(x, src_ranks, dst_ranks, full_shape, dim, dtype, route, device, pending, tag)
     mine = None
     for r in dst_ranks:  # one whole copy per destination rank, gathered from the slices
-        got = redistribute(x, src_ranks, [r], full_shape, dim, dtype, route, device)
+        got = redistribute(x, src_ranks, [r], full_shape, dim, dtype, route, device, pending, tag)
         if got is not None:
             mine = got
     return mine
@@ -77,13 +86,13 @@ def redistribute_replicated(x, src_ranks, dst_ranks, full_shape, dim=0, src_repl
 
 def redistribute_replicated_grad(grad, src_ranks, dst_ranks, full_shape, dim=0,
                                  src_replicated=False, dst_replicated=False,
-                                 dtype=torch.float32, route="direct", device="cpu"):
+                                 dtype=torch.float32, route="direct", device="cpu", pending=None, tag=0):
     """Backward of redistribute_replicated with the same arguments: grad is this rank's
     gradient of what it received (the same whole gradient on every rank of a replicated
     destination). Returns the gradient of what this rank sent (the whole gradient on every
     rank of a replicated source), None outside src_ranks."""
     return redistribute_replicated(grad, dst_ranks, src_ranks, full_shape, dim, dst_replicated,
-                                   src_replicated, dtype, route, device)
+                                   src_replicated, dtype, route, device, pending, tag)
 
 
 def _via(src, dst):
@@ -96,7 +105,7 @@ def _via(src, dst):
     return None
 
 
-def _across(x, src, dst, full_shape, dtype, route, device):
+def _across(x, src, dst, full_shape, dtype, route, device, pending=None, tag=0):
     """src and dst cut different dims (rows and bands): each src rank sends every dst rank the
     block where their slices meet, and each dst rank joins its blocks along src's dim."""
     (sr, sd, _), (dr, dd, _) = src, dst
@@ -110,15 +119,15 @@ def _across(x, src, dst, full_shape, dtype, route, device):
                 if peer == rank:
                     blocks[rows[rank][0]] = block
                 else:
-                    posted.send(block, peer)
+                    posted.send(block, peer, tag)
         if rank in bands:
             a, b = bands[rank]
             for peer, (lo, hi) in rows.items():
                 if peer != rank:
                     shape = list(full_shape)
                     shape[sd], shape[dd] = hi - lo, b - a
-                    blocks[lo] = posted.recv(shape, dtype, peer, device)
-        posted.wait()
+                    blocks[lo] = posted.recv(shape, dtype, peer, device, tag)
+        _settle(posted, rank in bands, pending)
         if rank not in bands:
             return None
         # inside no_grad: a view of x made under no_grad still requires grad, and the result
@@ -126,22 +135,26 @@ def _across(x, src, dst, full_shape, dtype, route, device):
         return torch.cat([blocks[k].to(device) for k in sorted(blocks)], dim=sd)
 
 
-def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
+def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu",
+             pending=None, tag=0):
     """Move an activation between two groups' Layouts: Shard (slices along dim over ranks: rows
     of a data group, bands of a spatial one) or Replicate (the whole tensor on every rank:
-    channel and tensor groups, or one rank). Every rank of the program calls."""
+    channel and tensor groups, or one rank). Every rank of the program calls; with `pending`
+    (placer's loops in a schedule's order) the senders call in their turn and the receivers in
+    theirs, a sender's messages left in `pending`, told from others by `tag`."""
     dim = _via(src, dst)
     if dim is None:
-        return _across(x, src, dst, full_shape, dtype, route, device)
+        return _across(x, src, dst, full_shape, dtype, route, device, pending, tag)
     return redistribute_replicated(x, src[0], dst[0], full_shape, dim, src[2], dst[2], dtype,
-                                   route, device)
+                                   route, device, pending, tag)
 
 
-def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
+def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu",
+                  pending=None, tag=0):
     """Backward of relayout with the same arguments: grad is this rank's gradient of what it
     received; returns the gradient of what it sent (None outside src's ranks)."""
     dim = _via(src, dst)
     if dim is None:
-        return _across(grad, dst, src, full_shape, dtype, route, device)
+        return _across(grad, dst, src, full_shape, dtype, route, device, pending, tag)
     return redistribute_replicated_grad(grad, src[0], dst[0], full_shape, dim, src[2], dst[2],
-                                        dtype, route, device)
+                                        dtype, route, device, pending, tag)
