@@ -193,7 +193,7 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]], skip=frozenset()) -> 
 
 def data_degree(seg) -> int:
     """Into how many parts a segment's group cuts each (micro-)batch."""
-    return MODES[seg.parallel.mode].data_degree(len(seg.devices))
+    return MODES[seg.parallel.mode].data_degree(len(seg.devices), seg.parallel.data)
 
 
 def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
@@ -229,7 +229,7 @@ def own_loops_blocker(spec: Spec) -> tuple[int | None, str] | None:
         return None
     for k, seg in enumerate(spec.placement):
         n = len(seg.devices)
-        if n > 1 and MODES[seg.parallel.mode].data_degree(n) != n:
+        if n > 1 and MODES[seg.parallel.mode].data_degree(n, seg.parallel.data) != n:
             return k, f"mode {seg.parallel.mode!r} beside stages of other modes or sizes"
     return None
 

@@ -7,6 +7,8 @@
 # on every rank. Input and output are the whole tensor on every rank ("replicated", see
 # replicate.py). The mesh is made from the segment's own process group, so a tensor group
 # may be any subset of the world; this works on CPU with gloo.
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -77,3 +79,22 @@ def unsharded_state_dict(module):
     """module.state_dict() with every DTensor (tensor parallel or FSDP) gathered whole, under
     the same names. A collective over each DTensor's mesh: every rank of it calls."""
     return whole_params(module.state_dict())
+
+
+def replica_slice(x, replicas, rank):
+    """The rows of x that the data replica holding `rank` computes (replicas: lists of ranks,
+    rows cut evenly across them in order): a 2-D segment's."""
+    i = next(i for i, run in enumerate(replicas) if rank in run)
+    size = x.shape[0] // len(replicas)
+    return x.narrow(0, i * size, size)
+
+
+@torch.no_grad()
+def all_reduce_slices(module, group):
+    """SUM each parameter's gradient (a DTensor's local slice) over group, the ranks that hold
+    the same slices in every data replica of a 2-D segment, in one flat message."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(v.view_as(g))
