@@ -15,7 +15,8 @@ from tests.distributed.test_run_modes import ATOL, ROOT, RTOL, STEPS, assert_sen
 
 pytestmark = pytest.mark.distributed
 
-SPECS = [("specs/mlp_tensor_data.yaml", 4), ("tests/cases/valid/tensor_data_whole_model/spec.yaml", 6)]
+SPECS = [("specs/mlp_tensor_data.yaml", 4), ("tests/cases/valid/tensor_data_whole_model/spec.yaml", 6),
+         ("tests/models/tinygpt_tensor_data.yaml", 4)]  # the shipped TinyGPT: DTensor blocks in each replica
 
 
 @pytest.mark.parametrize("spec,workers", SPECS, ids=[Path(s).parent.name if s.endswith("spec.yaml") else Path(s).stem
