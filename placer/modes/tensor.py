@@ -84,9 +84,13 @@ def positions(devices: Sequence, replicas: int) -> list[list]:
 
 
 def check_replicas(spec, seg) -> list[Diagnostic]:
-    """P031 unless `data: D` cuts the group into replicas of at least 2 devices; P030 unless D
-    divides the batch; P032 in a pipeline (not generated yet)."""
-    d, n = seg.parallel.data, len(seg.devices)
+    """P033 for `shard` without replicas; P031 unless `data: D` cuts the group into replicas of
+    at least 2 devices; P030 unless D divides the batch; P032 in a pipeline or with shard
+    optimizer (not generated yet)."""
+    d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
+    if shard != "none" and d == 1:
+        return [Diagnostic("P033", f"segment {seg.name!r}: tensor with shard {shard!r} needs data replicas to shard "
+                           "over", seg.parallel.loc, "add `data: D` (2-D: FSDP2 x TP over D replicas), or drop shard")]
     if d == 1:
         return []
     loc = spec.doc.loc(("placement", seg.index, "parallel", "data"))
@@ -99,9 +103,10 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
         return [Diagnostic("P030", f"batch_size {t.batch_size} is not divisible by the {d} data replicas of "
                            f"segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
                            f"use a multiple of {d * t.accumulate}")]
-    if spec.pipeline:
-        return [Diagnostic("P032", f"segment {seg.name!r}: tensor with data replicas in a pipeline is not generated "
-                           "by this version of placer", loc, "drop `data` (or the pipeline) there")]
+    if spec.pipeline or shard == "optimizer":
+        what = "in a pipeline" if spec.pipeline else "and shard 'optimizer'"
+        return [Diagnostic("P032", f"segment {seg.name!r}: tensor with data replicas {what} is not generated "
+                           "by this version of placer", loc, "use shard none or full, without a pipeline, there")]
     return []
 
 
@@ -115,9 +120,19 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
     for p, group in enumerate(positions(seg.devices, d)):
         # each layer's bytes (root parameters it consumes included) less the slices others hold
         held_elems = MODE.held(seg, info, len(seg.devices), p, lambda n, k, r: n // k + (r < n % k))
-        nbytes = sum(sizes[l.name] - (l.params - k) * l.param_bytes // max(l.params, 1)
-                     for l, (k, _) in zip(info, held_elems))
-        a.step_pre.append(op(OpKind.ALL_REDUCE, "step", "grads", nbytes, devices=tuple(group),
+        layer_bytes = [sizes[l.name] - (l.params - k) * l.param_bytes // max(l.params, 1)
+                       for l, (k, _) in zip(info, held_elems)]
+        if seg.options.get("shard") == "full":  # FSDP2 over the replicas, a unit per layer, as for data
+            for i, (l, pb) in enumerate(zip(info, layer_bytes)):
+                if pb:
+                    a.cuts |= {i, i + 1}
+                    kw = dict(devices=tuple(group), attrs={"replicas": d})
+                    a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name, **kw), scale=False)
+                    a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name, **kw), scale=False)
+                    a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name, **kw), scale=False,
+                          weight=True)
+            continue
+        a.step_pre.append(op(OpKind.ALL_REDUCE, "step", "grads", sum(layer_bytes), devices=tuple(group),
                              attrs={"replicas": d}))
 
 
@@ -261,8 +276,24 @@ def emit_groups(k: int, ranks, replicas: int) -> list[str]:
     return out
 
 
+def emit_fsdp_stage(seg) -> list[str]:
+    """FSDP2 x TP, as torch's 2-D recipe builds it: a 2-D DeviceMesh (dp, tp) of the segment's
+    ranks, the tensor split over its tp dim, then fully_shard per unit and root over its dp dim."""
+    k, reps = seg.k, runs(seg.ranks, seg.replicas)
+    tp, dp = f'mesh{k}["tp"]', f'mesh{k}["dp"]'
+    split = (f"tensor_parallelize_blocks(stage, {tp}, {[(tuple(c.split('+')), r) for c, r in seg.pairs]!r}, "
+             "device.type)  # ((column halves), row half)" if seg.blocks else
+             f"tensor_parallelize(stage, {tp}, {list(seg.pairs)!r}, device.type)  # (column, row) Linear pairs")
+    return [f"# FSDP2 x TP: a 2-D mesh, rows the {seg.replicas} data replicas, columns the ranks of each",
+            f'mesh{k} = DeviceMesh.from_group([dp{k}, g{k}], device.type, mesh={reps}, mesh_dim_names=("dp", "tp"))',
+            split,
+            f"seg{k} = fully_shard_segment(stage, {dp}, device.type)  # gradients reduce-scattered over dp"]
+
+
 def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
     """A 2-D segment's gradient sync (the same slices summed over the replicas) and step."""
+    if seg.shard == "full":  # FSDP2 reduce-scattered them in backward
+        return seg.ranks, [f"opt{seg.k}.step()"]
     return seg.ranks, ['with timer("comm"):',
                        f"    all_reduce_slices(seg{seg.k}, dp{seg.k})  # summed over the {seg.replicas} data replicas",
                        f"opt{seg.k}.step()"]
@@ -270,7 +301,7 @@ def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
 
 class Tensor(Mode):
     name = "tensor"
-    options_keys = ("data",)
+    options_keys = ("data", "shard")
     whole_on_each = True
     forward_sends_activations = True
 
@@ -294,7 +325,8 @@ class Tensor(Mode):
         return replicas
 
     def options(self, p, layers, graph):
-        return ({} if graph.traced_with == "inline" else {"blocks": True}) | ({"data": p.data} if p.data > 1 else {})
+        return ({} if graph.traced_with == "inline" else {"blocks": True}) | (
+            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {})
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
@@ -325,20 +357,30 @@ class Tensor(Mode):
     def describe(self, seg, devices):
         if seg.replicas > 1:
             what = "each block's projections" if seg.blocks else "the Linear pairs"
+            how = ("parameters sharded over the replicas by FSDP2 (FSDP2 x TP)" if seg.shard == "full" else
+                   "gradients summed over the replicas after backward")
             return (f"tensor x data: {seg.replicas} data replicas {runs(seg.ranks, seg.replicas)}, each splitting "
-                    f"{what} by columns then rows; gradients summed over the replicas after backward")
+                    f"{what} by columns then rows; {how}")
         if seg.blocks:
             return (f"tensor parallel over {len(seg.ranks)} ranks: in each block, q/k/v and up/gate split by columns "
                     "(heads), the output and down projections by rows; other layers whole")
         return f"tensor parallel, Linear pairs split by columns then rows over {len(seg.ranks)} ranks"
 
     def runtime(self, seg, torch_pipeline):
-        return {"tensor"}
+        return {"tensor", "sharding"} if seg.shard == "full" else {"tensor"}
+
+    def recompute_blocker(self, p):
+        return "FSDP2 gathers the parameters in its forward" if p.shard == "full" else None
+
+    def comm_buffers(self, seg, held, largest):
+        return 2 * largest if seg.options.get("shard") == "full" else 0  # FSDP2: one unit gathered, its gradients
 
     def emit_sync(self, seg):
         return emit_sync(seg) if seg.replicas > 1 else super().emit_sync(seg)
 
     def emit_stage(self, seg, resumable):
+        if seg.shard == "full":
+            return emit_fsdp_stage(seg)
         if seg.blocks:
             return emit_blocks(seg.k, seg.pairs)
         return emit_stage(seg.k, seg.pairs)

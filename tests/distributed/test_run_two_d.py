@@ -1,8 +1,9 @@
 """2-D segments under `placer run --check`: tensor x data (`parallel: {mode: tensor, data: D}`)
-trains exactly as one device does (rtol 1e-5, atol 4e-5), and every device sends what the plan
-says, whether the 2-D segment sits between one-device segments (its input arrives through the
-replicas' first devices) or holds the whole model (each replica takes its rows of the batch and
-computes the loss on them)."""
+and FSDP2 x TP (`shard: full` with it) train exactly as one device does (rtol 1e-5, atol 4e-5),
+and every device sends what the plan says, whether the 2-D segment sits between one-device
+segments (its input arrives through the replicas' first devices) or holds the whole model
+(each replica takes its rows of the batch and computes the loss on them), on inline layers and
+on the shipped TinyGPT's blocks."""
 from __future__ import annotations
 
 import json
@@ -10,29 +11,44 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from tests.distributed.test_run_modes import ATOL, ROOT, RTOL, STEPS, assert_sends_what_the_plan_says, run_check
+from placer.cli.main import main
+from tests.distributed.test_run_modes import ATOL, ROOT, RTOL, STEPS
 
 pytestmark = pytest.mark.distributed
 
-SPECS = [("specs/mlp_tensor_data.yaml", 4), ("tests/cases/valid/tensor_data_whole_model/spec.yaml", 6),
-         ("tests/models/tinygpt_tensor_data.yaml", 4)]  # the shipped TinyGPT: DTensor blocks in each replica
+FSDP = ["--set", "placement.1.parallel.shard=full"]
+# (spec, --set overrides, workers, what the program calls, bytes slack)
+RUNS = [
+    ("specs/mlp_tensor_data.yaml", [], 4, "all_reduce_slices(seg1, dp1)", 0),
+    ("tests/cases/valid/tensor_data_whole_model/spec.yaml", [], 6, "all_reduce_slices(seg0, dp0)", 0),
+    ("tests/models/tinygpt_tensor_data.yaml", [], 4, "all_reduce_slices(seg0, dp0)", 0),
+    ("specs/mlp_tensor_data.yaml", FSDP, 4, 'fully_shard_segment(stage, mesh1["dp"]', 0),
+    # FSDP2 pads a parameter's dim 0 to a multiple of the replicas (TinyGPT's pos is [1, seq, d]);
+    # the plan counts unpadded halves
+    ("tests/models/tinygpt_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0.02),
+]
 
 
-@pytest.mark.parametrize("spec,workers", SPECS, ids=[Path(s).parent.name if s.endswith("spec.yaml") else Path(s).stem
-                                                     for s, _ in SPECS])
-def test_tensor_x_data_matches_one_device_and_sends_what_the_plan_says(spec, workers, tmp_path):
+@pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
+                         ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp"])
+def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_check(spec, run_dir)
+    result = CliRunner().invoke(main, ["run", str(ROOT / spec), "--check", "--steps", str(STEPS), "--run-dir",
+                                       str(run_dir), *sets])
     assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["world_size"] == workers
+    assert metrics["world_size"] == workers and len(metrics["losses"]) == STEPS
     run_p = torch.load(run_dir / "final_params.pt")
     ref_p = torch.load(run_dir / "reference" / "final_params.pt")
     assert set(run_p) == set(ref_p)
     for name, value in ref_p.items():
         torch.testing.assert_close(run_p[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    assert len(metrics["losses"]) == STEPS
-    program = (run_dir / "program.py").read_text()
-    assert "all_reduce_slices(seg" in program  # the replicas' gradients are summed, not left apart
-    assert_sends_what_the_plan_says(Path(spec).stem, ROOT / spec, metrics)
+    # the replicas are combined (summed, or sharded by FSDP2), not left to train apart
+    assert call in (run_dir / "program.py").read_text()
+    planned = CliRunner().invoke(main, ["plan", str(ROOT / spec), "--format", "json", "--deep", *sets])
+    assert planned.exit_code == 0, planned.output
+    for d in json.loads(planned.stdout)["devices"]:
+        want = (d["payload_bytes"] + 4) * STEPS  # and the loss's all-reduce: 4 B a step
+        assert abs(metrics["bytes_sent"][d["device"]] - want) <= slack * want, (Path(spec).name, d)

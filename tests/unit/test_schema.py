@@ -129,7 +129,7 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
     assert set(by_mode) == set(defs["parallel_mode"]["enum"])
     assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
     assert by_mode["spatial"] == {"mode", "dim"}
-    assert by_mode["tensor"] == {"mode", "data"}  # data replicas: a 2-D segment
+    assert by_mode["tensor"] == {"mode", "data", "shard"}  # data replicas (a 2-D segment), FSDP2 over them
     assert by_mode["none"] == by_mode["channel"] == {"mode"}
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from click.testing import CliRunner
+
 from placer import api
+from placer.cli.main import main
 from placer.plan.ir import Layout, OpKind
 from placer.plan.layout import moves
 
@@ -46,3 +49,26 @@ def test_the_program_makes_a_group_per_replica_and_per_position():
     assert "forranksin[[0,1],[2,3]]:#thedatareplicas" in text
     assert "forranksin[[0,2],[1,3]]:#thesameslicesineveryreplica" in text
     assert "all_reduce_slices(seg1,dp1)" in text and "Replicas([0,1,2,3],2)" in text
+
+
+def test_fsdp2_x_tp_shards_each_replicas_slices_over_the_replicas():
+    spec = api.load(SPEC, ["placement.1.parallel.shard=full"])
+    report = api.plan(spec)
+    ops = [op for op in report.plan.unique_ops() if op.segment == 1]
+    gathers = {op.devices for op in ops if op.kind == OpKind.ALL_GATHER}
+    assert gathers == {("cuda:0", "cuda:2"), ("cuda:1", "cuda:3")}  # over dp, per tp position
+    assert not [op for op in ops if op.attrs.get("replicas") and op.kind == OpKind.ALL_REDUCE]
+    half = 4 * 2 * ((32 * 32 + 32) + (32 * 32 + 32))  # what a tp position holds (as above)
+    assert report.estimate.memory["cuda:3"].param_bytes == half // 2  # FSDP2: half of it on each replica
+    text = "".join(api.generate(spec).split())
+    assert 'mesh1=DeviceMesh.from_group([dp1,g1],device.type,mesh=[[0,1],[2,3]],mesh_dim_names=("dp","tp"))' in text
+    assert 'tensor_parallelize(stage,mesh1["tp"]' in text and 'fully_shard_segment(stage,mesh1["dp"]' in text
+
+
+def test_shard_without_replicas_is_refused(tmp_path):
+    spec = SPEC.read_text().replace("parallel: {mode: tensor, data: 2}", "parallel: {mode: tensor, shard: full}")
+    spec = spec.replace("devices: [cuda:0, cuda:1, cuda:2, cuda:3], parallel", "devices: [cuda:0, cuda:1], parallel")
+    path = tmp_path / "spec.yaml"
+    path.write_text(spec)
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 1 and "error[P033]" in result.output, result.output

@@ -33,9 +33,9 @@ class OnSlices(nn.Module):
 
 def tensor_parallelize(module, group, pairs, device_type="cpu"):
     """Split module's Linear pairs [(column child, row child)] over the ranks of group, in place
-    (the layers keep their names; their parameters become DTensors). Every rank of the group
-    calls it; ranks outside the group do not."""
-    mesh = DeviceMesh.from_group(group, device_type)
+    (the layers keep their names; their parameters become DTensors). `group` may be a DeviceMesh
+    (a 2-D one's tp dim). Every rank of the group calls it; ranks outside the group do not."""
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     plan = {}
     names = [name for name, _ in module.named_children()]
     for col, row in pairs:
@@ -56,7 +56,7 @@ def tensor_parallelize_blocks(model, group, groups, device_type="cpu"):
     each rank runs 1/d of the heads on the whole input) and its row half (split by input
     features; its partial sums all-reduced). The module holding a group runs 1/d of the heads:
     its head counts are divided (the model reads them to reshape). Every rank of the group calls it."""
-    mesh = DeviceMesh.from_group(group, device_type)
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     plan = {}
     for cols, row in groups:
         plan.update({col: ColwiseParallel() for col in cols})
