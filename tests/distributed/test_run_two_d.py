@@ -3,7 +3,7 @@ and FSDP2 x TP (`shard: full` with it) train exactly as one device does (rtol 1e
 and every device sends what the plan says, whether the 2-D segment sits between one-device
 segments (its input arrives through the replicas' first devices) or holds the whole model
 (each replica takes its rows of the batch and computes the loss on them), on inline layers and
-on the shipped TinyGPT's blocks."""
+on the shipped TinyGPT's and Hugging Face Llama's blocks."""
 from __future__ import annotations
 
 import json
@@ -28,11 +28,12 @@ RUNS = [
     # FSDP2 pads a parameter's dim 0 to a multiple of the replicas (TinyGPT's pos is [1, seq, d]);
     # the plan counts unpadded halves
     ("tests/models/tinygpt_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0.02),
+    ("tests/models/hf_llama_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0),
 ]
 
 
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
-                         ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp"])
+                         ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(main, ["run", str(ROOT / spec), "--check", "--steps", str(STEPS), "--run-dir",
