@@ -89,7 +89,7 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
     optimizer (not generated yet)."""
     d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
     if shard != "none" and d == 1:
-        return [Diagnostic("P033", f"segment {seg.name!r}: tensor with shard {shard!r} needs data replicas to shard "
+        return [Diagnostic("P033", f"segment {seg.name!r}: {seg.parallel.mode} with shard {shard!r} needs data replicas to shard "
                            "over", seg.parallel.loc, "add `data: D` (2-D: FSDP2 x TP over D replicas), or drop shard")]
     if d == 1:
         return []
@@ -105,21 +105,24 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
                            f"use a multiple of {d * t.accumulate}")]
     if spec.pipeline or shard == "optimizer":
         what = "in a pipeline" if spec.pipeline else "and shard 'optimizer'"
-        return [Diagnostic("P032", f"segment {seg.name!r}: tensor with data replicas {what} is not generated "
+        return [Diagnostic("P032", f"segment {seg.name!r}: {seg.parallel.mode} with data replicas {what} is not generated "
                            "by this version of placer", loc, "use shard none or full, without a pipeline, there")]
     return []
 
 
-def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes: dict) -> None:
-    """A 2-D segment: each replica's pair all-reduces on its rows; before the step, the devices
-    holding the same slices all-reduce their gradients (one flat message each, as the program's
-    `all_reduce_slices` sends it after the whole backward)."""
-    d, blocks = seg.options["data"], seg.options.get("blocks")
+def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes: dict, mode=None,
+                        inner=None) -> None:
+    """A 2-D segment: each replica runs the mode's collectives (`inner`: tensor's pair all-reduces
+    by default) on its rows; before the step, the devices holding the same slices all-reduce their
+    gradients (one flat message each, as the program's `all_reduce_slices` sends it after the
+    whole backward), or under `shard: full` FSDP2 gathers and reduce-scatters them per layer."""
+    d, mode = seg.options["data"], mode or MODE
+    inner = inner or (module_collectives if seg.options.get("blocks") else collectives)
     for run in runs(seg.devices, d):
-        (module_collectives if blocks else collectives)(a, info, grads, op, d, devices=tuple(run))
+        inner(a, info, grads, op, d, devices=tuple(run))
     for p, group in enumerate(positions(seg.devices, d)):
         # each layer's bytes (root parameters it consumes included) less the slices others hold
-        held_elems = MODE.held(seg, info, len(seg.devices), p, lambda n, k, r: n // k + (r < n % k))
+        held_elems = mode.held(seg, info, len(seg.devices), p, lambda n, k, r: n // k + (r < n % k))
         layer_bytes = [sizes[l.name] - (l.params - k) * l.param_bytes // max(l.params, 1)
                        for l, (k, _) in zip(info, held_elems)]
         if seg.options.get("shard") == "full":  # FSDP2 over the replicas, a unit per layer, as for data

@@ -1,5 +1,5 @@
-"""2-D segments under `placer run --check`: tensor x data (`parallel: {mode: tensor, data: D}`)
-and FSDP2 x TP (`shard: full` with it) train exactly as one device does (rtol 1e-5, atol 4e-5),
+"""2-D segments under `placer run --check`: tensor x data (`parallel: {mode: tensor, data: D}`),
+FSDP2 x TP (`shard: full` with it) and channel x data train exactly as one device does (rtol 1e-5, atol 4e-5),
 and every device sends what the plan says, whether the 2-D segment sits between one-device
 segments (its input arrives through the replicas' first devices) or holds the whole model
 (each replica takes its rows of the batch and computes the loss on them), on inline layers and
@@ -29,11 +29,13 @@ RUNS = [
     # the plan counts unpadded halves
     ("tests/models/tinygpt_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0.02),
     ("tests/models/hf_llama_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0),
+    ("specs/cnn_channel_data.yaml", [], 4, "all_reduce_slices(seg0, dp0)", 0),  # channel x data: Conv channels
 ]
 
 
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
-                         ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp"])
+                         ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
+                              "cnn_channel"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(main, ["run", str(ROOT / spec), "--check", "--steps", str(STEPS), "--run-dir",

@@ -130,7 +130,8 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
     assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
     assert by_mode["spatial"] == {"mode", "dim"}
     assert by_mode["tensor"] == {"mode", "data", "shard"}  # data replicas (a 2-D segment), FSDP2 over them
-    assert by_mode["none"] == by_mode["channel"] == {"mode"}
+    assert by_mode["channel"] == {"mode", "data"}
+    assert by_mode["none"] == {"mode"}
 
 
 def test_defaults_are_valid_values():

@@ -72,3 +72,15 @@ def test_shard_without_replicas_is_refused(tmp_path):
     path.write_text(spec)
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 1 and "error[P033]" in result.output, result.output
+
+
+def test_a_batchnorm_in_a_channel_x_data_segment_is_a_warning(tmp_path):
+    """Each replica normalises over its own rows: run --check could not match one device."""
+    spec = (ROOT / "specs" / "cnn_channel_data.yaml").read_text().replace(
+        "    - {name: act1, op: ReLU}\n", "    - {name: bn1, op: BatchNorm2d, args: [16]}\n    - {name: act1, op: ReLU}\n")
+    path = tmp_path / "spec.yaml"
+    path.write_text(spec)
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 0 and "warning[W006]" in result.output and "2-D segment" in result.output, \
+        result.output
+    assert "W006" not in CliRunner().invoke(main, ["validate", str(ROOT / "specs" / "cnn_channel_data.yaml")]).output
