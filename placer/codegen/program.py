@@ -207,10 +207,11 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
         for s in segs:
             if r in s.ranks:
                 what = f"{s.name} ({s.layers[0]}{'..' + s.layers[-1] if len(s.layers) > 1 else ''})"
-                if MODES[s.mode].data_degree(len(s.ranks)) > 1:
+                if MODES[s.mode].data_degree(len(s.ranks), s.replicas) == len(s.ranks) > 1:
                     what += f" 1/{len(s.ranks)} of the batch"
                 elif s.mode != "none":
-                    what += f" {s.mode} split 1/{len(s.ranks)}"
+                    what += f" {s.mode} split 1/{len(s.ranks) // s.replicas}"
+                    what += f" of 1/{s.replicas} of the batch" if s.replicas > 1 else ""
                 work.append(what)
             elif r == s.server:
                 work.append(f"parameter server of {s.name}")

@@ -76,6 +76,8 @@ class Seg:
     """tensor over a module model's blocks (placer.modes.tensor.groups)."""
     recompute: bool = False
     """Activation checkpointing: the forward runs again in backward (torch.utils.checkpoint)."""
+    replicas: int = 1
+    """A 2-D segment's data replicas (its `data` option): runs of consecutive ranks, each split by the mode."""
 
     @property
     def replicated(self) -> bool:
@@ -89,8 +91,8 @@ class Seg:
 
     @property
     def layout(self) -> tuple:
-        """(ranks, dim, replicated): how the group holds the activations that enter and leave it."""
-        return (list(self.ranks), self.split_dim, self.replicated)
+        """(ranks, dim, replicated, replicas): how the group holds the activations that enter and leave it."""
+        return (list(self.ranks), self.split_dim, self.replicated, self.replicas)
 
     @property
     def sharded_params(self) -> bool:
@@ -204,14 +206,14 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             has_params=n_params > 0, in_shape=per_step(shape), in_dtype=dtype,
             out_shape=per_step(graph.layer(placed.layers[-1]).out_shape or ()),
             out_dtype=graph.layer(placed.layers[-1]).out_dtype,
-            rows=spec.training.batch_size // m // MODES[mode].data_degree(len(ranks)),
+            rows=spec.training.batch_size // m // MODES[mode].data_degree(len(ranks), opts.get("data", 1)),
             grad_in=k > 0 and any_params and dtype in FLOAT_DTYPES,
             shard=opts.get("shard", "none"),
             dim=None if dim is None else dim % len(shape),  # -1 is W of NCHW: 3
             moved_in=k in moved, loss_gather=k in gathered,
             pairs=tuple(tensor.planned_pairs(plan, k) if opts.get("blocks") else  # () but in tensor
                         tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),
-            recompute=placed.recompute, blocks=bool(opts.get("blocks")),
+            recompute=placed.recompute, blocks=bool(opts.get("blocks")), replicas=opts.get("data", 1),
         ))
         any_params |= n_params > 0
         # the plan moves what the program copies: a move exactly where the layouts differ

@@ -19,7 +19,7 @@ from __future__ import annotations
 from placer.codegen import loops, ties
 from placer.codegen.segments import Seg
 from placer.codegen.train_options import TrainingOptions
-from placer.modes import MODES, data
+from placer.modes import MODES, data, tensor
 
 
 class Code:
@@ -234,7 +234,10 @@ class TrainWriter(TrainingOptions):
             group = f"g{k}"
             ranks = sorted(seg.holders) if seg.sync == "parameter_server" else list(seg.ranks)
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
-            c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
+            if seg.replicas > 1:
+                c(*tensor.emit_groups(k, list(seg.ranks), seg.replicas))
+            else:
+                c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
             if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
                 c(f"{group}_bn = dist.new_group({list(seg.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))  # batch statistics: the data ranks only")
         c(f"seg{k} = opt{k} = None" if seg.has_params or self.checkpoint or self.steps_all else f"seg{k} = None")
@@ -394,8 +397,7 @@ class TrainWriter(TrainingOptions):
         if last.replicated:
             c("# every rank of the last group holds the whole output: each backpropagates the whole loss")
             c("# (reaching its own slices of the parameters); it counts once, on the first")
-        whole_y = len(last.ranks) == 1 or last.replicated or last.loss_gather
-        y = "y" if whole_y else f"local_slice(y, {list(last.ranks)}, rank)"
+        y = "y" if last.loss_gather else self.rows_of("y", last)
         line = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
         if self.bf16:
             line = f"with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16\n    {line}"
@@ -411,7 +413,8 @@ class TrainWriter(TrainingOptions):
         if not computed:
             c("if loss is not None:", "    loss.backward()")
         if last.replicated:
-            c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
+            counted = last.ranks[::len(last.ranks) // last.replicas]  # each replica's loss, once
+            c(f"if rank in {tuple(r for r in last.ranks if r not in counted)}:", "    loss = None")
         if last.loss_gather:
             c("# the output's gradient back to the bands", 'with timer("comm"):',
               f"    d{last.k} = relayout_grad(out.grad if rank == {last.ranks[0]} else None, {self.layout_arg(last)}, "
@@ -421,8 +424,7 @@ class TrainWriter(TrainingOptions):
     def forward(self, seg: Seg) -> None:
         c, k = self.c, seg.k
         if k == 0:
-            x = "x" if len(seg.ranks) == 1 or seg.replicated else \
-                f"local_slice(x, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
+            x = self.rows_of("x", seg)
             self.forward_line(seg, f"{x}.to(device)")
             return
         prev = self.segs[k - 1]
@@ -525,15 +527,30 @@ class TrainWriter(TrainingOptions):
         return seg.moved_in and any(s.replicated or s.split_dim for s in (prev, seg))
 
     @staticmethod
+    def rows_of(batch: str, seg: Seg) -> str:
+        """The part of the global `batch` (x or y) that segment seg's ranks take: all of it on one
+        rank or a replicated group, a replica's rows in a 2-D one, else this rank's slice."""
+        if seg.replicas > 1:
+            return f"replica_slice({batch}, {tensor.runs(seg.ranks, seg.replicas)}, rank)"
+        if len(seg.ranks) == 1 or seg.replicated:
+            return batch
+        return f"local_slice({batch}, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
+
+    @staticmethod
     def layout_arg(seg: Seg) -> str:
-        """`Shard(dim, ranks)` (slices of dim over the ranks) or `Replicate(ranks)` (whole on each)."""
-        ranks, dim, replicated = seg.layout
+        """`Shard(dim, ranks)` (slices of dim over the ranks), `Replicate(ranks)` (whole on each)
+        or `Replicas(ranks, n)` (n data replicas, each whole on its ranks)."""
+        ranks, dim, replicated, replicas = seg.layout
+        if replicas > 1:
+            return f"Replicas({ranks}, {replicas})"
         return f"Replicate({ranks})" if replicated or len(ranks) == 1 else f"Shard({dim}, {ranks})"
 
     @staticmethod
     def layout_text(seg: Seg) -> str:
         if len(seg.ranks) == 1:
             return ranks_text(seg.ranks)
+        if seg.replicas > 1:
+            return f"{ranks_text(seg.ranks)} ({seg.replicas} replicas: rows across them, whole on each rank of one)"
         if seg.replicated:
             return f"{ranks_text(seg.ranks)} (whole on each)"
         return f"{ranks_text(seg.ranks)} ({'rows' if seg.split_dim == 0 else f'bands of dim {seg.split_dim}'})"

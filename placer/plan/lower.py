@@ -112,9 +112,11 @@ def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
 
 
 def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
+    # a 2-D side (data replicas of a split mode) says how many replicas it holds
+    attrs = {f"{side}_replicas": l.replicas for side, l in (("src", src), ("dst", dst)) if l.replicas > 1}
     return Op(kind=transfer_kind(src.devices, dst.devices), devices=union(src.devices, dst.devices), segment=seg,
               phase=phase, tensor=tensor, bytes=nbytes, route=route, src=src.devices, dst=dst.devices,
-              src_dim=src.dim, dst_dim=dst.dim)
+              src_dim=src.dim, dst_dim=dst.dim, attrs=attrs)
 
 
 def insert_copies(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
@@ -221,7 +223,9 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     def op(kind, phase, tensor, nbytes, layer=None, **kw):
         attrs = {"layer": layer} if layer else {}
         attrs.update(kw.pop("attrs", {}))
-        return Op(kind=kind, devices=g, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs, **kw)
+        devices = kw.pop("devices", g)  # a 2-D segment's: one replica, or one position across them
+        return Op(kind=kind, devices=devices, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs,
+                  **kw)
 
     ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb),
                    geometry=lambda name: layer_geometry(spec, name))
@@ -298,23 +302,26 @@ def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
         s = seg.index
         for d in union(seg.devices, a.step_devices):
             lst, new = ops[d], []
+
+            def mine(part: list) -> list:  # a 2-D segment's collectives run in a replica or a position's group
+                return [o for o in part if d in o.devices]
             first = _first(lst, lambda o: _is_compute(o, s, ("fwd",)))
             last = _last(lst, lambda o: _is_compute(o, s, BWD))
             has_step = False
             for i, o in enumerate(lst):
                 if o.kind == OpKind.COMPUTE and o.segment == s:
-                    new += a.seg_pre_fwd if i == first else []
-                    new += _expand(o, seg, a, m, plan.accumulate)
-                    new += a.seg_post_bwd if i == last else []
+                    new += mine(a.seg_pre_fwd) if i == first else []
+                    new += mine(_expand(o, seg, a, m, plan.accumulate))
+                    new += mine(a.seg_post_bwd) if i == last else []
                 elif o.kind == OpKind.STEP and o.segment == s:
-                    new += a.step_pre + [o] + a.step_post
+                    new += mine(a.step_pre) + [o] + mine(a.step_post)
                     has_step = True
                 else:
                     new.append(o)
             if not has_step and d in a.step_devices and (a.step_pre or a.step_post):
                 at = _first(new, lambda o: o.phase == "step" and o.segment > s)
                 at = len(new) if at is None else at
-                new[at:at] = a.step_pre + a.step_post
+                new[at:at] = mine(a.step_pre) + mine(a.step_post)
             ops[d] = new
     return plan.with_ops(ops)
 

@@ -192,7 +192,7 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]], skip=frozenset()) -> 
 
 def data_degree(seg) -> int:
     """Into how many parts a segment's group cuts each (micro-)batch."""
-    return MODES[seg.parallel.mode].data_degree(len(seg.devices))
+    return MODES[seg.parallel.mode].data_degree(len(seg.devices), seg.parallel.data)
 
 
 def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
@@ -228,7 +228,7 @@ def own_loops_blocker(spec: Spec) -> tuple[int | None, str] | None:
         return None
     for k, seg in enumerate(spec.placement):
         n = len(seg.devices)
-        if 1 < MODES[seg.parallel.mode].data_degree(n) < n:
+        if 1 < MODES[seg.parallel.mode].data_degree(n, seg.parallel.data) < n:
             return k, f"a 2-D stage (mode {seg.parallel.mode!r} inside data replicas) beside other stages"
     return None
 

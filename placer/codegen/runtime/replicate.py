@@ -16,11 +16,14 @@ from .transfer import Posted, even_slices, redistribute
 
 class Layout(NamedTuple):
     """How a group of ranks holds a tensor, in torch's words: Shard(dim, ranks) cuts dim into
-    even contiguous slices, one per rank in order; Replicate(ranks) is the whole tensor on each."""
+    even contiguous slices, one per rank in order; Replicate(ranks) is the whole tensor on each;
+    Replicas(ranks, n) is n data replicas of consecutive ranks, rows cut across them, each
+    replica's rows whole on each of its ranks (a 2-D segment)."""
 
     ranks: list
     dim: int
     replicated: bool
+    replicas: int = 1
 
 
 def Shard(dim, ranks):
@@ -38,6 +41,34 @@ def _settle(posted, receives, pending):
         pending.append(posted)
     else:
         posted.wait()
+
+
+def Replicas(ranks, n):
+    return Layout(list(ranks), 0, True, n)
+
+
+def _leaders(layout):
+    """A 2-D layout's first rank of each replica, holding its replica's rows (else the layout)."""
+    if layout.replicas == 1:
+        return layout
+    return Shard(0, layout.ranks[:: len(layout.ranks) // layout.replicas])
+
+
+def _by_replicas(x, src, dst, full_shape, dtype, route, device):
+    """relayout where a side is 2-D: it sends from its replicas' first ranks and receives on
+    them, and each of those then copies its replica's rows to the rest of its replica."""
+    lead = _leaders(src)
+    mine = relayout(x if dist.get_rank() in lead.ranks else None, lead, _leaders(dst), full_shape,
+                    dtype, route, device)
+    if dst.replicas == 1:
+        return mine
+    t, rows = len(dst.ranks) // dst.replicas, full_shape[0] // dst.replicas
+    for i in range(0, len(dst.ranks), t):
+        run = dst.ranks[i : i + t]
+        got = _from_copies(mine, run[:1], run, [rows, *full_shape[1:]], 0, True, dtype, route,
+                           device)
+        mine = got if dist.get_rank() in run else mine
+    return mine
 
 
 def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device, pending=None, tag=0):
@@ -98,7 +129,7 @@ def redistribute_replicated_grad(grad, src_ranks, dst_ranks, full_shape, dim=0,
 def _via(src, dst):
     """How relayout moves between two Layouts: the dim both sides cut,
     or None when they cut different dims (rows on one side, bands on the other)."""
-    (sr, sd, srep), (dr, dd, drep) = src, dst
+    (sr, sd, srep, _), (dr, dd, drep, _) = src, dst
     src_whole, dst_whole = srep or len(sr) == 1, drep or len(dr) == 1
     if src_whole or dst_whole or sd == dd:
         return dd if src_whole else sd
@@ -108,7 +139,7 @@ def _via(src, dst):
 def _across(x, src, dst, full_shape, dtype, route, device, pending=None, tag=0):
     """src and dst cut different dims (rows and bands): each src rank sends every dst rank the
     block where their slices meet, and each dst rank joins its blocks along src's dim."""
-    (sr, sd, _), (dr, dd, _) = src, dst
+    (sr, sd, _, _), (dr, dd, _, _) = src, dst
     rank = dist.get_rank()
     rows, bands = even_slices(sr, full_shape[sd]), even_slices(dr, full_shape[dd])
     posted, blocks = Posted(route), {}  # blocks: start along sd -> tensor
@@ -139,9 +170,12 @@ def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", devic
              pending=None, tag=0):
     """Move an activation between two groups' Layouts: Shard (slices along dim over ranks: rows
     of a data group, bands of a spatial one) or Replicate (the whole tensor on every rank:
-    channel and tensor groups, or one rank). Every rank of the program calls; with `pending`
-    (placer's loops in a schedule's order) the senders call in their turn and the receivers in
-    theirs, a sender's messages left in `pending`, told from others by `tag`."""
+    channel and tensor groups, or one rank) or Replicas (2-D segments). Every rank of the program
+    calls; with `pending` (placer's loops in a schedule's order) the senders call in their turn and
+    the receivers in theirs, a sender's messages left in `pending`, told from others by `tag`
+    (2-D stages do not run in those loops: spec.check.own_loops_blocker)."""
+    if src.replicas > 1 or dst.replicas > 1:
+        return _by_replicas(x, src, dst, full_shape, dtype, route, device)
     dim = _via(src, dst)
     if dim is None:
         return _across(x, src, dst, full_shape, dtype, route, device, pending, tag)
@@ -153,6 +187,8 @@ def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct
                   pending=None, tag=0):
     """Backward of relayout with the same arguments: grad is this rank's gradient of what it
     received; returns the gradient of what it sent (None outside src's ranks)."""
+    if src.replicas > 1 or dst.replicas > 1:  # every rank of a 2-D replica holds the same gradient
+        return _by_replicas(grad, dst, src, full_shape, dtype, route, device)
     dim = _via(src, dst)
     if dim is None:
         return _across(grad, dst, src, full_shape, dtype, route, device, pending, tag)
