@@ -11,6 +11,7 @@ import csv
 import importlib.util
 import math
 from pathlib import Path
+from typing import Any
 
 CSV = "metrics.csv"
 TENSORBOARD = "tensorboard"
@@ -34,7 +35,9 @@ class MetricsWriter:
             self.csv.writeheader()
         # The SummaryWriter is made at the first step, not here: importing it takes 0.3-1 s that
         # would delay the workers' start (issue 15); find_spec only looks for the package.
-        self.board, self.board_dir, self.note = None, run_dir / TENSORBOARD, None
+        self.board: Any = None
+        self.board_dir: Path | None = run_dir / TENSORBOARD
+        self.note: str | None = None
         if importlib.util.find_spec("tensorboard") is None:
             self.board_dir = None
             self.note = (f"TensorBoard is not installed: no event files, {path.name} has every step "
