@@ -196,7 +196,7 @@ class TrainWriter(TrainingOptions):
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
-              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
+              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, PIPELINES, device, host, batch=BATCH_SIZE)")
         if self.clip is not None:
             c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
@@ -273,6 +273,9 @@ class TrainWriter(TrainingOptions):
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
+        if self.lockstep and len(segs[0].ranks) > 1:
+            c("# this rank's replica pipeline (its rank in every segment) takes its slice of the batch",
+              "x, y = local_slice(x, PIPELINES, crossing.segments), local_slice(y, PIPELINES, crossing.segments)")
         if self.lockstep and self.orders:
             loops.lockstep_step(self)
         elif self.lockstep:
@@ -489,6 +492,10 @@ class TrainWriter(TrainingOptions):
         if not seg.has_params:
             return
         ranks, lines = MODES[seg.mode].emit_sync(seg)
+        if self.lockstep and self.tied:  # replica pipelines: each tie's all-reduce has summed every copy
+            tied = ", ".join(f"tied{i}" for i in range(len(self.tied)))
+            lines = [line.replace(f"seg{seg.k}.parameters()", f"untied(seg{seg.k}.parameters(), {tied})")
+                     for line in lines]
         if self.clip is not None:  # the steps come after the global norm (P092: sync helpers that step are refused)
             lines = [line for line in lines if line != f"opt{seg.k}.step()"]
         if lines:

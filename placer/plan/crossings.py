@@ -1,19 +1,24 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
-A module model (`model.module`) whose segments sit on one device each, without a pipeline or with
+A module model (`model.module`) whose segments sit on one device each (or are data parallel over
+groups of one size: one replica pipeline per group position), without a pipeline or with
 a GPipe or 1F1B one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
 embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
 rotary `cos`/`sin`, a skip connection) crosses to that device, once per device and call. Masks
 and positions built from the batch are computed on every device and never cross. The trace
 (`LayerInfo.consumers`) says which leaves reach which layers; `crossings` turns that into one
-transfer per tensor and receiving device, which the plan counts and the program sends.
+transfer per tensor and receiving device, which the plan counts and the program sends. With
+data-parallel segments each replica pipeline (the r-th device of every segment) takes 1/D of the
+batch and sends to its own peers only.
 
 What lockstep cannot run is refused before any worker starts: a placed layer whose output is
 not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
 parent's own parameter whose glue feeds layers on several devices (P082: each would train its
-own copy). Other placements of module models are cut by torch.distributed.pipelining, which
-passes one tensor between stages: a cut where the trace sees more is refused (P083).
+own copy). Other placements of module models (a schedule with several stages on a device,
+channel / tensor / spatial groups, groups of different sizes, data groups that shard or sync
+otherwise) are cut by torch.distributed.pipelining, which passes one tensor between stages: a
+cut where the trace sees more is refused (P083), saying why lockstep does not run it.
 """
 from __future__ import annotations
 
@@ -61,22 +66,53 @@ torch.distributed.pipelining instead."""
 
 
 def lockstep(spec, segments) -> bool:
-    """Whether a module model runs in lockstep: several segments, one device each, and no
+    """Whether a module model runs in lockstep: several segments, one device each or each data
+    parallel over the same number of devices (`data_blocker` says which data options), and no
     pipeline or a GPipe or 1F1B one (placer's micro-batch loops)."""
-    return (not spec.model.inline and len(segments) > 1 and all(len(s.devices) == 1 for s in segments)
-            and (spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES))
+    if spec.model.inline or len(segments) < 2 or len({len(s.devices) for s in segments}) != 1:
+        return False
+    if len(segments[0].devices) > 1 and (any(spec.placement[s.index].mode != "data" for s in segments)
+                                         or data_blocker(spec, segments)):
+        return False
+    return spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES
+
+
+def data_blocker(spec, segments) -> str | None:
+    """Why data-parallel segments of a module model cannot run as replica pipelines in lockstep,
+    or None: every replica's gradients are all-reduced after the lockstep backward (placer's
+    buckets, no DDP: the segment's layers run inside the whole model's forward), so the sync is
+    an all-reduce of whole parameters, and a device keeps one place in every group (its pipeline)."""
+    for s in segments:
+        p = spec.placement[s.index].parallel
+        if p.sync != "allreduce" or p.shard != "none" or p.sync_batchnorm:
+            what = f"sync {p.sync!r}" if p.sync != "allreduce" else f"shard {p.shard!r}" if p.shard != "none" \
+                else "sync_batchnorm"
+            return f"segment {s.name!r} has {what}"
+    place: dict[str, int] = {}
+    for s in segments:
+        for r, d in enumerate(s.devices):
+            if place.setdefault(d, r) != r:
+                return f"device {d!r} is number {place[d] + 1} of one group and number {r + 1} of segment {s.name!r}'s"
+    return None
+
+
+def pipelines(segments) -> list[tuple[str, ...]]:
+    """The replica pipelines of a lockstep placement: the r-th device of every segment."""
+    return [tuple(s.devices[r] for s in segments) for r in range(len(segments[0].devices))]
 
 
 def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
     """Bytes of one micro-batch's copy: a leaf whose dim 0 is the batch is cut m ways (rotary
-    cos / sin, [1, seq, d], is not)."""
+    cos / sin, [1, seq, d], is not). `batch_size`: a replica pipeline's."""
     return c.bytes // m if c.shape and c.shape[0] == batch_size else c.bytes
 
 
-def crossings(segments, graph: ModelGraph) -> list[Crossing]:
-    """Every output leaf that reaches a layer (or the loss) on another device, per receiving
-    device, producers in model order."""
+def crossings(segments, graph: ModelGraph, batch_size: int = 0) -> list[Crossing]:
+    """Every output leaf that reaches a layer (or the loss) on another device, per replica
+    pipeline and receiving device, producers in model order. With D replicas, a leaf whose dim 0
+    is the batch (`batch_size`) carries a replica's 1/D of it."""
     seg_of = {layer: s for s in segments for layer in s.layers}
+    n = len(segments[0].devices)
     out = []
     for s in segments:
         for layer in s.layers:
@@ -85,15 +121,19 @@ def crossings(segments, graph: ModelGraph) -> list[Crossing]:
                 spec_leaf = info.out_leaves[leaf] if leaf < len(info.out_leaves) else None
                 if spec_leaf is None:
                     continue
-                dsts: dict[str, PlacedSegment] = {}
-                for u in users:
-                    t = segments[-1] if u == OUTPUT else seg_of[u]
-                    if t.devices[0] != s.devices[0]:
-                        dsts.setdefault(t.devices[0], t)
                 shape, dtype, grad = spec_leaf
-                out += [Crossing(layer, leaf, s.index, t.index, s.devices[0], d, tuple(shape), dtype,
-                                 bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"), info.calls)
-                        for d, t in dsts.items()]
+                shape = tuple(shape)
+                if n > 1 and shape and shape[0] == batch_size:
+                    shape = (batch_size // n, *shape[1:])
+                for r in range(n):
+                    dsts: dict[str, PlacedSegment] = {}
+                    for u in users:
+                        t = segments[-1] if u == OUTPUT else seg_of[u]
+                        if t.devices[r] != s.devices[r]:
+                            dsts.setdefault(t.devices[r], t)
+                    out += [Crossing(layer, leaf, s.index, t.index, s.devices[r], d, shape, dtype,
+                                     bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"),
+                                     info.calls) for d, t in dsts.items()]
     return out
 
 
@@ -137,6 +177,7 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                     spec.placement[0].loc, "move it into a submodule and place that, or place its users on one device"))
         return out
     out = []
+    why = _why_cut(spec, segments)
     for k, seg in enumerate(segments[1:], 1):
         made = [h for layer in seg.layers for h in graph.layer(layer).homes
                 if (segments[0] if h == INPUT else seg_of[h]).index != k]
@@ -146,10 +187,23 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
             s = spec.placement[k]
             out.append(Diagnostic(
                 "P083", f"segment {s.name!r} reads tensors made in earlier segments at {', '.join(made)} (a layer's "
-                "output, or the parent's work before it: a mask, rotary, a skip connection); a pipeline schedule or "
-                "a multi-device segment cuts a module model with torch.distributed.pipelining, which passes exactly "
+                f"output, or the parent's work before it: a mask, rotary, a skip connection); {why}, so "
+                "torch.distributed.pipelining cuts the module model, and it passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment, without a pipeline or with schedule gpipe or "
-                "1f1b (lockstep passes any crossing), or cut where only the hidden state crosses"))
+                "place the module model one device per segment, or data parallel over groups of one size (sync "
+                "allreduce, no shard), without a pipeline or with schedule gpipe or 1f1b (lockstep passes any "
+                "crossing), or cut where only the hidden state crosses"))
     return out
 
+
+def _why_cut(spec, segments) -> str:
+    """Why a module model's placement does not run in lockstep, in words."""
+    if spec.pipeline is not None and spec.pipeline.schedule not in LOCKSTEP_SCHEDULES:
+        return f"schedule {spec.pipeline.schedule!r} runs several stages on a device"
+    sizes = {len(s.devices) for s in segments}
+    if len(sizes) > 1:
+        return f"the segments' groups differ in size ({', '.join(map(str, sorted(sizes)))} devices)"
+    other = next((s for s in segments if spec.placement[s.index].mode != "data"), None)
+    if other is not None:
+        return f"segment {other.name!r} is {spec.placement[other.index].mode} over {len(other.devices)} devices"
+    return data_blocker(spec, segments) or "it does not run in lockstep"

@@ -3,7 +3,9 @@
 # a placed layer runs only on its segment's rank. Elsewhere its call returns what crosses from
 # that rank (where a layer here reads it, directly or through glue) or zeros of its traced shape
 # (where nothing here does). A received tensor is a leaf here; backward runs segment by segment
-# in reverse, the receivers sending each leaf's gradient back to the rank that made it.
+# in reverse, the receivers sending each leaf's gradient back to the rank that made it. With
+# data-parallel segments, each replica pipeline (the r-th rank of every segment) runs this on its
+# slice of the batch, talking to its own peers only; the groups all-reduce gradients after it.
 import collections
 
 import torch
@@ -32,13 +34,14 @@ def segment_module(model, names):
 
 
 class Lockstep:
-    """`layers`: name -> (segment, rank, kind, leaves): where each placed layer runs and what its
+    """`layers`: name -> (segment, kind, leaves): where each placed layer runs and what its
     output is (kind tensor / tuple / list; leaves (shape, dtype) or None). `crossings`: (layer,
     leaf, from rank, to rank, route, gradient back), one per tensor and receiving rank, as the
-    plan has them. `segments`: each segment's rank."""
+    plan has them. `pipelines`: each replica pipeline's rank per segment; this rank's is run."""
 
-    def __init__(self, model, rank, layers, crossings, segments, device, host=False, batch=None):
-        self.rank, self.device, self.layers, self.segments = rank, device, layers, segments
+    def __init__(self, model, rank, layers, crossings, pipelines, device, host=False, batch=None):
+        self.segments = next(p for p in pipelines if rank in p)  # this pipeline's rank per segment
+        self.rank, self.device, self.layers = rank, device, layers
         self.batch = batch  # leaves traced with dim 0 == batch carry the rows of the call (micro-batches)
         self.out, self.into = collections.defaultdict(list), {}
         for name, leaf, src, dst, route, grad in crossings:
@@ -47,9 +50,9 @@ class Lockstep:
                 self.out[name, leaf].append((dst, route, grad))
             if dst == rank:
                 self.into[name, leaf] = (src, route, grad)
-        for name, (_, owner, _, _) in layers.items():
+        for name, (segment, _, _) in layers.items():
             module = model.get_submodule(name)
-            if owner == rank:
+            if self.segments[segment] == rank:
                 module.register_forward_hook(self._send(name))
             else:  # an instance attribute: nn.Module.__call__ calls it instead of the class's forward
                 module.forward = self._stand_in(name)
@@ -74,7 +77,7 @@ class Lockstep:
         return hook
 
     def _stand_in(self, name):
-        segment, owner, kind, leaves = self.layers[name]
+        _, kind, leaves = self.layers[name]
 
         def forward(*args, **kwargs):
             out = []

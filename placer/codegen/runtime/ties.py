@@ -24,3 +24,10 @@ def sum_tied_grads(copies, group=None):
         dist.all_reduce(grad, group=group)
     for p in copies:
         p.grad = grad.clone() if len(copies) > 1 else grad
+
+
+def untied(params, *ties):
+    """The parameters no tie holds: with data-parallel segments in lockstep, a tie's all-reduce
+    sums every copy of every replica, so the segments' own all-reduce leaves them out."""
+    held = {id(p) for copies in ties for p in copies.values()}
+    return [p for p in params if id(p) not in held]
