@@ -1,7 +1,7 @@
 """Placer's own micro-batch loops in a pipeline schedule's order (1F1B, interleaved 1F1B, looped
 BFS, zero bubble, V), for what torch's schedules cannot run: stages of different data degrees,
 data stages with another sync, shard or sync_batchnorm, copies via host memory; and 1F1B for
-module models in lockstep.
+module models in lockstep (one micro-batch's forward per thread where a rank holds several stages).
 
 Each rank walks its own list of actions (`order`: `0F0` = stage 0's forward of micro-batch 0, B
 its backward, I / W a zero-bubble split of it), taken from torch's own generator
@@ -75,6 +75,28 @@ def lockstep_step(w: "TrainWriter") -> None:
     c("loss, crossed = saved.pop(mb)", 'with timer("comm"):',
       "    crossing.backward_own(loss, crossed)  # receives the gradients of what it sent, sends those of what it got")
     w.when(last.ranks, "mb_losses.append(loss)")
+    c.dedent()
+    tail(w, "crossing.settle()  # every send of the step")
+
+
+def lockstep_stages_step(w: "TrainWriter") -> None:
+    """A schedule where a rank holds several stages (interleaved, looped, V), in lockstep: each
+    micro-batch's whole forward runs in a thread of its own that stops before the work of this
+    rank's next stage (runtime/lockstep.py `forward_stage`); F lets it run through the stage, B
+    (zero bubble: I) backpropagates the stage's part (`backward_stage`), W does nothing."""
+    c, last = w.c, w.segs[-1]
+    head(w, "in lockstep (F: micro-batch mb's whole forward, run on through this stage's work; B: the stage's "
+         "backward)", False)
+    c('if kind == "F":').indent()
+    c("out = crossing.forward_stage(stage, mb, model, xs[mb].to(device))  # the model's output once it has run")
+    w.when(last.ranks, f"if stage == {last.k}:",
+           "    saved[mb] = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
+    c.dedent()
+    c('elif kind in ("B", "I"):').indent()
+    c(f"loss = saved.pop(mb) if stage == {last.k} else None", 'with timer("comm"):',
+      "    crossing.backward_stage(stage, mb, loss)  # receives the gradients of what the stage sent, sends those "
+      "of what it got")
+    c("if loss is not None:", "    mb_losses.append(loss)")
     c.dedent()
     tail(w, "crossing.settle()  # every send of the step")
 

@@ -177,6 +177,9 @@ class TrainWriter(TrainingOptions):
             c("", "# every rank builds the whole model from the seed and runs its whole forward (the parent's",
               "# glue); each placed layer runs only on its segment's rank (Lockstep, below)",
               "model = build_model().to(device)")
+            copies = [name for t in self.tied for _, _, name in t.copies[1:]]
+            if copies:
+                c("untie(model, " + repr(copies) + ")  # each segment using a tied parameter holds a copy")
         elif not self.cut:
             c("", "# the first worker of each machine builds the whole model from the seed once and saves it;",
               "# every rank builds it on the meta device (no memory) and takes its own segments' values",
@@ -276,7 +279,9 @@ class TrainWriter(TrainingOptions):
         if self.lockstep and len(segs[0].ranks) > 1:
             c("# this rank's replica pipeline (its rank in every segment) takes its slice of the batch",
               "x, y = local_slice(x, PIPELINES, crossing.segments), local_slice(y, PIPELINES, crossing.segments)")
-        if self.lockstep and self.orders:
+        if self.lockstep and self.orders and len({s.ranks for s in segs}) < len(segs):  # several stages a rank
+            loops.lockstep_stages_step(self)
+        elif self.lockstep and self.orders:
             loops.lockstep_step(self)
         elif self.lockstep:
             self.lockstep_step()

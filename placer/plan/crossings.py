@@ -42,7 +42,8 @@ class Crossing:
     src: int
     """The producing segment."""
     dst: int
-    """The first segment on the receiving device that reads it."""
+    """The segment on the receiving device whose work receives it: its first after the producer's
+    (where the forward reaches the producing layer's stand-in on that device)."""
     src_device: str
     dst_device: str
     shape: tuple
@@ -58,23 +59,15 @@ class Crossing:
         return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 4) * self.calls
 
 
-LOCKSTEP_SCHEDULES = ("gpipe", "1f1b")
-"""The schedules lockstep runs as placer's micro-batch loops: one stage per rank, each forward
-the whole model's. A rank holding several stages (interleaved, looped, V) would run a part of
-one forward per action, which the model's single forward cannot do: those are cut by
-torch.distributed.pipelining instead."""
-
-
 def lockstep(spec, segments) -> bool:
     """Whether a module model runs in lockstep: several segments, one device each or each data
-    parallel over the same number of devices (`data_blocker` says which data options), and no
-    pipeline or a GPipe or 1F1B one (placer's micro-batch loops)."""
+    parallel over the same number of devices (`data_blocker` says which data options), without a
+    pipeline or under any schedule (placer's micro-batch loops; a rank holding several stages runs
+    each micro-batch's forward in a thread that waits for the schedule's action of its next stage)."""
     if spec.model.inline or len(segments) < 2 or len({len(s.devices) for s in segments}) != 1:
         return False
-    if len(segments[0].devices) > 1 and (any(spec.placement[s.index].mode != "data" for s in segments)
-                                         or data_blocker(spec, segments)):
-        return False
-    return spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES
+    return len(segments[0].devices) == 1 or (all(spec.placement[s.index].mode == "data" for s in segments)
+                                             and not data_blocker(spec, segments))
 
 
 def data_blocker(spec, segments) -> str | None:
@@ -113,6 +106,10 @@ def crossings(segments, graph: ModelGraph, batch_size: int = 0) -> list[Crossing
     is the batch (`batch_size`) carries a replica's 1/D of it."""
     seg_of = {layer: s for s in segments for layer in s.layers}
     n = len(segments[0].devices)
+    held: dict[str, list] = {}  # device -> its segments, in order
+    for s in segments:
+        for d in s.devices:
+            held.setdefault(d, []).append(s)
     out = []
     for s in segments:
         for layer in s.layers:
@@ -129,8 +126,9 @@ def crossings(segments, graph: ModelGraph, batch_size: int = 0) -> list[Crossing
                     dsts: dict[str, PlacedSegment] = {}
                     for u in users:
                         t = segments[-1] if u == OUTPUT else seg_of[u]
-                        if t.devices[r] != s.devices[r]:
-                            dsts.setdefault(t.devices[r], t)
+                        d = t.devices[r]
+                        if d != s.devices[r]:
+                            dsts.setdefault(d, next(x for x in held[d] if x.index > s.index))
                     out += [Crossing(layer, leaf, s.index, t.index, s.devices[r], d, shape, dtype,
                                      bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"),
                                      info.calls) for d, t in dsts.items()]
@@ -198,8 +196,6 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
 
 def _why_cut(spec, segments) -> str:
     """Why a module model's placement does not run in lockstep, in words."""
-    if spec.pipeline is not None and spec.pipeline.schedule not in LOCKSTEP_SCHEDULES:
-        return f"schedule {spec.pipeline.schedule!r} runs several stages on a device"
     sizes = {len(s.devices) for s in segments}
     if len(sizes) > 1:
         return f"the segments' groups differ in size ({', '.join(map(str, sorted(sizes)))} devices)"

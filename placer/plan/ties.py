@@ -90,9 +90,9 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
         out.append(Diagnostic(
             "P080", f"parameter {t.tie.name!r} is tied: layers {where} use it, and segment {bad.name!r} is "
             f"{bad.mode} over {len(bad.devices)} devices; placer keeps a tie across segments only between segments "
-            "on one device each", bad.loc,
-            "place the tied layers' segments on one device each (or the layers in one segment); untied, the "
-            "copies would train apart"))
+            "on one device each, or data groups of one size run in lockstep", bad.loc,
+            "place the tied layers' segments on one device each, or data parallel over groups of one size (sync "
+            "allreduce, no shard), or the layers in one segment; untied, the copies would train apart"))
     return out
 
 
