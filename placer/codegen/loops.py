@@ -98,6 +98,8 @@ def lockstep_stages_step(w: "TrainWriter") -> None:
       "of what it got")
     c("if loss is not None:", "    mb_losses.append(loss)")
     c.dedent()
+    if any("W" in order for order in (w.orders or {}).values()):
+        c('# kind "W": nothing; the I before it ran the whole backward')
     tail(w, "crossing.settle()  # every send of the step")
 
 
