@@ -1,9 +1,9 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
 A module model (`model.module`) whose segments sit on one device each (or are data parallel over
-groups of one size: one replica pipeline per group position), without a pipeline or with
-a GPipe or 1F1B one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
-embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
+groups of one size: one replica pipeline per group position), without a pipeline or under any
+schedule, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward
+(its glue: embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
 rotary `cos`/`sin`, a skip connection) crosses to that device, once per device and call. Masks
 and positions built from the batch are computed on every device and never cross. The trace
@@ -15,10 +15,10 @@ batch and sends to its own peers only.
 What lockstep cannot run is refused before any worker starts: a placed layer whose output is
 not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
 parent's own parameter whose glue feeds layers on several devices (P082: each would train its
-own copy). Other placements of module models (a schedule with several stages on a device,
-channel / tensor / spatial groups, groups of different sizes, data groups that shard or sync
-otherwise) are cut by torch.distributed.pipelining, which passes one tensor between stages: a
-cut where the trace sees more is refused (P083), saying why lockstep does not run it.
+own copy). Other placements of module models (channel / tensor / spatial groups, groups of
+different sizes, data groups that shard or sync otherwise) are cut by torch.distributed.pipelining,
+which passes one tensor between stages: a cut where the trace sees more is refused (P083), saying
+why lockstep does not run it.
 """
 from __future__ import annotations
 
@@ -189,8 +189,8 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                 "torch.distributed.pipelining cuts the module model, and it passes exactly "
                 f"one: {prev}'s output", s.loc,
                 "place the module model one device per segment, or data parallel over groups of one size (sync "
-                "allreduce, no shard), without a pipeline or with schedule gpipe or 1f1b (lockstep passes any "
-                "crossing), or cut where only the hidden state crosses"))
+                "allreduce, no shard), where lockstep passes any crossing under any schedule, or cut where only "
+                "the hidden state crosses"))
     return out
 
 

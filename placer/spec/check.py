@@ -394,8 +394,8 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
             ("accumulate", f"accumulate {t.accumulate}", t.accumulate > 1)) if on]
         unrun += [(None, f"recompute in segment {seg.name!r}") for seg in spec.placement if seg.recompute]
         for key, what in unrun:
-            diags.append(D("P097", f"{what} with a module model placed one device per segment (run in lockstep) "
-                           "is not run by this placer yet", spec.doc.loc(("training", key)) if key else spec.model.loc,
+            diags.append(D("P097", f"{what} with a module model run in lockstep (segments on one device each, or "
+                           "data groups of one size) is not run by this placer yet", spec.doc.loc(("training", key)) if key else spec.model.loc,
                            "leave it out here, or give the model as inline layers"))
     return diags
 

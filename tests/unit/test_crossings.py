@@ -203,4 +203,4 @@ def test_training_options_lockstep_does_not_run_yet_are_refused_by_plain_validat
     result = CliRunner().invoke(main, ["validate", str(path)])
     assert result.exit_code == 1
     assert [line.split("]")[0][-4:] for line in result.output.splitlines() if "error[" in line] == ["P097"] * 3
-    assert "accumulate 2 with a module model placed one device per segment" in result.output
+    assert "accumulate 2 with a module model run in lockstep (segments on one device each" in result.output
