@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic
 from placer.model.graph import INPUT, OUTPUT, ModelGraph
+from placer.modes import MODES
 from placer.plan.ir import OpKind, PlacedSegment
 
 ITEMSIZE = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
@@ -61,26 +62,28 @@ class Crossing:
 
 def lockstep(spec, segments) -> bool:
     """Whether a module model runs in lockstep: several segments, one device each or each data
-    parallel over the same number of devices (`data_blocker` says which data options), without a
-    pipeline or under any schedule (placer's micro-batch loops; a rank holding several stages runs
-    each micro-batch's forward in a thread that waits for the schedule's action of its next stage)."""
+    parallel over the same number of devices (`replica_blocker` says which), without a pipeline
+    or under any schedule (placer's micro-batch loops; a rank holding several stages runs each
+    micro-batch's forward in a thread that waits for the schedule's action of its next stage)."""
     if spec.model.inline or len(segments) < 2 or len({len(s.devices) for s in segments}) != 1:
         return False
-    return len(segments[0].devices) == 1 or (all(spec.placement[s.index].mode == "data" for s in segments)
-                                             and not data_blocker(spec, segments))
+    return len(segments[0].devices) == 1 or replica_blocker(spec, segments) is None
 
 
-def data_blocker(spec, segments) -> str | None:
-    """Why data-parallel segments of a module model cannot run as replica pipelines in lockstep,
-    or None: every replica's gradients are all-reduced after the lockstep backward (placer's
-    buckets, no DDP: the segment's layers run inside the whole model's forward), so the sync is
-    an all-reduce of whole parameters, and a device keeps one place in every group (its pipeline)."""
+def replica_blocker(spec, segments) -> str | None:
+    """Why multi-device segments of a module model cannot run as replica pipelines in lockstep,
+    or None. Each group must hold whole replicas that cut the batch (data) and sync by an
+    all-reduce of whole gradients after the lockstep backward (placer's buckets, no DDP: the
+    segment's layers run inside the whole model's forward), as a stage torch's schedules run
+    replicated; and a device keeps one place in every group (its pipeline)."""
     for s in segments:
-        p = spec.placement[s.index].parallel
-        if p.sync != "allreduce" or p.shard != "none" or p.sync_batchnorm:
-            what = f"sync {p.sync!r}" if p.sync != "allreduce" else f"shard {p.shard!r}" if p.shard != "none" \
-                else "sync_batchnorm"
-            return f"segment {s.name!r} has {what}"
+        seg = spec.placement[s.index]
+        mode = MODES[seg.mode]
+        if mode.data_degree(len(s.devices)) != len(s.devices):
+            return f"segment {s.name!r} is {seg.mode} over {len(s.devices)} devices"
+        why = mode.torch_pipeline_blocker(seg.parallel)
+        if why:
+            return f"segment {s.name!r} is {why}"
     place: dict[str, int] = {}
     for s in segments:
         for r, d in enumerate(s.devices):
@@ -199,7 +202,4 @@ def _why_cut(spec, segments) -> str:
     sizes = {len(s.devices) for s in segments}
     if len(sizes) > 1:
         return f"the segments' groups differ in size ({', '.join(map(str, sorted(sizes)))} devices)"
-    other = next((s for s in segments if spec.placement[s.index].mode != "data"), None)
-    if other is not None:
-        return f"segment {other.name!r} is {spec.placement[other.index].mode} over {len(other.devices)} devices"
-    return data_blocker(spec, segments) or "it does not run in lockstep"
+    return replica_blocker(spec, segments) or "it does not run in lockstep"
