@@ -1,7 +1,8 @@
 """Placer's own micro-batch loops in a pipeline schedule's order (1F1B, interleaved 1F1B, looped
 BFS, zero bubble, V), for what torch's schedules cannot run: stages of different data degrees,
 data stages with another sync, shard or sync_batchnorm, copies via host memory, channel / tensor
-/ spatial stages beside stages of other modes or sizes; and 1F1B for module models in lockstep.
+/ spatial stages beside stages of other modes or sizes; and module models in lockstep (one
+micro-batch's forward per thread where a rank holds several stages).
 
 Every rank of a stage's group walks the same actions, so the collectives inside a split stage
 (tensor's all-reduces, spatial's halos) match across its ranks. A boundary copy is GPipe's
@@ -82,6 +83,30 @@ def lockstep_step(w: "TrainWriter") -> None:
       "    crossing.backward_own(loss, crossed)  # receives the gradients of what it sent, sends those of what it got")
     w.when(last.ranks, "mb_losses.append(loss)")
     c.dedent()
+    tail(w, "crossing.settle()  # every send of the step")
+
+
+def lockstep_stages_step(w: "TrainWriter") -> None:
+    """A schedule where a rank holds several stages (interleaved, looped, V), in lockstep: each
+    micro-batch's whole forward runs in a thread of its own that stops before the work of this
+    rank's next stage (runtime/lockstep.py `forward_stage`); F lets it run through the stage, B
+    (zero bubble: I) backpropagates the stage's part (`backward_stage`), W does nothing."""
+    c, last = w.c, w.segs[-1]
+    head(w, "in lockstep (F: micro-batch mb's whole forward, run on through this stage's work; B: the stage's "
+         "backward)", False)
+    c('if kind == "F":').indent()
+    c("out = crossing.forward_stage(stage, mb, model, xs[mb].to(device))  # the model's output once it has run")
+    w.when(last.ranks, f"if stage == {last.k}:",
+           "    saved[mb] = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
+    c.dedent()
+    c('elif kind in ("B", "I"):').indent()
+    c(f"loss = saved.pop(mb) if stage == {last.k} else None", 'with timer("comm"):',
+      "    crossing.backward_stage(stage, mb, loss)  # receives the gradients of what the stage sent, sends those "
+      "of what it got")
+    c("if loss is not None:", "    mb_losses.append(loss)")
+    c.dedent()
+    if any("W" in order for order in (w.orders or {}).values()):
+        c('# kind "W": nothing; the I before it ran the whole backward')
     tail(w, "crossing.settle()  # every send of the step")
 
 

@@ -19,7 +19,7 @@ import subprocess
 import textwrap
 import tokenize
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from placer import __version__
@@ -111,6 +111,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     pl = spec.pipeline if spec.pipeline and not ls and torch_schedules_take(spec) else None  # else: micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     segs = program_segments(plan, spec, graph, loops=bool(loops))
+    if ls:  # data segments in lockstep: their layers run inside the whole forward, so no DDP; all-reduced after
+        segs = [replace(s, overlap=False) for s in segs]
     tied = ties.program_ties(plan, spec, graph, devices)
     diags = crossings.check(spec, graph, plan.segments)
     if diags:
@@ -470,9 +472,9 @@ def _stage_doc(seg: Seg, devices) -> str:
 
 def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[int, list[str]]]:
     """(constants, names per segment) of a module model run in lockstep: where each placed layer
-    runs and what its output is made of, and the plan's crossing copies in rank terms."""
-    rank = {s.k: s.ranks[0] for s in segs}
-    layers = {name: (s.k, rank[s.k], graph.layer(name).out_kind,
+    runs and what its output is made of, the replica pipelines, and the plan's crossing copies in
+    rank terms."""
+    layers = {name: (s.k, graph.layer(name).out_kind,
                      [None if leaf is None else (list(leaf[0]), leaf[1]) for leaf in graph.layer(name).out_leaves])
               for s in segs for name in s.layers}
     # a copy each, or in a GPipe pipeline a send (and its receive) per micro-batch: the first's
@@ -480,14 +482,16 @@ def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[in
     back = {(op.attrs["of"], op.attrs["leaf"], op.dst[0], op.src[0]) for op in ops if op.phase != "fwd"}
     rows = [(op.attrs["of"], op.attrs["leaf"], devices.index(op.src[0]), devices.index(op.dst[0]), op.route,
              (op.attrs["of"], op.attrs["leaf"], op.src[0], op.dst[0]) in back) for op in ops if op.phase == "fwd"]
+    pipes = [[s.ranks[r] for s in segs] for r in range(len(segs[0].ranks))]
     c = Code()
-    c("# where each placed layer runs (segment, rank) and what it returns (tensor / tuple / list of",
+    c("# where each placed layer runs (segment) and what it returns (tensor / tuple / list of",
       "# (shape, dtype) or None): a rank without it rebuilds that from what it receives, or zeros",
       f"LAYERS = {literal(layers)}",
       "# what crosses a boundary, one tensor to one rank each, as the plan counts it:",
       "# (layer, output leaf, from rank, to rank, route, its gradient goes back)",
       f"CROSSINGS = {literal(rows)}",
-      f"SEGMENT_RANKS = {[s.ranks[0] for s in segs]!r}  # segment k runs on rank SEGMENT_RANKS[k]")
+      f"PIPELINES = {pipes!r}  # in pipeline p, segment k runs on rank PIPELINES[p][k]"
+      + ("; each takes its slice of the batch" if len(pipes) > 1 else ""))
     names = {s.k: list(s.layers) + [r.name for r in graph.root_params if r.trainable and r.consumer in s.layers]
              for s in segs}
     return c.text(), names

@@ -177,6 +177,9 @@ class TrainWriter(TrainingOptions):
             c("", "# every rank builds the whole model from the seed and runs its whole forward (the parent's",
               "# glue); each placed layer runs only on its segment's rank (Lockstep, below)",
               "model = build_model().to(device)")
+            copies = [name for t in self.tied for _, _, name in t.copies[1:]]
+            if copies:
+                c("untie(model, " + repr(copies) + ")  # each segment using a tied parameter holds a copy")
         elif not self.cut:
             c("", "# the first worker of each machine builds the whole model from the seed once and saves it;",
               "# every rank builds it on the meta device (no memory) and takes its own segments' values",
@@ -196,7 +199,7 @@ class TrainWriter(TrainingOptions):
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
-              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
+              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, PIPELINES, device, host, batch=BATCH_SIZE)")
             for seg in self.segs:
                 if seg.recompute:
                     self.when(seg.ranks, f"# recompute: segment {seg.k}'s layers keep only their inputs; backward runs "
@@ -280,7 +283,12 @@ class TrainWriter(TrainingOptions):
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        if self.lockstep and self.orders:
+        if self.lockstep and len(segs[0].ranks) > 1:
+            c("# this rank's replica pipeline (its rank in every segment) takes its slice of the batch",
+              "x, y = local_slice(x, PIPELINES, crossing.segments), local_slice(y, PIPELINES, crossing.segments)")
+        if self.lockstep and self.orders and len({s.ranks for s in segs}) < len(segs):  # several stages a rank
+            loops.lockstep_stages_step(self)
+        elif self.lockstep and self.orders:
             loops.lockstep_step(self)
         elif self.lockstep and self.accumulate == 1:
             self.lockstep_step()
@@ -504,6 +512,10 @@ class TrainWriter(TrainingOptions):
         if not seg.has_params:
             return
         ranks, lines = MODES[seg.mode].emit_sync(seg)
+        if self.lockstep and self.tied:  # replica pipelines: each tie's all-reduce has summed every copy
+            tied = ", ".join(f"tied{i}" for i in range(len(self.tied)))
+            lines = [line.replace(f"seg{seg.k}.parameters()", f"untied(seg{seg.k}.parameters(), {tied})")
+                     for line in lines]
         if self.clip is not None:  # the steps come after the global norm (P092: sync helpers that step are refused)
             lines = [line for line in lines if line != f"opt{seg.k}.step()"]
         if lines:

@@ -1,19 +1,24 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
-A module model (`model.module`) whose segments sit on one device each, without a pipeline or with
-a GPipe or 1F1B one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
-embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
+A module model (`model.module`) whose segments sit on one device each (or are data parallel over
+groups of one size: one replica pipeline per group position), without a pipeline or under any
+schedule, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward
+(its glue: embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
 rotary `cos`/`sin`, a skip connection) crosses to that device, once per device and call. Masks
 and positions built from the batch are computed on every device and never cross. The trace
 (`LayerInfo.consumers`) says which leaves reach which layers; `crossings` turns that into one
-transfer per tensor and receiving device, which the plan counts and the program sends.
+transfer per tensor and receiving device, which the plan counts and the program sends. With
+data-parallel segments each replica pipeline (the r-th device of every segment) takes 1/D of the
+batch and sends to its own peers only.
 
 What lockstep cannot run is refused before any worker starts: a placed layer whose output is
 not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
 parent's own parameter whose glue feeds layers on several devices (P082: each would train its
-own copy). Other placements of module models are cut by torch.distributed.pipelining, which
-passes one tensor between stages: a cut where the trace sees more is refused (P083).
+own copy). Other placements of module models (channel / tensor / spatial groups, groups of
+different sizes, data groups that shard or sync otherwise) are cut by torch.distributed.pipelining,
+which passes one tensor between stages: a cut where the trace sees more is refused (P083), saying
+why lockstep does not run it.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic
 from placer.model.graph import INPUT, OUTPUT, ModelGraph
+from placer.modes import MODES
 from placer.plan.ir import OpKind, PlacedSegment
 
 ITEMSIZE = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
@@ -37,7 +43,8 @@ class Crossing:
     src: int
     """The producing segment."""
     dst: int
-    """The first segment on the receiving device that reads it."""
+    """The segment on the receiving device whose work receives it: its first after the producer's
+    (where the forward reaches the producing layer's stand-in on that device)."""
     src_device: str
     dst_device: str
     shape: tuple
@@ -53,30 +60,59 @@ class Crossing:
         return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 4) * self.calls
 
 
-LOCKSTEP_SCHEDULES = ("gpipe", "1f1b")
-"""The schedules lockstep runs as placer's micro-batch loops: one stage per rank, each forward
-the whole model's. A rank holding several stages (interleaved, looped, V) would run a part of
-one forward per action, which the model's single forward cannot do: those are cut by
-torch.distributed.pipelining instead."""
-
-
 def lockstep(spec, segments) -> bool:
-    """Whether a module model runs in lockstep: several segments, one device each, and no
-    pipeline or a GPipe or 1F1B one (placer's micro-batch loops)."""
-    return (not spec.model.inline and len(segments) > 1 and all(len(s.devices) == 1 for s in segments)
-            and (spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES))
+    """Whether a module model runs in lockstep: several segments, one device each or each data
+    parallel over the same number of devices (`replica_blocker` says which), without a pipeline
+    or under any schedule (placer's micro-batch loops; a rank holding several stages runs each
+    micro-batch's forward in a thread that waits for the schedule's action of its next stage)."""
+    if spec.model.inline or len(segments) < 2 or len({len(s.devices) for s in segments}) != 1:
+        return False
+    return len(segments[0].devices) == 1 or replica_blocker(spec, segments) is None
+
+
+def replica_blocker(spec, segments) -> str | None:
+    """Why multi-device segments of a module model cannot run as replica pipelines in lockstep,
+    or None. Each group must hold whole replicas that cut the batch (data) and sync by an
+    all-reduce of whole gradients after the lockstep backward (placer's buckets, no DDP: the
+    segment's layers run inside the whole model's forward), as a stage torch's schedules run
+    replicated; and a device keeps one place in every group (its pipeline)."""
+    for s in segments:
+        seg = spec.placement[s.index]
+        mode = MODES[seg.mode]
+        if mode.data_degree(len(s.devices)) != len(s.devices):
+            return f"segment {s.name!r} is {seg.mode} over {len(s.devices)} devices"
+        why = mode.torch_pipeline_blocker(seg.parallel)
+        if why:
+            return f"segment {s.name!r} is {why}"
+    place: dict[str, int] = {}
+    for s in segments:
+        for r, d in enumerate(s.devices):
+            if place.setdefault(d, r) != r:
+                return f"device {d!r} is number {place[d] + 1} of one group and number {r + 1} of segment {s.name!r}'s"
+    return None
+
+
+def pipelines(segments) -> list[tuple[str, ...]]:
+    """The replica pipelines of a lockstep placement: the r-th device of every segment."""
+    return [tuple(s.devices[r] for s in segments) for r in range(len(segments[0].devices))]
 
 
 def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
     """Bytes of one micro-batch's copy: a leaf whose dim 0 is the batch is cut m ways (rotary
-    cos / sin, [1, seq, d], is not)."""
+    cos / sin, [1, seq, d], is not). `batch_size`: a replica pipeline's."""
     return c.bytes // m if c.shape and c.shape[0] == batch_size else c.bytes
 
 
-def crossings(segments, graph: ModelGraph) -> list[Crossing]:
-    """Every output leaf that reaches a layer (or the loss) on another device, per receiving
-    device, producers in model order."""
+def crossings(segments, graph: ModelGraph, batch_size: int = 0) -> list[Crossing]:
+    """Every output leaf that reaches a layer (or the loss) on another device, per replica
+    pipeline and receiving device, producers in model order. With D replicas, a leaf whose dim 0
+    is the batch (`batch_size`) carries a replica's 1/D of it."""
     seg_of = {layer: s for s in segments for layer in s.layers}
+    n = len(segments[0].devices)
+    held: dict[str, list] = {}  # device -> its segments, in order
+    for s in segments:
+        for d in s.devices:
+            held.setdefault(d, []).append(s)
     out = []
     for s in segments:
         for layer in s.layers:
@@ -85,15 +121,20 @@ def crossings(segments, graph: ModelGraph) -> list[Crossing]:
                 spec_leaf = info.out_leaves[leaf] if leaf < len(info.out_leaves) else None
                 if spec_leaf is None:
                     continue
-                dsts: dict[str, PlacedSegment] = {}
-                for u in users:
-                    t = segments[-1] if u == OUTPUT else seg_of[u]
-                    if t.devices[0] != s.devices[0]:
-                        dsts.setdefault(t.devices[0], t)
                 shape, dtype, grad = spec_leaf
-                out += [Crossing(layer, leaf, s.index, t.index, s.devices[0], d, tuple(shape), dtype,
-                                 bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"), info.calls)
-                        for d, t in dsts.items()]
+                shape = tuple(shape)
+                if n > 1 and shape and shape[0] == batch_size:
+                    shape = (batch_size // n, *shape[1:])
+                for r in range(n):
+                    dsts: dict[str, PlacedSegment] = {}
+                    for u in users:
+                        t = segments[-1] if u == OUTPUT else seg_of[u]
+                        d = t.devices[r]
+                        if d != s.devices[r]:
+                            dsts.setdefault(d, next(x for x in held[d] if x.index > s.index))
+                    out += [Crossing(layer, leaf, s.index, t.index, s.devices[r], d, shape, dtype,
+                                     bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"),
+                                     info.calls) for d, t in dsts.items()]
     return out
 
 
@@ -137,6 +178,7 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                     spec.placement[0].loc, "move it into a submodule and place that, or place its users on one device"))
         return out
     out = []
+    why = _why_cut(spec, segments)
     for k, seg in enumerate(segments[1:], 1):
         made = [h for layer in seg.layers for h in graph.layer(layer).homes
                 if (segments[0] if h == INPUT else seg_of[h]).index != k]
@@ -146,10 +188,18 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
             s = spec.placement[k]
             out.append(Diagnostic(
                 "P083", f"segment {s.name!r} reads tensors made in earlier segments at {', '.join(made)} (a layer's "
-                "output, or the parent's work before it: a mask, rotary, a skip connection); a pipeline schedule or "
-                "a multi-device segment cuts a module model with torch.distributed.pipelining, which passes exactly "
+                f"output, or the parent's work before it: a mask, rotary, a skip connection); {why}, so "
+                "torch.distributed.pipelining cuts the module model, and it passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment, without a pipeline or with schedule gpipe or "
-                "1f1b (lockstep passes any crossing), or cut where only the hidden state crosses"))
+                "place the module model one device per segment, or data parallel over groups of one size (sync "
+                "allreduce, no shard), where lockstep passes any crossing under any schedule, or cut where only "
+                "the hidden state crosses"))
     return out
 
+
+def _why_cut(spec, segments) -> str:
+    """Why a module model's placement does not run in lockstep, in words."""
+    sizes = {len(s.devices) for s in segments}
+    if len(sizes) > 1:
+        return f"the segments' groups differ in size ({', '.join(map(str, sorted(sizes)))} devices)"
+    return replica_blocker(spec, segments) or "it does not run in lockstep"

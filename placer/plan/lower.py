@@ -31,6 +31,7 @@ from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, layer_range,
 from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
 from placer.plan.ties import insert_ties
+from placer.plan.ties import placed as placed_ties
 from placer.plan.verify import verify
 from placer.spec.shapes import op_kind
 from placer.spec.types import Spec
@@ -135,7 +136,7 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     per micro-step: a leaf that is not cut by rows (rotary's cos / sin) crosses N times."""
     ops = {d: list(v) for d, v in plan.ops.items()}
     segs = plan.segments
-    found = crossings(segs, graph)
+    found = crossings(segs, graph, plan.batch_size)
     n = plan.accumulate
 
     def xing(o: Op, phase: str, src: int) -> bool:
@@ -174,12 +175,16 @@ def insert_splits(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
 
 # ---- collectives ---------------------------------------------------------------------------------
 
-def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tuple[int, tuple[str, ...]]]:
+def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float,
+            tied: dict[str, int] | None = None) -> list[tuple[int, tuple[str, ...]]]:
     """Gradient buckets like DDP's: layers with parameters in reverse order, about bucket_mb each.
 
     Returns (bytes, layers in model order) per bucket, first-ready bucket first. A layer is never
-    split; one larger than the cap gets a bucket of its own. Root parameters go with their consumer."""
+    split; one larger than the cap gets a bucket of its own. Root parameters go with their consumer.
+    `tied`: layer -> bytes of tied parameters it owns that the tie's own all-reduce sums instead."""
     sizes = param_bytes(seg, graph)
+    for name, b in (tied or {}).items():
+        sizes[name] -= b
     cap = bucket_mb * MiB
     out, size = [], 0
     cur: list[str] = []
@@ -227,7 +232,10 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
         return Op(kind=kind, devices=devices, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs,
                   **kw)
 
-    ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb),
+    # a tie across data segments (lockstep): summed over every copy by the tie's all-reduce (insert_ties)
+    tied = {t.tie.layers[0]: t.tie.bytes for t in placed_ties(plan.segments, graph)
+            if len(seg.devices) > 1 and t.tie.layers[0] in seg.layers}
+    ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb, tied),
                    geometry=lambda name: layer_geometry(spec, name))
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
@@ -346,8 +354,9 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     m, segs = plan.microbatches, plan.segments
     out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV, its segment)] after that work
     need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
-    for c in crossings(segs, graph) if lockstep(spec, segs) else ():  # a module model's GPipe in lockstep
-        n, attrs = per_microbatch(c, plan.batch_size, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
+    rows = plan.batch_size // len(segs[0].devices)  # a replica pipeline's (lockstep: groups of one size)
+    for c in crossings(segs, graph, plan.batch_size) if lockstep(spec, segs) else ():  # a module model in lockstep
+        n, attrs = per_microbatch(c, rows, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
         flows = [("fwd", c.src, c.dst, c.src_device, c.dst_device, "act")]
         flows += [("bwd", c.dst, c.src, c.dst_device, c.src_device, "grad")] if c.grad else []
         for flow, a_k, b_k, a, b, what in flows:

@@ -3,8 +3,16 @@
 # a placed layer runs only on its segment's rank. Elsewhere its call returns what crosses from
 # that rank (where a layer here reads it, directly or through glue) or zeros of its traced shape
 # (where nothing here does). A received tensor is a leaf here; backward runs segment by segment
-# in reverse, the receivers sending each leaf's gradient back to the rank that made it.
+# in reverse, the receivers sending each leaf's gradient back to the rank that made it. With
+# data-parallel segments, each replica pipeline (the r-th rank of every segment) runs this on its
+# slice of the batch, talking to its own peers only; the groups all-reduce gradients after it.
+# A rank holding several stages (interleaved, looped, V schedules) runs each micro-batch's forward
+# in a thread of its own that stops before its next stage's work until the schedule's action for
+# that stage lets it go on (`forward_stage`); one thread runs at a time, so every message is
+# posted in the schedule's order, each tagged with its tensor, direction and micro-batch.
 import collections
+import queue
+import threading
 
 import torch
 import torch.nn as nn
@@ -32,24 +40,27 @@ def segment_module(model, names):
 
 
 class Lockstep:
-    """`layers`: name -> (segment, rank, kind, leaves): where each placed layer runs and what its
+    """`layers`: name -> (segment, kind, leaves): where each placed layer runs and what its
     output is (kind tensor / tuple / list; leaves (shape, dtype) or None). `crossings`: (layer,
     leaf, from rank, to rank, route, gradient back), one per tensor and receiving rank, as the
-    plan has them. `segments`: each segment's rank."""
+    plan has them. `pipelines`: each replica pipeline's rank per segment; this rank's is run."""
 
-    def __init__(self, model, rank, layers, crossings, segments, device, host=False, batch=None):
-        self.rank, self.device, self.layers, self.segments = rank, device, layers, segments
+    def __init__(self, model, rank, layers, crossings, pipelines, device, host=False, batch=None):
+        self.segments = next(p for p in pipelines if rank in p)  # this pipeline's rank per segment
+        self.rank, self.device, self.layers = rank, device, layers
         self.batch = batch  # leaves traced with dim 0 == batch carry the rows of the call (micro-batches)
         self.out, self.into = collections.defaultdict(list), {}
-        for name, leaf, src, dst, route, grad in crossings:
+        for i, (name, leaf, src, dst, route, grad) in enumerate(crossings):
             route = "via_host" if host else route  # gloo moves host tensors only
             if src == rank:
-                self.out[name, leaf].append((dst, route, grad))
+                self.out[name, leaf].append((dst, route, grad, i))
             if dst == rank:
-                self.into[name, leaf] = (src, route, grad)
-        for name, (_, owner, _, _) in layers.items():
+                self.into[name, leaf] = (src, route, grad, i)
+        self.held = [k for k, r in enumerate(self.segments) if r == rank]
+        for name, (segment, _, _) in layers.items():
             module = model.get_submodule(name)
-            if owner == rank:
+            if self.segments[segment] == rank:
+                module.register_forward_pre_hook(lambda m, args, k=segment: self._gate(k))
                 module.register_forward_hook(self._send(name))
             else:  # an instance attribute: nn.Module.__call__ calls it instead of the class's forward
                 module.forward = self._stand_in(name)
@@ -57,12 +68,35 @@ class Lockstep:
         self.pending = []  # 1F1B: sends waited on at the end of the step (settle), so none blocks a rank
         self.rows = batch
         model.register_forward_pre_hook(self._rows)
+        # several stages on this rank: micro-batch -> the last stage its forward may run, its
+        # thread's go-ahead, what it sent and received; the threads' reports (paused, done, error)
+        self.mb, self.allowed, self.go, self.crossed, self.reports = 0, None, {}, {}, queue.Queue()
 
     def _rows(self, model, args):
         self.rows = args[0].shape[0]  # the rows of this forward's batch (a micro-batch's in GPipe)
 
+    def _tag(self, i, grad):
+        """Crossing i's message (or its gradient's) for the running micro-batch: tagged only where
+        a rank holds several stages, so one pair's messages of different stages never mix."""
+        return (2 * i + grad) * 1024 + self.mb if self.allowed is not None else 0
+
+    def _stage(self, name):
+        """The stage of this rank whose work receives what `name` sends here: its first after the
+        layer's segment (where this rank's forward reaches the layer's stand-in)."""
+        return next(k for k in self.held if k > self.layers[name][0])
+
+    def _gate(self, stage):
+        """Several stages on this rank: the running micro-batch's forward waits here until the
+        schedule's action for `stage` lets it go on."""
+        if self.allowed is None:
+            return
+        mb = self.mb
+        while stage > self.allowed[mb]:
+            self.reports.put(("paused", None))
+            self.go[mb].get()
+
     def _send(self, name):
-        kind, traced = self.layers[name][2], self.layers[name][3]
+        kind, traced = self.layers[name][1], self.layers[name][2]
 
         def hook(module, args, output):
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)
@@ -74,18 +108,18 @@ class Lockstep:
                     # exact, autocast rounds it again where a layer wants bfloat16
                     t = leaves[i] = t.to(dtype)
                     cast = True
-                for dst, route, grad in self.out.get((name, i), ()):
+                for dst, route, grad, x in self.out.get((name, i), ()):
                     posted = Posted(route)
-                    posted.send(t.detach(), dst)
+                    posted.send(t.detach(), dst, tag=self._tag(x, False))
                     self.posted.append(posted)  # waited on after the forward: sends never block it
                     if grad and t.requires_grad:
-                        self.sent.append((name, t, dst, route))
+                        self.sent.append((name, t, dst, route, x))
             if cast:
                 return leaves[0] if kind == "tensor" else tuple(leaves) if kind == "tuple" else leaves
         return hook
 
     def _stand_in(self, name):
-        segment, owner, kind, leaves = self.layers[name]
+        _, kind, leaves = self.layers[name]
 
         def forward(*args, **kwargs):
             out = []
@@ -99,14 +133,16 @@ class Lockstep:
                 if (name, i) not in self.into:  # nothing on this rank reads it
                     out.append(torch.zeros(shape, dtype=dtype, device=self.device))
                     continue
-                src, route, grad = self.into[name, i]
+                src, route, grad, x = self.into[name, i]
+                if self.allowed is not None:
+                    self._gate(self._stage(name))
                 posted = Posted(route)
-                t = posted.recv(shape, dtype, src, self.device)
+                t = posted.recv(shape, dtype, src, self.device, tag=self._tag(x, False))
                 posted.wait()
                 t = t.to(self.device)
                 if grad:
                     t.requires_grad_()
-                    self.received.append((name, t, src, route))
+                    self.received.append((name, t, src, route, x))
                 out.append(t)
             return out[0] if kind == "tensor" else tuple(out) if kind == "tuple" else out
         return forward
@@ -128,11 +164,11 @@ class Lockstep:
         sent, received = crossed
         for k in reversed(range(len(self.segments))):
             posted, pairs = [], []
-            for name, t, src, route in received:
+            for name, t, src, route, _ in received:
                 if self.layers[name][0] == k:
                     posted.append(Posted(route))
                     posted[-1].send(t.grad if t.grad is not None else torch.zeros_like(t), src)
-            for name, t, dst, route in sent:
+            for name, t, dst, route, _ in sent:
                 if self.layers[name][0] == k:
                     posted.append(Posted(route))
                     pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device)))
@@ -154,7 +190,7 @@ class Lockstep:
         waiting (settle waits): a send never holds up this rank's next action."""
         sent, received = crossed
         posted, pairs = [], []
-        for name, t, dst, route in sent:
+        for name, t, dst, route, _ in sent:
             posted.append(Posted(route))
             pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device)))
         for p in posted:
@@ -165,10 +201,69 @@ class Lockstep:
         roots = list(grads.values()) + ([(loss, None)] if loss is not None else [])
         if roots:
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
-        for name, t, src, route in received:
+        for name, t, src, route, _ in received:
             p = Posted(route)
             p.send(t.grad if t.grad is not None else torch.zeros_like(t), src)
             self.pending.append(p)
+        self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
+
+    def forward_stage(self, stage, mb, model, x):
+        """Several stages on this rank: the action F of `stage` on micro-batch mb. The micro-batch's
+        forward (the whole model's, in a thread of its own, started at its first stage) runs until
+        it reaches the work of a later stage of this rank, or its end; this waits for that. Returns
+        the model's output once the forward has ended, else None."""
+        if self.allowed is None:
+            self.allowed = {}
+        self.mb, self.allowed[mb] = mb, stage
+        if mb not in self.go:
+            self.go[mb], self.crossed[mb] = queue.Queue(), ([], [])
+            self.sent, self.received = self.crossed[mb]
+            threading.Thread(target=self._forward, args=(model, x), daemon=True).start()
+        else:
+            self.sent, self.received = self.crossed[mb]
+            self.go[mb].put(None)
+        report, value = self.reports.get()  # one thread runs at a time: this one, until it stops
+        self.pending += self.posted  # sends: waited on at the end of the step
+        self.posted = []
+        if report == "error":
+            raise value
+        if report == "done":
+            del self.go[mb]
+            return value
+        return None
+
+    def _forward(self, model, x):
+        try:
+            self.reports.put(("done", model(x)))
+        except BaseException as e:  # raised again by the schedule's thread
+            self.reports.put(("error", e))
+
+    def backward_stage(self, stage, mb, loss):
+        """Several stages on this rank: the action B (or I) of `stage` on micro-batch mb. Receives
+        the gradients of what the stage sent, backpropagates them (and the loss, on the last
+        stage), and posts the gradients of what the stage received to their makers."""
+        self.mb = mb
+        sent, received = self.crossed[mb]
+        posted, pairs = [], []
+        for name, t, dst, route, x in sent:
+            if self.layers[name][0] == stage:
+                posted.append(Posted(route))
+                pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device, tag=self._tag(x, True))))
+        for p in posted:
+            p.wait()
+        grads = {}  # one gradient per tensor: the sum over the ranks that read it
+        for t, g in pairs:
+            grads[id(t)] = (t, grads[id(t)][1] + g.to(self.device) if id(t) in grads else g.to(self.device))
+        roots = list(grads.values()) + ([(loss, None)] if loss is not None else [])
+        if roots:  # graphs stay until the micro-batch's last stage here: stages may share glue
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=True)
+        for name, t, src, route, x in received:
+            if self._stage(name) == stage:
+                p = Posted(route)
+                p.send(t.grad if t.grad is not None else torch.zeros_like(t), src, tag=self._tag(x, True))
+                self.pending.append(p)
+        if stage == self.held[0]:
+            del self.crossed[mb]
         self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
 
     def settle(self):
