@@ -7,7 +7,6 @@ import pytest
 import yaml
 
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, did_you_mean, format_report, name_hint
-from placer.modes import MODES
 from placer.spec import check, select
 from placer.spec.load import load_text
 
@@ -358,7 +357,7 @@ def test_report_counts_what_is_not_shown():
     assert text.splitlines()[-1] == "2 more errors, 1 more warning"
 
 
-def test_pipeline_stages_torch_schedules_do_not_take_run_as_placers_loops_under_every_schedule(monkeypatch):
+def test_pipeline_stages_torch_schedules_do_not_take_run_as_placers_loops_under_every_schedule():
     d = pipe("looped_bfs", [["cuda:0"], ["cuda:1"], ["cuda:0"], ["cuda:1"]])
     d["copies"] = {"route": "via_host"}
     assert codes(d) == []  # placer's loops run it in looped BFS's order
@@ -373,10 +372,9 @@ def test_pipeline_stages_torch_schedules_do_not_take_run_as_placers_loops_under_
         spec = pipe(schedule, groups)  # a channel stage beside one device: placer's loops, in the order
         spec["placement"][split]["parallel"] = "channel"
         assert codes(spec) == [], schedule
-    # a stage whose devices are data replicas of a split (2-D, once a mode has them): GPipe's loops only
-    monkeypatch.setattr(type(MODES["channel"]), "data_degree", lambda self, n: 2 if n == 4 else 1)
+    # a stage whose devices are data replicas of a split (2-D): GPipe's loops only
     wide = pipe("1f1b", [A, ["cuda:1", "cuda:2", "cuda:3", "cuda:4"]])
-    wide["placement"][1]["parallel"] = "channel"
+    wide["placement"][1]["parallel"] = {"mode": "channel", "data": 2}
     assert "W005" in codes(wide)
     wide["pipeline"]["schedule"] = "gpipe"
     assert "W005" not in codes(wide)

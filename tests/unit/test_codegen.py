@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from placer.cli.main import main
 from placer.codegen.program import generate
-from placer.modes import MODES
 from placer.spec.check import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,19 +142,19 @@ def test_generate_cli_writes_the_program(tmp_path):
     assert "param_server_step(" in text and "DistributedDataParallel" not in text
 
 
-def test_generate_cli_reports_an_unsupported_stage_without_traceback(tmp_path, monkeypatch):
+def test_generate_cli_reports_an_unsupported_stage_without_traceback(tmp_path):
     spec_file = tmp_path / "spec.yaml"
     text = (ROOT / "specs" / "mlp_pipeline_data_stages.yaml").read_text()
-    # a 2-D stage (data replicas of a split, once a mode has them) runs only as GPipe's loops
-    monkeypatch.setattr(type(MODES["channel"]), "data_degree", lambda self, n: 2 if n == 4 else 1)
-    spec_file.write_text(text.replace("parallel: data\npipeline", "parallel: channel\npipeline").replace(
+    # a 2-D stage (data replicas of a split) in a pipeline: refused before any program is written
+    spec_file.write_text(text.replace("parallel: data\npipeline", "parallel: {mode: channel, data: 2}\npipeline").replace(
         "devices: [cuda:2, cuda:3]", "devices: [cuda:2, cuda:3, cuda:4, cuda:5]").replace(
         "devices: [cuda:0, cuda:1, cuda:2, cuda:3]", "devices: [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4, cuda:5]"))
     r = CliRunner().invoke(main, ["validate", str(spec_file)])
-    assert r.exit_code == 0 and "warning[W005]" in r.output, r.output
+    assert r.exit_code == 1 and "error[P032]" in r.output, r.output
     r = CliRunner().invoke(main, ["generate", str(spec_file), "-o", str(tmp_path / "p.py")])
     assert r.exit_code == 1
-    assert "error[G001]" in r.stderr and "mode 'channel'" in r.stderr and "Traceback" not in r.output
+    assert "error[P032]" in r.stderr and "channel with data replicas in a pipeline" in r.stderr
+    assert "Traceback" not in r.output
     assert not (tmp_path / "p.py").exists()
     # a data stage that syncs by broadcast: placer's own loops run it in 1F1B's order
     spec_file.write_text(text.replace("parallel: data\n  - name: stage1", "parallel: {mode: data, sync: broadcast}\n"
