@@ -113,9 +113,10 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
 def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes: dict, mode=None,
                         inner=None) -> None:
     """A 2-D segment: each replica runs the mode's collectives (`inner`: tensor's pair all-reduces
-    by default) on its rows; before the step, the devices holding the same slices all-reduce their
-    gradients (one flat message each, as the program's `all_reduce_slices` sends it after the
-    whole backward), or under `shard: full` FSDP2 gathers and reduce-scatters them per layer."""
+    by default) on its rows; after its backward, the devices holding the same slices all-reduce
+    their gradients (one flat message each, as the program's `all_reduce_slices` sends it, before
+    any step and the global gradient norm), or under `shard: full` FSDP2 gathers and
+    reduce-scatters them per layer."""
     d, mode = seg.options["data"], mode or MODE
     inner = inner or (module_collectives if seg.options.get("blocks") else collectives)
     for run in runs(seg.devices, d):
@@ -135,8 +136,8 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
                     a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name, **kw), scale=False,
                           weight=True)
             continue
-        a.step_pre.append(op(OpKind.ALL_REDUCE, "step", "grads", sum(layer_bytes), devices=tuple(group),
-                             attrs={"replicas": d}))
+        a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(layer_bytes), devices=tuple(group),
+                                 attrs={"replicas": d}))
 
 
 # -- module models: a parallel plan per transformer block -------------------------------------------

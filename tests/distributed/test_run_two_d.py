@@ -19,6 +19,7 @@ from tests.distributed.test_run_modes import ATOL, ROOT, RTOL, STEPS
 pytestmark = pytest.mark.distributed
 
 FSDP = ["--set", "placement.1.parallel.shard=full"]
+CLIP = ["--set", "training.clip_grad_norm=0.05"]  # it bites: the norm is about 0.3
 # (spec, --set overrides, workers, what the program calls, bytes slack)
 RUNS = [
     ("specs/mlp_tensor_data.yaml", [], 4, "all_reduce_slices(seg1, dp1)", 0),
@@ -30,12 +31,18 @@ RUNS = [
     ("tests/models/tinygpt_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0.02),
     ("tests/models/hf_llama_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0),
     ("specs/cnn_channel_data.yaml", [], 4, "all_reduce_slices(seg0, dp0)", 0),  # channel x data: Conv channels
+    # the global norm counts each slice once: on the first replica, or each (dp, tp) piece under FSDP2 x TP
+    ("specs/mlp_tensor_data.yaml", CLIP, 4, "if rank in (0, 1):  # counted on the first data replica", 0),
+    ("specs/mlp_tensor_data.yaml", FSDP + CLIP, 4, "norm_share_2d(seg1, tp_first=rank in (0, 2))", 0),
+    # two micro-steps a step (the replicas sum once, after the second) and the segment recomputed in backward
+    ("specs/mlp_tensor_data.yaml", ["--set", "training.accumulate=2", "--set", "placement.1.recompute=true"], 4,
+     "torch.utils.checkpoint.checkpoint(seg1", 0),
 ]
 
 
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
                          ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
-                              "cnn_channel"])
+                              "cnn_channel", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(main, ["run", str(ROOT / spec), "--check", "--steps", str(STEPS), "--run-dir",

@@ -98,3 +98,13 @@ def all_reduce_slices(module, group):
     dist.all_reduce(flat, group=group)
     for g, v in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(v.view_as(g))
+
+
+def norm_share_2d(module, tp_first):
+    """FSDP2 x TP: the parameters whose gradients this rank counts in the global norm. A piece
+    sharded on both mesh dims (FSDP2's _StridedShard over a column split included) is this rank's
+    alone; a piece replicated over tp (a row half's
+    bias, a layer tensor parallel leaves whole: sharded over dp only) is counted on the ranks
+    at tp position 0 (`tp_first`)."""
+    return [p for p in module.parameters() if tp_first or (
+        p.device_mesh.ndim == 2 and not any(placement.is_replicate() for placement in p.placements))]
