@@ -101,7 +101,7 @@ def table(plan, graph, est, timeline=None) -> str:
     seg_rows = [["segment", "devices", "mode", "layers"]]
     for s in plan.segments:
         mode = s.mode if s.mode != "none" else ""
-        opts = {k: v for k, v in s.options.items() if k in ("sync", "server", "shard", "dim")
+        opts = {k: v for k, v in s.options.items() if k in ("sync", "server", "shard", "dim", "data")
                 and v not in (None, "none", "allreduce")}
         mode += "".join(f" {k}={v}" for k, v in opts.items())
         mode = f"{mode} recompute".strip() if s.recompute else mode

@@ -131,7 +131,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     cut = not spec.model.inline and len(segs) > 1 and not ls  # torch's pipelining cuts the module model
     used |= {"seed"} if not ls and not cut else set()  # ranks materialise only their segments (TrainWriter.seeded)
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
-    used |= {"recompute"} if pl and any(s.recompute for s in segs) else set()
+    used |= {"recompute"} if (pl or ls) and any(s.recompute for s in segs) else set()
     used |= {"precision"} if pl and spec.training.precision == "bf16" else set()
     used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
         segs, len(devices), devices, False, False).syncs_in_backward else set()
@@ -209,10 +209,11 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
         for s in segs:
             if r in s.ranks:
                 what = f"{s.name} ({s.layers[0]}{'..' + s.layers[-1] if len(s.layers) > 1 else ''})"
-                if MODES[s.mode].data_degree(len(s.ranks)) > 1:
+                if MODES[s.mode].data_degree(len(s.ranks), s.replicas) == len(s.ranks) > 1:
                     what += f" 1/{len(s.ranks)} of the batch"
                 elif s.mode != "none":
-                    what += f" {s.mode} split 1/{len(s.ranks)}"
+                    what += f" {s.mode} split 1/{len(s.ranks) // s.replicas}"
+                    what += f" of 1/{s.replicas} of the batch" if s.replicas > 1 else ""
                 work.append(what)
             elif r == s.server:
                 work.append(f"parameter server of {s.name}")

@@ -113,9 +113,11 @@ def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
 
 
 def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
+    # a 2-D side (data replicas of a split mode) says how many replicas it holds
+    attrs = {f"{side}_replicas": l.replicas for side, l in (("src", src), ("dst", dst)) if l.replicas > 1}
     return Op(kind=transfer_kind(src.devices, dst.devices), devices=union(src.devices, dst.devices), segment=seg,
               phase=phase, tensor=tensor, bytes=nbytes, route=route, src=src.devices, dst=dst.devices,
-              src_dim=src.dim, dst_dim=dst.dim)
+              src_dim=src.dim, dst_dim=dst.dim, attrs=attrs)
 
 
 def insert_copies(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
@@ -130,10 +132,12 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     """One COPY per crossing tensor and receiving device (attrs: `of` the producing layer, its
     output `leaf`, `from` its segment), at the points the lockstep program moves it: forward after
     the producer's segment and before the consumer's; the gradient after every later segment's
-    backward on the receiving device and before the producer's backward."""
+    backward on the receiving device and before the producer's backward. With accumulate, once
+    per micro-step: a leaf that is not cut by rows (rotary's cos / sin) crosses N times."""
     ops = {d: list(v) for d, v in plan.ops.items()}
     segs = plan.segments
     found = crossings(segs, graph, plan.batch_size)
+    n = plan.accumulate
 
     def xing(o: Op, phase: str, src: int) -> bool:
         return o.attrs.get("from") == src and o.phase == phase
@@ -141,7 +145,7 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     for c in found:
         attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
         fwd = Op(kind=OpKind.COPY, devices=(c.src_device, c.dst_device), segment=c.dst, phase="fwd", tensor="act",
-                 bytes=c.bytes, route=segs[c.dst].route, src=(c.src_device,), dst=(c.dst_device,), attrs=attrs)
+                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.src_device,), dst=(c.dst_device,), attrs=attrs)
         lst = ops[c.src_device]
         lst.insert(_found(_last(lst, lambda o: _is_compute(o, c.src, ("fwd",)) or xing(o, "fwd", c.src))) + 1, fwd)
         lst = ops[c.dst_device]
@@ -149,7 +153,7 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     for c in sorted((c for c in found if c.grad), key=lambda c: -c.src):
         attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
         bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, c.src_device), segment=c.dst, phase="bwd", tensor="grad",
-                 bytes=c.bytes, route=segs[c.dst].route, src=(c.dst_device,), dst=(c.src_device,), attrs=attrs)
+                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.dst_device,), dst=(c.src_device,), attrs=attrs)
         lst = ops[c.dst_device]
         lst.insert(_found(_last(lst, lambda o: (o.kind == OpKind.COMPUTE and o.segment > c.src and o.phase in BWD)
                                 or (o.phase == "bwd" and "from" in o.attrs))) + 1, bwd)
@@ -224,7 +228,9 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     def op(kind, phase, tensor, nbytes, layer=None, **kw):
         attrs = {"layer": layer} if layer else {}
         attrs.update(kw.pop("attrs", {}))
-        return Op(kind=kind, devices=g, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs, **kw)
+        devices = kw.pop("devices", g)  # a 2-D segment's: one replica, or one position across them
+        return Op(kind=kind, devices=devices, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs,
+                  **kw)
 
     # a tie across data segments (lockstep): summed over every copy by the tie's all-reduce (insert_ties)
     tied = {t.tie.layers[0]: t.tie.bytes for t in placed_ties(plan.segments, graph)
@@ -304,23 +310,26 @@ def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
         s = seg.index
         for d in union(seg.devices, a.step_devices):
             lst, new = ops[d], []
+
+            def mine(part: list) -> list:  # a 2-D segment's collectives run in a replica or a position's group
+                return [o for o in part if d in o.devices]
             first = _first(lst, lambda o: _is_compute(o, s, ("fwd",)))
             last = _last(lst, lambda o: _is_compute(o, s, BWD))
             has_step = False
             for i, o in enumerate(lst):
                 if o.kind == OpKind.COMPUTE and o.segment == s:
-                    new += a.seg_pre_fwd if i == first else []
-                    new += _expand(o, seg, a, m, plan.accumulate)
-                    new += a.seg_post_bwd if i == last else []
+                    new += mine(a.seg_pre_fwd) if i == first else []
+                    new += mine(_expand(o, seg, a, m, plan.accumulate))
+                    new += mine(a.seg_post_bwd) if i == last else []
                 elif o.kind == OpKind.STEP and o.segment == s:
-                    new += a.step_pre + [o] + a.step_post
+                    new += mine(a.step_pre) + [o] + mine(a.step_post)
                     has_step = True
                 else:
                     new.append(o)
             if not has_step and d in a.step_devices and (a.step_pre or a.step_post):
                 at = _first(new, lambda o: o.phase == "step" and o.segment > s)
                 at = len(new) if at is None else at
-                new[at:at] = a.step_pre + a.step_post
+                new[at:at] = mine(a.step_pre) + mine(a.step_post)
             ops[d] = new
     return plan.with_ops(ops)
 

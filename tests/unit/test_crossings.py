@@ -194,13 +194,19 @@ training:""" + tail.split("training:")[1])
     assert "at transformer.h.0, transformer.wpe" in diags[0].message and "transformer.h.0's output" in diags[0].message
 
 
-def test_training_options_lockstep_does_not_run_yet_are_refused_by_plain_validate(tmp_path):
-    path = spec_file(tmp_path, "SharedBias", "{d: 8}", "{shape: [B, 8]}", """\
-  - {layers: a, device: cpu, recompute: true}
-  - {layers: b, device: cpu:1}""")
+def test_training_options_in_lockstep_validate_and_are_written_into_the_program(tmp_path):
+    """bf16, accumulate and recompute with a module model one device per segment (P097 retired):
+    the program's lockstep step runs under autocast, once per micro-step, the recomputed
+    segment's layers under checkpoint on its rank."""
+    path = spec_file(tmp_path, "Skip", "{vocab: 32, d: 8}", "{shape: [B], dtype: int64, high: 32}", """\
+  - {layers: embed, device: cpu}
+  - {layers: [mid, head], device: cpu:1, recompute: true}""")
     text = path.read_text().replace("seed: 0}", "seed: 0, accumulate: 2, precision: bf16}")
     path.write_text(text)
-    result = CliRunner().invoke(main, ["validate", str(path)])
-    assert result.exit_code == 1
-    assert [line.split("]")[0][-4:] for line in result.output.splitlines() if "error[" in line] == ["P097"] * 3
-    assert "accumulate 2 with a module model run in lockstep (segments on one device each" in result.output
+    result = CliRunner().invoke(main, ["validate", "--strict", str(path)])
+    assert result.exit_code == 0, result.output
+    program = generate(load_spec(str(path))).text
+    assert "for micro in range(2):" in program and "crossing = Lockstep(" in program
+    assert program.count("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16") == 2
+    assert "if rank == 1:\n        # recompute: segment 1's layers" in program
+    assert 'recompute_layers(model, ["mid", "head"])' in program

@@ -96,15 +96,26 @@ class Lockstep:
             self.go[mb].get()
 
     def _send(self, name):
+        kind, traced = self.layers[name][1], self.layers[name][2]
+
         def hook(module, args, output):
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)
+            cast = False
             for i, t in enumerate(leaves):
+                dtype = getattr(torch, traced[i][1]) if traced[i] is not None else None
+                if self.out.get((name, i)) and dtype is not None and t.dtype != dtype:
+                    # autocast's bfloat16 crosses as traced (float32), as between inline segments:
+                    # exact, autocast rounds it again where a layer wants bfloat16
+                    t = leaves[i] = t.to(dtype)
+                    cast = True
                 for dst, route, grad, x in self.out.get((name, i), ()):
                     posted = Posted(route)
                     posted.send(t.detach(), dst, tag=self._tag(x, False))
                     self.posted.append(posted)  # waited on after the forward: sends never block it
                     if grad and t.requires_grad:
                         self.sent.append((name, t, dst, route, x))
+            if cast:
+                return leaves[0] if kind == "tensor" else tuple(leaves) if kind == "tuple" else leaves
         return hook
 
     def _stand_in(self, name):
