@@ -95,9 +95,9 @@ def lockstep_stages_step(w: "TrainWriter") -> None:
     head(w, "in lockstep (F: micro-batch mb's whole forward, run on through this stage's work; B: the stage's "
          "backward)", False)
     c('if kind == "F":').indent()
-    c("out = crossing.forward_stage(stage, mb, model, xs[mb].to(device))  # the model's output once it has run")
-    w.when(last.ranks, f"if stage == {last.k}:",
-           "    saved[mb] = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
+    c(*w.autocast("out = crossing.forward_stage(stage, mb, model, xs[mb].to(device))  # its output once it has run"))
+    w.when(last.ranks, f"if stage == {last.k}:", *("    " + line for line in w.autocast(
+        "saved[mb] = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")))
     c.dedent()
     c('elif kind in ("B", "I"):').indent()
     c(f"loss = saved.pop(mb) if stage == {last.k} else None", 'with timer("comm"):',
