@@ -1,0 +1,56 @@
+"""Run a generated program's worker under torch's profiler and write the peak of the bytes that
+torch's CPU allocator holds for tensors (the profiler's `Total Allocated`), as
+`torch.cuda.max_memory_allocated` reports on GPUs. The profiler follows the main thread and the
+autograd engine's; it does not see what other threads allocate (a data prefetch thread: so
+bench/memory.py runs with `training.prefetch=0`), and its `profile_all_threads` drops the
+memory events (torch 2.13).
+
+    python bench/tensor_peak.py RESULT.json program.py [program arguments]
+
+bench/memory.py starts each worker this way (RANK and the rest set as torchrun sets them). The
+program leaves with `os._exit`, past the profiler: that call is held back until the trace is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def main() -> None:
+    result, program = sys.argv[1], sys.argv[2]
+    sys.argv = sys.argv[2:]
+    leave = os._exit
+
+    def held_back(code: int) -> None:
+        raise SystemExit(code)
+
+    os._exit = held_back  # type: ignore[assignment]
+    code = 0
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        try:
+            runpy.run_path(program, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    memory = [e for e in events if e.get("name") == "[memory]"]
+    peak = max(memory, key=lambda e: e["args"]["Total Allocated"], default=None)
+    at = sorted((e for e in events if e.get("ph") == "X" and peak
+                 and e["ts"] <= peak["ts"] <= e["ts"] + e.get("dur", 0)), key=lambda e: e["ts"])
+    with open(result, "w") as f:
+        json.dump({"peak_bytes": peak["args"]["Total Allocated"] if peak else 0,
+                   "at": [e["name"] for e in at]}, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    leave(code)
+
+
+if __name__ == "__main__":
+    main()
