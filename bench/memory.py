@@ -98,6 +98,7 @@ def main() -> None:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("specs", nargs="*", type=Path, help="specs (default: bench/specs/*.yaml)")
     parser.add_argument("--steps", type=int, default=5, help="steps per run (default 5)")
+    parser.add_argument("--traces", type=Path, help="keep each worker's profiler trace here (<spec>-<rank>.json)")
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/memory-<time>.json)")
     args = parser.parse_args()
     specs = args.specs or sorted((BENCH / "specs").glob("*.yaml"))
@@ -119,6 +120,9 @@ def main() -> None:
             base_file.write_text(baseline_of(program.read_text()))
             base, base_file = max(peaks(lambda r: [str(base_file)], world, work, work / "base.log"))
             measured = peaks(lambda r: [str(program), "--out", str(work / "out")], world, work, work / "run.log")
+            if args.traces:
+                args.traces.mkdir(parents=True, exist_ok=True)
+                os.environ["TENSOR_PEAK_TRACE"] = str(args.traces.resolve() / f"{spec.stem}-{{rank}}.json")
             peaks(lambda r: [str(BENCH / "tensor_peak.py"), str(work / f"tensors{r}.json"), str(program),
                              "--out", str(work / "out-tensors")], world, work, work / "tensors.log")
             tensors = [json.loads((work / f"tensors{r}.json").read_text()) for r in range(world)]
@@ -135,7 +139,8 @@ def main() -> None:
                                         "rss_file_bytes": file, "baseline_bytes": base,
                                         "baseline_rss_file_bytes": base_file, "ratio": ratio,
                                         "ratio_allocated": ratio_alloc, "tensor_peak_bytes": t["peak_bytes"],
-                                        "tensor_peak_at": t["at"], "ratio_tensors": ratio_t,
+                                        "tensor_peak_at": t["peak_at"],
+                                        "run_tensor_peak_bytes": t["run_peak_bytes"], "run_tensor_peak_at": t["run_peak_at"], "ratio_tensors": ratio_t,
                                         "estimate": {k: d[k] for k in d if k.endswith("_bytes")}})
                 print(f"{spec.stem:<16} {d['device']:<7} estimate {d['total_bytes'] / 2**20:6.1f} MiB  "
                       f"measured {held / 2**20:6.1f} MiB ({ratio:4.2f})  allocated {allocated / 2**20:6.1f} MiB "
