@@ -157,7 +157,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
                         "buffer_bytes": e.buffer_bytes, "grad_bytes": e.grad_bytes,
                         "optimizer_bytes": e.optimizer_bytes, "activation_bytes": e.activation_bytes,
                         "step_bytes": e.step_bytes, "data_bytes": e.data_bytes, "comm_bytes": e.comm_bytes,
-                        "act_grad_bytes": e.act_grad_bytes,
+                        "act_grad_bytes": e.act_grad_bytes, "boundary_bytes": e.boundary_bytes,
                         "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes, "payload_bytes": e.payload_bytes,
                         "recv_bytes": e.recv_bytes})
     ops = [{"kind": r.op.kind.value, "segment": r.op.segment, "phase": r.op.phase, "tensor": r.op.tensor,
@@ -166,7 +166,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
             "route": r.op.route, "bytes": r.op.bytes, "moved_bytes": r.bytes, "attrs": r.op.attrs,
             "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
     sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                "step_bytes", "data_bytes", "comm_bytes", "act_grad_bytes", "total_bytes", "flops")
+                "step_bytes", "data_bytes", "comm_bytes", "act_grad_bytes", "boundary_bytes", "total_bytes", "flops")
     doc = {
         "format": JSON_FORMAT,
         "name": plan.name,

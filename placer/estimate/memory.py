@@ -22,12 +22,17 @@
 - Activation gradients (`act_grad_bytes`): in backward, while a layer runs, the gradient of its
   output (received from the next device where it is a segment's last) and the one of its input
   that it makes are live beside the activations still kept for the layers before it.
+  A Conv's backward on CPU holds one more of each (oneDNN's reordered output gradient and its
+  input-gradient scratch: measured, bench/memory.py).
 - Copies a mode keeps (`Mode.saved_copies`): spatial's Conv/Pool save their halo-padded band.
+- Boundary tensors (`boundary_bytes`): the last micro-batch's activations and gradients that
+  crossed from or to another device stay referenced by the step's variables until the next step
+  makes new ones: held through the optimizer step and into the next step's backward.
 
 The peak (`total_bytes`): parameters, buffers, gradients, optimizer state, batches and
-communication buffers are held throughout; on top of them either the backward peak (activations
-and activation gradients) or the optimizer step's temporaries, whichever is larger: the step
-runs after backward has freed the activations.
+communication buffers and boundary tensors are held throughout; on top of them either the backward
+peak (activations and activation gradients) or the optimizer step's temporaries, whichever is
+larger: the step runs after backward has freed the activations.
 """
 from __future__ import annotations
 
@@ -86,12 +91,14 @@ class DeviceMemory:
     """DDP's gradient buckets, FSDP2's gathered unit."""
     act_grad_bytes: int = 0
     """Activation gradients live at the backward peak, beside the activations kept then."""
+    boundary_bytes: int = 0
+    """The last micro-batch's tensors that crossed devices, referenced until the next step's."""
 
     @property
     def total_bytes(self) -> int:
         """The peak: what is held throughout, plus the backward peak or the step's temporaries."""
         held = (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes
-                + self.data_bytes + self.comm_bytes)
+                + self.data_bytes + self.comm_bytes + self.boundary_bytes)
         return held + max(self.activation_bytes + self.act_grad_bytes, self.step_bytes)
 
     @property
@@ -175,8 +182,24 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
                 a["step_bytes"] = max(a["step_bytes"], step)
     act = activations(plan, graph, geometry)
-    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1], **acc[dev])
-            for dev in plan.devices}
+    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1],
+                              boundary_bytes=boundary(plan, graph, dev), **acc[dev]) for dev in plan.devices}
+
+
+def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:
+    """Bytes of one micro-batch's activations and gradients crossing the boundaries of the
+    segments `dev` runs, where the neighbour runs on other devices: the input received and the
+    gradient sent back for it, the output sent and the gradient received for it."""
+    total = 0
+    for seg in plan.segments:
+        if dev not in seg.devices:
+            continue
+        share = seg.degree * plan.microbatches * plan.accumulate
+        if seg.index > 0 and plan.segments[seg.index - 1].devices != seg.devices:
+            total += 2 * graph.layer(seg.layers[0]).in_bytes // share
+        if seg.index + 1 < len(plan.segments) and plan.segments[seg.index + 1].devices != seg.devices:
+            total += 2 * graph.layer(seg.layers[-1]).out_bytes // share
+    return total
 
 
 def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
@@ -208,7 +231,8 @@ def grads_in_flight(saved: list[int], info, share: int) -> int:
     the gradients of i's output and of its input are live (one micro-batch's: `share`)."""
     freed, most = 0, 0
     for s, l in zip(reversed(saved), reversed(info)):
-        most = max(most, (l.out_bytes + l.in_bytes) // share - freed)
+        scratch = 2 if l.op.startswith("Conv") else 1  # a Conv's backward: one more of each (above)
+        most = max(most, scratch * (l.out_bytes + l.in_bytes) // share - freed)
         freed += s // share
     return most
 

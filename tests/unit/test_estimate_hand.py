@@ -359,3 +359,26 @@ def test_spatial_conv_keeps_its_padded_band(tmp_path):
     # cpu:1's band: 8 rows of H plus a halo row and a padding row, W 16 plus 2 padding columns:
     # 8*3*10*18*4 = 17280 instead of half the input (12288); half of act's output, 16384
     assert e1.activation_bytes == 17280 + 16384
+
+
+def test_boundary_tensors_stay_referenced(tmp_path):
+    """The activation that crossed to the next device and the gradient that came back for it
+    (and on the receiver, the input and the gradient it sent) stay referenced until the next
+    step makes new ones: held on top of weights, gradients and state (batch 16)."""
+    plan, est = plan_of(tmp_path, """\
+        devices: [cpu, cpu:1]
+        placement:
+          - {layers: fc1..act, device: cpu}
+          - {layers: fc2, device: cpu:1}
+        """)
+    # act's output = fc2's input, 16*16*4 = 1024, and its gradient
+    assert est.per_device["cpu"].boundary_bytes == est.per_device["cpu:1"].boundary_bytes == 2 * 1024
+    e = est.per_device["cpu:1"]
+    assert e.total_bytes == 272 + 272 + 3 * 512 + 2 * 1024 + e.activation_bytes + e.act_grad_bytes
+    _, one = plan_of(tmp_path, """\
+        devices: [cpu]
+        placement:
+          - {layers: fc1..act, device: cpu}
+          - {layers: fc2, device: cpu}
+        """)
+    assert one.per_device["cpu"].boundary_bytes == 0  # nothing crosses
