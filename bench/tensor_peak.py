@@ -19,7 +19,6 @@ import runpy
 import sys
 import tempfile
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 

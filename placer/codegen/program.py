@@ -118,7 +118,6 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
     from placer.estimate.memory import memory
-
     from placer.plan.place import layer_geometry
 
     planned = {d: m.total_bytes for d, m in memory(plan, graph, spec.training.optimizer, spec.training.prefetch,
