@@ -17,6 +17,5 @@ def test_calibration_measures_every_figure_of_the_cpu_profile():
     assert all(math.isfinite(v) and v > 0 for k, v in figures.items() if k != "step_overhead"), figures
     assert hw.step_overhead >= 0
     assert len(hw.rates) >= 3 and rate(hw, 1e12) == hw.flops
-    # messages between processes cost more than a layer's fixed cost on this machine, and
-    # FSDP2's per-layer collectives more than a bare all-reduce
-    assert hw.latency > hw.layer_overhead and hw.sharded_s >= hw.collective_s
+    # how the figures compare (a message against a layer's fixed cost, FSDP2's collectives against
+    # a bare all-reduce) depends on the machine's load: bench/cost_model.py reports them, no assert
