@@ -487,6 +487,11 @@ def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[in
       "# (layer, output leaf, from rank, to rank, route, its gradient goes back)",
       f"CROSSINGS = {literal(rows)}",
       f"SEGMENT_RANKS = {[s.ranks[0] for s in segs]!r}  # segment k runs on rank SEGMENT_RANKS[k]")
+    groups = [list(s.ranks) for s in segs if len(s.ranks) > 1]
+    if groups:
+        c("# the ranks of each segment over several (tensor parallel): each runs the segment's layers,",
+          "# what enters is sent to each, what leaves is sent from the first and its gradient to each",
+          f"GROUPS = {groups!r}")
     names = {s.k: list(s.layers) + [r.name for r in graph.root_params if r.trainable and r.consumer in s.layers]
              for s in segs}
     return c.text(), names

@@ -196,7 +196,8 @@ class TrainWriter(TrainingOptions):
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
-              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE)")
+              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE"
+              + (", groups=GROUPS)" if any(len(s.ranks) > 1 for s in self.segs) else ")"))
         if self.clip is not None:
             c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
@@ -319,6 +320,9 @@ class TrainWriter(TrainingOptions):
             return
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
+        if last.replicated:
+            c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
+              "    loss = None  # it counts once, on the first")
 
     def forward_backward(self) -> None:
         c, segs = self.c, self.segs

@@ -197,17 +197,36 @@ def emit_blocks(k: int, pairs) -> list[str]:
             f"seg{k} = stage"]
 
 
+def lockstep_blocker(spec, seg) -> str | None:
+    """Why a module model's group segment cannot run in lockstep beside the others, or None: the
+    others must be one device each or groups of their own (every device runs the forward, a
+    group's devices each the whole segment), on devices no other segment uses."""
+    from placer.modes import MODES
+
+    for other in spec.placement:
+        if other.index == seg.index:
+            continue
+        if len(other.devices) > 1 and not MODES[other.parallel.mode].lockstep_group:
+            return f"beside segment {other.name!r} of mode {other.parallel.mode!r} over several devices"
+        shared = [d for d in other.devices if d in seg.devices]
+        if shared:
+            return f"beside segment {other.name!r} on its device {shared[0]!r} (give the group devices of its own)"
+    return None
+
+
 class Tensor(Mode):
     name = "tensor"
     whole_on_each = True
     forward_sends_activations = True
 
+    lockstep_group = True
+
     def module_model_blocker(self, spec, seg):
-        if len(spec.placement) > 1 or spec.pipeline:
-            return "beside other segments or in a pipeline (it must hold the whole model)"
+        if spec.pipeline:
+            return "in a pipeline"
         if spec.training.precision != "fp32":  # the plan counts float32 all-reduces in each block
             return f"with precision {spec.training.precision}"
-        return None
+        return lockstep_blocker(spec, seg)
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

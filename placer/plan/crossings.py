@@ -1,6 +1,7 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
-A module model (`model.module`) whose segments sit on one device each, without a pipeline or with
+A module model (`model.module`) whose segments sit on one device each (or a tensor group's several,
+`Mode.lockstep_group`: each runs the segment on the whole input), without a pipeline or with
 a GPipe or 1F1B one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
 embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
@@ -44,8 +45,19 @@ class Crossing:
     """On the global batch."""
     dtype: str
     grad: bool
-    """Whether its gradient goes back (it requires grad where it is made)."""
+    """Whether it requires grad where it is made (then its gradient goes back, see `back`)."""
     calls: int = 1
+    back: bool = True
+    """Whether this receiver sends the gradient back: of a replicated group (tensor), which all
+    hold the same gradient, only its first device does."""
+    src_group: tuple = ()
+    """The producing segment's devices when several (a tensor group): each runs its backward, so
+    the gradient goes to each."""
+
+    @property
+    def grad_to(self) -> tuple:
+        """The devices this receiver sends the gradient to (none unless `grad` and `back`)."""
+        return (self.src_group or (self.src_device,)) if self.grad and self.back else ()
 
     @property
     def bytes(self) -> int:
@@ -61,9 +73,13 @@ torch.distributed.pipelining instead."""
 
 
 def lockstep(spec, segments) -> bool:
-    """Whether a module model runs in lockstep: several segments, one device each, and no
-    pipeline or a GPipe or 1F1B one (placer's micro-batch loops)."""
-    return (not spec.model.inline and len(segments) > 1 and all(len(s.devices) == 1 for s in segments)
+    """Whether a module model runs in lockstep: several segments, one device each (or a group
+    whose mode runs in lockstep, `Mode.lockstep_group`: tensor), and no pipeline or a GPipe or
+    1F1B one (placer's micro-batch loops)."""
+    from placer.modes import MODES
+
+    return (not spec.model.inline and len(segments) > 1
+            and all(len(s.devices) == 1 or MODES[s.mode].lockstep_group for s in segments)
             and (spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES))
 
 
@@ -75,7 +91,8 @@ def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
 
 def crossings(segments, graph: ModelGraph) -> list[Crossing]:
     """Every output leaf that reaches a layer (or the loss) on another device, per receiving
-    device, producers in model order."""
+    device, producers in model order. A group (tensor: every device holds the whole activation)
+    sends from its first device, receives on each, and sends the gradient back from its first."""
     seg_of = {layer: s for s in segments for layer in s.layers}
     out = []
     for s in segments:
@@ -88,11 +105,14 @@ def crossings(segments, graph: ModelGraph) -> list[Crossing]:
                 dsts: dict[str, PlacedSegment] = {}
                 for u in users:
                     t = segments[-1] if u == OUTPUT else seg_of[u]
-                    if t.devices[0] != s.devices[0]:
-                        dsts.setdefault(t.devices[0], t)
+                    for d in t.devices:
+                        if d not in s.devices:
+                            dsts.setdefault(d, t)
                 shape, dtype, grad = spec_leaf
+                group = s.devices if len(s.devices) > 1 else ()
                 out += [Crossing(layer, leaf, s.index, t.index, s.devices[0], d, tuple(shape), dtype,
-                                 bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"), info.calls)
+                                 bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"), info.calls,
+                                 back=d == t.devices[0], src_group=group)
                         for d, t in dsts.items()]
     return out
 

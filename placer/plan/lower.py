@@ -145,14 +145,14 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
         lst.insert(_found(_last(lst, lambda o: _is_compute(o, c.src, ("fwd",)) or xing(o, "fwd", c.src))) + 1, fwd)
         lst = ops[c.dst_device]
         lst.insert(_found(_first(lst, lambda o: _is_compute(o, c.dst, ("fwd",)))), fwd)
-    for c in sorted((c for c in found if c.grad), key=lambda c: -c.src):
-        attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
-        bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, c.src_device), segment=c.dst, phase="bwd", tensor="grad",
-                 bytes=c.bytes, route=segs[c.dst].route, src=(c.dst_device,), dst=(c.src_device,), attrs=attrs)
+    for c, to in sorted(((c, to) for c in found for to in c.grad_to), key=lambda ct: -ct[0].src):
+        attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}  # to each device of a producing group
+        bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, to), segment=c.dst, phase="bwd", tensor="grad",
+                 bytes=c.bytes, route=segs[c.dst].route, src=(c.dst_device,), dst=(to,), attrs=attrs)
         lst = ops[c.dst_device]
         lst.insert(_found(_last(lst, lambda o: (o.kind == OpKind.COMPUTE and o.segment > c.src and o.phase in BWD)
                                 or (o.phase == "bwd" and "from" in o.attrs))) + 1, bwd)
-        lst = ops[c.src_device]
+        lst = ops[to]
         lst.insert(_found(_first(lst, lambda o: _is_compute(o, c.src, BWD))), bwd)
     return plan.with_ops(ops)
 

@@ -152,10 +152,14 @@ def test_sibling_import_and_package_ref(tmp_path):
 def test_a_split_mode_the_program_cannot_run_on_a_module_model_is_an_error(tmp_path):
     """Plain validate's W007 becomes P086 once the model is built: plan --deep must not show it."""
     text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
-                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
-    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:0], parallel: tensor}")
+    path = write(tmp_path, text)
     (d,) = deep(path)[1]
-    assert d.code == "P086" and "beside other segments" in d.message and d.loc.line == line_of(path, "parallel: tensor")
+    assert d.code == "P086" and "beside segment 's0' on its device 'cuda:0'" in d.message
+    assert d.loc.line == line_of(path, "parallel: tensor")
+    # on devices of its own, beside one-device segments, it runs in lockstep
+    assert deep(write(tmp_path, text.replace("[cuda:1, cuda:0]", "[cuda:1, cuda:2]").replace(
+        "[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]")))[1] == []
 
 
 WHOLE_TENSOR = "  - {layers: [embed, blocks.*, ln_f, lm_head], devices: [cuda:0, cuda:1], parallel: tensor}\n"
@@ -275,8 +279,8 @@ def test_a_factory_function_is_a_model(tmp_path):
 @pytest.mark.parametrize("command", [["plan", "--deep"], ["generate", "-o", "{tmp}/program.py"]])
 def test_plan_and_generate_refuse_what_validate_deep_refuses(tmp_path, command):
     text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
-                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
-    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:0], parallel: tensor}")
+    path = write(tmp_path, text)
     validated = CliRunner().invoke(main, ["validate", "--deep", path])
     assert validated.exit_code == 1 and "error[P086]" in validated.output
     out = CliRunner().invoke(main, [c.format(tmp=tmp_path) for c in command] + [path])

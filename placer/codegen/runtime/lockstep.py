@@ -4,6 +4,9 @@
 # that rank (where a layer here reads it, directly or through glue) or zeros of its traced shape
 # (where nothing here does). A received tensor is a leaf here; backward runs segment by segment
 # in reverse, the receivers sending each leaf's gradient back to the rank that made it.
+# A group (tensor parallel) runs its segment's layers on each of its ranks, each on the whole
+# input: what enters is sent to each, what leaves from the first, and its gradient to each; of
+# what enters, all hold the same gradient and the first sends it back.
 import collections
 
 import torch
@@ -35,21 +38,24 @@ class Lockstep:
     """`layers`: name -> (segment, rank, kind, leaves): where each placed layer runs and what its
     output is (kind tensor / tuple / list; leaves (shape, dtype) or None). `crossings`: (layer,
     leaf, from rank, to rank, route, gradient back), one per tensor and receiving rank, as the
-    plan has them. `segments`: each segment's rank."""
+    plan has them. `segments`: each segment's (first) rank. `groups`: the ranks of each segment
+    over several (tensor parallel), which run its layers alike."""
 
-    def __init__(self, model, rank, layers, crossings, segments, device, host=False, batch=None):
+    def __init__(self, model, rank, layers, crossings, segments, device, host=False, batch=None, groups=()):
         self.rank, self.device, self.layers, self.segments = rank, device, layers, segments
         self.batch = batch  # leaves traced with dim 0 == batch carry the rows of the call (micro-batches)
+        self.group = {r: tuple(g) for g in groups for r in g}  # rank -> the ranks of its group
         self.out, self.into = collections.defaultdict(list), {}
+        needs = {(name, leaf, r) for name, leaf, _, dst, _, grad in crossings if grad for r in self.ranks(dst)}
         for name, leaf, src, dst, route, grad in crossings:
             route = "via_host" if host else route  # gloo moves host tensors only
-            if src == rank:
-                self.out[name, leaf].append((dst, route, grad))
+            if rank in self.ranks(src):  # the group's first sends; each gets the gradient back
+                self.out[name, leaf].append((dst, route, grad, src == rank))
             if dst == rank:
-                self.into[name, leaf] = (src, route, grad)
+                self.into[name, leaf] = (src, route, grad, (name, leaf, rank) in needs)
         for name, (_, owner, _, _) in layers.items():
             module = model.get_submodule(name)
-            if owner == rank:
+            if rank in self.ranks(owner):
                 module.register_forward_hook(self._send(name))
             else:  # an instance attribute: nn.Module.__call__ calls it instead of the class's forward
                 module.forward = self._stand_in(name)
@@ -58,6 +64,10 @@ class Lockstep:
         self.rows = batch
         model.register_forward_pre_hook(self._rows)
 
+    def ranks(self, rank):
+        """The ranks of `rank`'s group (itself alone, outside a group)."""
+        return self.group.get(rank, (rank,))
+
     def _rows(self, model, args):
         self.rows = args[0].shape[0]  # the rows of this forward's batch (a micro-batch's in GPipe)
 
@@ -65,10 +75,11 @@ class Lockstep:
         def hook(module, args, output):
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)
             for i, t in enumerate(leaves):
-                for dst, route, grad in self.out.get((name, i), ()):
-                    posted = Posted(route)
-                    posted.send(t.detach(), dst)
-                    self.posted.append(posted)  # waited on after the forward: sends never block it
+                for dst, route, grad, sends in self.out.get((name, i), ()):
+                    if sends:
+                        posted = Posted(route)
+                        posted.send(t.detach(), dst)
+                        self.posted.append(posted)  # waited on after the forward: sends never block it
                     if grad and t.requires_grad:
                         self.sent.append((name, t, dst, route))
         return hook
@@ -88,13 +99,14 @@ class Lockstep:
                 if (name, i) not in self.into:  # nothing on this rank reads it
                     out.append(torch.zeros(shape, dtype=dtype, device=self.device))
                     continue
-                src, route, grad = self.into[name, i]
+                src, route, grad, needs = self.into[name, i]
                 posted = Posted(route)
                 t = posted.recv(shape, dtype, src, self.device)
                 posted.wait()
                 t = t.to(self.device)
-                if grad:
+                if needs:  # a group's other ranks too: their backward runs the same collectives
                     t.requires_grad_()
+                if grad:
                     self.received.append((name, t, src, route))
                 out.append(t)
             return out[0] if kind == "tensor" else tuple(out) if kind == "tuple" else out
@@ -119,15 +131,16 @@ class Lockstep:
             posted, pairs = [], []
             for name, t, src, route in received:
                 if self.layers[name][0] == k:
-                    posted.append(Posted(route))
-                    posted[-1].send(t.grad if t.grad is not None else torch.zeros_like(t), src)
+                    for to in self.ranks(src):
+                        posted.append(Posted(route))
+                        posted[-1].send(t.grad if t.grad is not None else torch.zeros_like(t), to)
             for name, t, dst, route in sent:
                 if self.layers[name][0] == k:
                     posted.append(Posted(route))
                     pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device)))
             for p in posted:
                 p.wait()
-            if self.segments[k] != self.rank:
+            if self.rank not in self.ranks(self.segments[k]):
                 continue
             grads = {}  # one gradient per tensor: the sum over the ranks that read it
             for t, g in pairs:
