@@ -525,7 +525,7 @@ def stages_source(spec: Spec, segs: list[Seg], cut: bool, lockstep=None) -> str:
           "    return model, pipe")
     for seg in segs:
         c("", "")
-        if lockstep:
+        if lockstep and not MODES[seg.mode].chain:
             c(f"def {seg.func}(model):", f"    {_stage_doc(seg, devices)}",
               f"    return segment_module(model, {lockstep[1][seg.k]!r})")
         elif not spec.model.inline and MODES[seg.mode].chain:  # validate --deep found it a chain (P087)

@@ -251,6 +251,8 @@ class TrainWriter(TrainingOptions):
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
         c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
+        if self.lockstep and MODES[seg.mode].chain:
+            c(f"run_as_chain(model, {list(seg.layers)!r}, seg{k})  # the model's forward calls the split chain")
         self.uses_device_ids |= data.uses_ddp(seg)
         if seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))

@@ -36,8 +36,8 @@ class Mode:
     lockstep_group = False
     """Whether a module model's segment of this mode over several devices runs in lockstep beside
     other segments (codegen/runtime/lockstep.py): every device of the group runs the segment's
-    layers on the whole activation (tensor), so what enters is sent to each, what leaves is sent
-    from the first, and its gradient to each."""
+    layers on the whole activation (tensor, channel), so what enters is sent to each, what leaves
+    is sent from the first, and its gradient to each."""
     chain = False
     """Whether the program runs the segment as a chain of its layers (nn.Sequential), not the
     model's own forward: a module model's segment must then be one (channel)."""

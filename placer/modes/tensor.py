@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from placer.diagnostics import Diagnostic
 from placer.modes.base import Mode
 from placer.plan.attach import Attached
+from placer.plan.crossings import group_blocker
 from placer.plan.ir import OpKind
 from placer.spec.shapes import op_kind
 
@@ -197,23 +198,6 @@ def emit_blocks(k: int, pairs) -> list[str]:
             f"seg{k} = stage"]
 
 
-def lockstep_blocker(spec, seg) -> str | None:
-    """Why a module model's group segment cannot run in lockstep beside the others, or None: the
-    others must be one device each or groups of their own (every device runs the forward, a
-    group's devices each the whole segment), on devices no other segment uses."""
-    from placer.modes import MODES
-
-    for other in spec.placement:
-        if other.index == seg.index:
-            continue
-        if len(other.devices) > 1 and not MODES[other.parallel.mode].lockstep_group:
-            return f"beside segment {other.name!r} of mode {other.parallel.mode!r} over several devices"
-        shared = [d for d in other.devices if d in seg.devices]
-        if shared:
-            return f"beside segment {other.name!r} on its device {shared[0]!r} (give the group devices of its own)"
-    return None
-
-
 class Tensor(Mode):
     name = "tensor"
     whole_on_each = True
@@ -226,7 +210,7 @@ class Tensor(Mode):
             return "in a pipeline"
         if spec.training.precision != "fp32":  # the plan counts float32 all-reduces in each block
             return f"with precision {spec.training.precision}"
-        return lockstep_blocker(spec, seg)
+        return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

@@ -73,14 +73,36 @@ torch.distributed.pipelining instead."""
 
 
 def lockstep(spec, segments) -> bool:
-    """Whether a module model runs in lockstep: several segments, one device each (or a group
-    whose mode runs in lockstep, `Mode.lockstep_group`: tensor), and no pipeline or a GPipe or
-    1F1B one (placer's micro-batch loops)."""
+    """Whether a module model runs in lockstep: several segments, one device each, and no
+    pipeline or a GPipe or 1F1B one (placer's micro-batch loops); or, without a pipeline, groups
+    that `group_blocker` lets run beside them (tensor, channel)."""
+    if spec.model.inline or len(segments) < 2:
+        return False
+    if all(len(s.devices) == 1 for s in segments):
+        return spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES
+    return spec.pipeline is None and all(len(s.devices) == 1 or group_blocker(segments, s.index) is None
+                                         for s in segments)
+
+
+def group_blocker(segments, k: int) -> str | None:
+    """Why segment k (spec or plan segments), over several devices, cannot run in lockstep beside
+    the others, as words after its mode; None if it can. Each rank of a group runs the segment's
+    layers on the whole activation (`Mode.lockstep_group`), the others must be one device each or
+    such groups, on devices no other segment uses."""
     from placer.modes import MODES
 
-    return (not spec.model.inline and len(segments) > 1
-            and all(len(s.devices) == 1 or MODES[s.mode].lockstep_group for s in segments)
-            and (spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES))
+    seg = segments[k]
+    if not MODES[seg.mode].lockstep_group:
+        return "beside other segments"
+    for other in segments:
+        if other.index == k:
+            continue
+        if len(other.devices) > 1 and not MODES[other.mode].lockstep_group:
+            return f"beside segment {other.name!r} of mode {other.mode!r} over several devices"
+        shared = [d for d in other.devices if d in seg.devices]
+        if shared:
+            return f"beside segment {other.name!r} on its device {shared[0]!r} (give the group devices of its own)"
+    return None
 
 
 def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
@@ -134,6 +156,8 @@ def multi_tensor_boundaries(plan) -> list[str]:
 def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
     """P081 / P082 where lockstep cannot run the placement; P083 where the pipelining cut that
     runs it instead would have to pass more than one tensor into a stage."""
+    from placer.modes import MODES
+
     if spec.model.inline or len(segments) < 2:
         return []
     seg_of = {layer: s for s in segments for layer in s.layers}
@@ -157,6 +181,15 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                     spec.placement[0].loc, "move it into a submodule and place that, or place its users on one device"))
         return out
     out = []
+    for s in segments:  # a chain group (channel) cut out of the model runs without the parent's glue
+        first = graph.layer(s.layers[0])
+        if len(s.devices) > 1 and MODES[s.mode].chain and first.glue_before:
+            out.append(Diagnostic(
+                "P087", f"segment {s.name!r}: layer {first.name!r} reads the parent's glue (work owned by no layer) "
+                f"made right before it: mode {s.mode!r} runs the segment as a chain of its layers, which reads only "
+                f"the previous segment's output where the model is cut by torch.distributed.pipelining",
+                spec.placement[s.index].loc, "give every other segment one device (lockstep runs the glue), or "
+                "start the segment after the glue"))
     for k, seg in enumerate(segments[1:], 1):
         made = [h for layer in seg.layers for h in graph.layer(layer).homes
                 if (segments[0] if h == INPUT else seg_of[h]).index != k]

@@ -318,8 +318,10 @@ def test_channel_runs_a_resnet_stem_as_the_chain_it_is(tmp_path):
     r = CliRunner().invoke(main, ["validate", "--deep", spec])
     assert r.exit_code == 0, r.output
     program = build_program(spec, tmp_path)
+    # in lockstep: the model's forward runs the split chain (conv1's call), the others hand it on
     assert 'nn.Sequential(*(model.get_submodule(name) for name in ["conv1", "bn1", "relu", "maxpool"]))' in program
     assert "ChannelSplit(stage, g0, [0, 1])" in program
+    assert 'run_as_chain(model, ["conv1", "bn1", "relu", "maxpool"], seg0)' in program
 
 
 def build_program(spec: str, tmp_path) -> str:
@@ -351,6 +353,13 @@ def test_spatial_and_a_last_channel_segment_of_a_module_model_are_refused_before
     fine = CliRunner().invoke(main, ["validate", "--deep", spec, "--set", "placement.0.parallel=data"])
     assert fine.exit_code == 0, fine.output  # the torchvision layout's names place as print(model) shows them
     text = open(spec).read().replace("devices: [cpu, cpu:1], parallel: spatial", "device: cpu")
-    open(spec, "w").write(text.replace("device: cpu:2}", "devices: [cpu:1, cpu:2], parallel: channel}"))
+    text = text.replace("avgpool, fc], device: cpu:2}", "avgpool], device: cpu:2}\n  - {name: head, layers: fc, "
+                        "devices: [cpu, cpu:1], parallel: channel}")
+    open(spec, "w").write(text)  # last, on the stem's device: not in lockstep, the model's glue lost
     last = CliRunner().invoke(main, ["validate", "--deep", spec])
-    assert last.exit_code == 1 and "error[P086]" in last.output and "as the last segment" in last.output, last.output
+    assert last.exit_code == 1 and "error[P086]" in last.output, last.output
+    assert "as the last segment beside segment 'stem' on its device 'cpu'" in last.output, last.output
+    open(spec, "w").write(text.replace("[cpu, cpu:1], parallel: channel", "[cpu:1, cpu:3], parallel: channel").replace(
+        "devices: [cpu, cpu:1, cpu:2]", "devices: [cpu, cpu:1, cpu:2, cpu:3]"))
+    fine = CliRunner().invoke(main, ["validate", "--deep", spec])  # on devices of its own: lockstep runs it
+    assert fine.exit_code == 0, fine.output

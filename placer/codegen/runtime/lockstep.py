@@ -34,6 +34,20 @@ def segment_module(model, names):
     return stage
 
 
+def run_as_chain(model, names, chain):
+    """The model's forward runs a group's chain of layers (each reads only the one before it,
+    P087) as `chain`, their split (ChannelSplit): the first layer's call runs the whole chain and
+    the others hand their input on. A layer without parameters or buffers runs inside the chain
+    itself, so the model gets an nn.Identity of its own in its place."""
+    for i, name in enumerate(names):
+        layer = model.get_submodule(name)
+        if next(layer.parameters(), None) is None and next(layer.buffers(), None) is None:
+            parent, _, attr = name.rpartition(".")
+            layer = nn.Identity()
+            setattr(model.get_submodule(parent), attr, layer)
+        layer.forward = (lambda x: chain(x)) if i == 0 else (lambda x: x)  # functions, not submodules
+
+
 class Lockstep:
     """`layers`: name -> (segment, rank, kind, leaves): where each placed layer runs and what its
     output is (kind tensor / tuple / list; leaves (shape, dtype) or None). `crossings`: (layer,
