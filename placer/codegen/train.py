@@ -251,8 +251,9 @@ class TrainWriter(TrainingOptions):
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
         c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
-        if self.lockstep and MODES[seg.mode].chain:
-            c(f"run_as_chain(model, {list(seg.layers)!r}, seg{k})  # the model's forward calls the split chain")
+        if seg.chained:
+            c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
+              "calls the split chain")
         self.uses_device_ids |= data.uses_ddp(seg)
         if seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
@@ -322,7 +323,7 @@ class TrainWriter(TrainingOptions):
             return
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
-        if last.replicated:
+        if len(last.ranks) > 1:
             c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
               "    loss = None  # it counts once, on the first")
 

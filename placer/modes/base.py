@@ -17,11 +17,13 @@ from placer.plan.attach import Attached
 
 class Lowering(NamedTuple):
     """What a mode's lowering reads besides the segment: layer -> trainable parameter bytes,
-    DDP-like gradient buckets for a bucket size in MB, and a Conv/Pool layer's geometry."""
+    DDP-like gradient buckets for a bucket size in MB, a Conv/Pool layer's geometry, and whether
+    a module model runs in lockstep (a group then takes and gives the whole activation)."""
 
     sizes: dict
     buckets: Callable[[float], list]
     geometry: Callable[[str], dict | None]
+    lockstep: bool = False
 
 
 class Mode:
@@ -128,6 +130,11 @@ class Mode:
     def emit_sync(self, seg) -> tuple[tuple[int, ...], list[str]]:
         """(ranks that run them, lines): the gradient sync and optimizer step after backward."""
         return seg.ranks, [f"opt{seg.k}.step()"]
+
+    def chain_call(self, seg) -> str:
+        """In lockstep, what the model's forward calls for a chain group (`run_as_chain`): its
+        split, taking and giving the whole activation on each rank."""
+        return f"seg{seg.k}"
 
     def emit_gather(self, seg) -> list[str]:
         """Lines that set `whole` to the segment's whole parameters (by name) when they are split."""

@@ -115,8 +115,8 @@ def chain_check(seg, info, locs) -> list[Diagnostic]:
                "reads more than the previous layer's output" if i and l.inputs != (info[i - 1].name,) else
                f"has an output read by more than {nxt!r}" if nxt and l.consumers != ((0, (nxt,)),) else None)
         if why:
-            return [Diagnostic("P087", f"segment {seg.name!r}: layer {l.name!r} {why}: mode 'channel' runs a module "
-                               "model's segment as a chain of its layers, each on the output of the one before",
+            return [Diagnostic("P087", f"segment {seg.name!r}: layer {l.name!r} {why}: mode {seg.mode!r} runs a "
+                               "module model's segment as a chain of its layers, each on the output of the one before",
                                loc, "place the layers of a plain chain (conv, norm, activation, pool) in this "
                                "segment, or use mode data or none")]
     return []

@@ -222,9 +222,15 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
         return Op(kind=kind, devices=g, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs, **kw)
 
     ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb),
-                   geometry=lambda name: layer_geometry(spec, name))
+                   geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
+                   lockstep=lockstep(spec, plan.segments))
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
+
+
+def _window(info) -> dict | None:
+    """A module model's Conv / Pool geometry, as layer_geometry gives an inline layer's."""
+    return dict(zip(("kernel", "stride", "padding", "dilation"), info.window)) if info.window else None
 
 
 def _input_grads(plan: Plan, seg: PlacedSegment, graph: ModelGraph) -> list[bool]:

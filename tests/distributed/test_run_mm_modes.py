@@ -2,7 +2,8 @@
 the shipped TinyGPT and Hugging Face Llama (tiny config, random init) with their transformer
 blocks tensor parallel over two ranks between one-device segments, and a torchvision-layout
 ResNet-18 whose classifier is split by channels as the last segment (the stem's channel split,
-now in lockstep too, runs in test_hf_models.py). What enters a group is sent to each of its
+now in lockstep too, runs in test_hf_models.py) or whose stem is split spatially (bands of H with
+halos, the bands gathered whole on each rank). What enters a group is sent to each of its
 ranks, what leaves it is sent from its first, and its gradient to each.
 Each `placer run --check` matches the one-device reference (losses, every parameter, first-step
 gradients; rtol 1e-5, atol 4e-5), and each device sends, per step, what its plan says."""
@@ -30,6 +31,7 @@ RUNS = {  # spec under tests/models: what it shows
     "tinygpt_tensor_sandwich": "TinyGPT: embed on cpu, blocks tensor over cpu:1, cpu:2, the head back on cpu",
     "hf_llama_tensor_beside": "Llama: embeddings and rotary on cpu, decoder layers tensor over 2, head on cpu:3",
     "resnet_channel_last": "ResNet-18: fc split by channels over 2 as the last segment, after the model's flatten",
+    "resnet_spatial_stem": "ResNet-18: the stem split along H over 2 (halos, SyncBatchNorm), the rest on cpu:2",
 }
 
 

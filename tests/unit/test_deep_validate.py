@@ -341,17 +341,26 @@ def test_channel_refuses_a_module_segment_that_is_not_a_chain(tmp_path):
     assert d.loc.line == line_of(path, "blocks.0], devices")
 
 
-def test_spatial_and_a_last_channel_segment_of_a_module_model_are_refused_before_a_plan(tmp_path):
-    """Not generated yet for module models: validate --deep and plan --deep say so (P086), once."""
+def test_spatial_and_a_last_channel_segment_of_a_module_model_run_in_lockstep_only(tmp_path):
+    """On devices of their own beside one-device segments, the model's forward runs the split
+    chain; where that cannot be (a device shared), validate --deep and plan --deep say so (P086)."""
     spec = resnet_spec(tmp_path, "spatial")
     r = CliRunner().invoke(main, ["validate", "--deep", spec])
+    assert r.exit_code == 0, r.output
+    program = build_program(spec, tmp_path)
+    assert "SpatialSplit(stage, g0, [0, 1], dim=2, size=32)" in program
+    assert 'run_as_chain(model, ["conv1", "bn1", "relu", "maxpool"], SpatialWhole(seg0))' in program
+    text = open(spec).read()
+    open(spec, "w").write(text.replace("device: cpu:2}", "device: cpu}"))
+    r = CliRunner().invoke(main, ["validate", "--deep", spec])
     assert r.exit_code == 1 and r.output.count("error[P086]") == 1 and "W007" not in r.output, r.output
-    assert "mode 'spatial' of a module model on any segment" in r.output
+    assert "mode 'spatial' of a module model beside segment 'body' on its device 'cpu'" in r.output
     assert f"{spec}:{line_of(spec, 'name: stem')}" in r.output
     planned = CliRunner().invoke(main, ["plan", "--deep", spec])
     assert planned.exit_code == 1 and "error[P086]" in planned.output and "plan resnet_stem" not in planned.output
     fine = CliRunner().invoke(main, ["validate", "--deep", spec, "--set", "placement.0.parallel=data"])
     assert fine.exit_code == 0, fine.output  # the torchvision layout's names place as print(model) shows them
+    open(spec, "w").write(text)
     text = open(spec).read().replace("devices: [cpu, cpu:1], parallel: spatial", "device: cpu")
     text = text.replace("avgpool, fc], device: cpu:2}", "avgpool], device: cpu:2}\n  - {name: head, layers: fc, "
                         "devices: [cpu, cpu:1], parallel: channel}")
