@@ -17,13 +17,15 @@ from placer.plan.attach import Attached
 
 class Lowering(NamedTuple):
     """What a mode's lowering reads besides the segment: layer -> trainable parameter bytes,
-    DDP-like gradient buckets for a bucket size in MB, a Conv/Pool layer's geometry, and whether
-    a module model runs in lockstep (a group then takes and gives the whole activation)."""
+    DDP-like gradient buckets for a bucket size in MB, a Conv/Pool layer's geometry, whether
+    a module model runs in lockstep (a group then takes and gives the whole activation), and
+    whether the forward runs under bf16 autocast (Linear outputs bfloat16)."""
 
     sizes: dict
     buckets: Callable[[float], list]
     geometry: Callable[[str], dict | None]
     lockstep: bool = False
+    bf16: bool = False
 
 
 class Mode:

@@ -126,17 +126,20 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
     return []
 
 
-def module_collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
+def module_collectives(a: Attached, info, grads: Sequence[bool], op, bf16: bool = False) -> None:
     """The plan's all-reduces of each block's groups: the row half's sum forward, and in
     backward, when something before trains, one per column half (DTensor all-reduces each
-    column Linear's input gradient)."""
+    column Linear's input gradient). Under bf16 autocast the row half's partial sums are
+    bfloat16; the input gradients stay float32 (autocast casts inside the Linear, after the
+    DTensor input whose backward all-reduces)."""
+    act = 2 if bf16 else 4
     for i, l in enumerate(info):
         sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
-        tokens = math.prod(l.in_shape[:-1]) if l.in_shape else 0  # rows x positions (float32 activations)
+        tokens = math.prod(l.in_shape[:-1]) if l.in_shape else 0  # rows x positions
         for cols, row in groups(l.projections):
             a.cuts |= {i, i + 1}
             pair = f"{'+'.join(f'{l.name}.{c}' for c in cols)}..{l.name}.{row}"
-            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * 4, l.name,
+            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * act, l.name,
                                     attrs={"pair": pair}))
             if grads[i]:
                 for c in cols:
@@ -208,8 +211,6 @@ class Tensor(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline:
             return "in a pipeline"
-        if spec.training.precision != "fp32":  # the plan counts float32 all-reduces in each block
-            return f"with precision {spec.training.precision}"
         return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
 
     def check(self, seg, seg_layers, kinds, pipelined):
@@ -223,7 +224,7 @@ class Tensor(Mode):
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("blocks"):
-            module_collectives(a, info, grads, op)
+            module_collectives(a, info, grads, op, ctx.bf16)
         else:
             collectives(a, info, grads, op)
 

@@ -223,7 +223,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
 
     ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb),
                    geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
-                   lockstep=lockstep(spec, plan.segments))
+                   lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16")
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
 

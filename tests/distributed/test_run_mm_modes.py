@@ -4,7 +4,8 @@ blocks tensor parallel over two ranks between one-device segments, and a torchvi
 ResNet-18 whose classifier is split by channels as the last segment (the stem's channel split,
 now in lockstep too, runs in test_hf_models.py) or whose stem is split spatially (bands of H with
 halos, the bands gathered whole on each rank). What enters a group is sent to each of its
-ranks, what leaves it is sent from its first, and its gradient to each.
+ranks, what leaves it is sent from its first, and its gradient to each. And the tensor block
+plan under precision bf16.
 Each `placer run --check` matches the one-device reference (losses, every parameter, first-step
 gradients; rtol 1e-5, atol 4e-5), and each device sends, per step, what its plan says."""
 from __future__ import annotations
@@ -57,3 +58,19 @@ def test_module_model_split_segment_beside_others_matches_one_device(name, tmp_p
     program = (tmp_path / "run" / "program.py").read_text()
     assert "import SplitPoint, pipeline" not in program and "groups=GROUPS" in program
     assert_sends_what_the_plan_says(name, spec, metrics)
+
+
+@pytest.mark.parametrize("name", ["tinygpt_tensor", "hf_llama_tensor"])
+def test_tensor_blocks_under_bf16_match_the_bf16_reference(name, tmp_path):
+    """precision bf16 on a block plan (one tensor segment): autocast in every block; --check
+    compares with a one-device bf16 reference at its stated tolerance, and each device sends
+    what the plan says: the row halves' sums in bfloat16, the input gradients in float32."""
+    spec, sets = MODELS / f"{name}.yaml", ["training.precision=bf16"]
+    run_dir = tmp_path / "run"
+    if "hf_tiny" in spec.read_text():
+        pytest.importorskip("transformers")
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), "--set", sets[0]])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
+    assert "torch.autocast(device.type, dtype=torch.bfloat16)" in (run_dir / "program.py").read_text()
+    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
