@@ -320,6 +320,9 @@ class TrainWriter(TrainingOptions):
             c("mb_losses = []", "for loss, crossed in saved:").indent()
             c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
             c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
+            if len(last.ranks) > 1:
+                c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
+                  "    loss = None  # it counts once, on the first")
             return
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")

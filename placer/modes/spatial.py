@@ -129,7 +129,7 @@ class Spatial(Mode):
     chain = True
 
     def module_model_blocker(self, spec, seg):
-        if spec.pipeline:
+        if spec.pipeline:  # (lockstep's GPipe loops would run it; not tried: BatchNorm over micro-batches)
             return "in a pipeline"
         if spec.training.precision != "fp32":
             return f"with precision {spec.training.precision}"

@@ -209,8 +209,8 @@ class Tensor(Mode):
     lockstep_group = True
 
     def module_model_blocker(self, spec, seg):
-        if spec.pipeline:
-            return "in a pipeline"
+        if spec.pipeline and spec.pipeline.schedule != "gpipe":  # lockstep's GPipe loops run groups
+            return f"in a pipeline under schedule {spec.pipeline.schedule!r}"
         return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
 
     def check(self, seg, seg_layers, kinds, pipelined):

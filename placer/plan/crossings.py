@@ -74,13 +74,13 @@ torch.distributed.pipelining instead."""
 
 def lockstep(spec, segments) -> bool:
     """Whether a module model runs in lockstep: several segments, one device each, and no
-    pipeline or a GPipe or 1F1B one (placer's micro-batch loops); or, without a pipeline, groups
-    that `group_blocker` lets run beside them (tensor, channel)."""
+    pipeline or a GPipe or 1F1B one (placer's micro-batch loops); or, without a pipeline or with
+    a GPipe one, groups that `group_blocker` lets run beside them (tensor, channel, spatial)."""
     if spec.model.inline or len(segments) < 2:
         return False
     if all(len(s.devices) == 1 for s in segments):
         return spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES
-    return spec.pipeline is None and all(len(s.devices) == 1 or group_blocker(segments, s.index) is None
+    return (spec.pipeline is None or spec.pipeline.schedule == "gpipe") and all(len(s.devices) == 1 or group_blocker(segments, s.index) is None
                                          for s in segments)
 
 

@@ -346,7 +346,7 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     for c in crossings(segs, graph) if lockstep(spec, segs) else ():  # a module model's GPipe in lockstep
         n, attrs = per_microbatch(c, plan.batch_size, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
         flows = [("fwd", c.src, c.dst, c.src_device, c.dst_device, "act")]
-        flows += [("bwd", c.dst, c.src, c.dst_device, c.src_device, "grad")] if c.grad else []
+        flows += [("bwd", c.dst, c.src, c.dst_device, to, "grad") for to in c.grad_to]  # each of a group's
         for flow, a_k, b_k, a, b, what in flows:
             for mb in range(m):
                 kw: dict = dict(devices=(a, b), segment=c.dst, phase=flow, tensor=what, bytes=n, microbatch=mb,

@@ -3,7 +3,8 @@ the shipped TinyGPT and Hugging Face Llama (tiny config, random init) with their
 blocks tensor parallel over two ranks between one-device segments, and a torchvision-layout
 ResNet-18 whose classifier is split by channels as the last segment (the stem's channel split,
 now in lockstep too, runs in test_hf_models.py) or whose stem is split spatially (bands of H with
-halos, the bands gathered whole on each rank). What enters a group is sent to each of its
+halos, the bands gathered whole on each rank); tensor and channel stages under placer's GPipe
+loops. What enters a group is sent to each of its
 ranks, what leaves it is sent from its first, and its gradient to each. And the tensor block
 plan under precision bf16.
 Each `placer run --check` matches the one-device reference (losses, every parameter, first-step
@@ -33,6 +34,8 @@ RUNS = {  # spec under tests/models: what it shows
     "hf_llama_tensor_beside": "Llama: embeddings and rotary on cpu, decoder layers tensor over 2, head on cpu:3",
     "resnet_channel_last": "ResNet-18: fc split by channels over 2 as the last segment, after the model's flatten",
     "resnet_spatial_stem": "ResNet-18: the stem split along H over 2 (halos, SyncBatchNorm), the rest on cpu:2",
+    "tinygpt_tensor_gpipe": "TinyGPT under GPipe (2 micro-batches): a tensor stage between one-device stages",
+    "tinygpt_channel_head_gpipe": "TinyGPT under GPipe: the LM head split by channels over 2 as the last stage",
 }
 
 
