@@ -101,7 +101,7 @@ def table(plan, graph, est, timeline=None) -> str:
     seg_rows = [["segment", "devices", "mode", "layers"]]
     for s in plan.segments:
         mode = s.mode if s.mode != "none" else ""
-        opts = {k: v for k, v in s.options.items() if k in ("sync", "server", "shard", "dim")
+        opts = {k: v for k, v in s.options.items() if k in ("sync", "server", "shard", "dim", "data")
                 and v not in (None, "none", "allreduce")}
         mode += "".join(f" {k}={v}" for k, v in opts.items())
         mode = f"{mode} recompute".strip() if s.recompute else mode
@@ -199,6 +199,7 @@ def build_and_plan(spec, progress=None):
     """(graph, lowered plan, estimate, pipeline timeline or None) of a loaded spec."""
     from placer.estimate.cost import estimate
     from placer.model.build import checked_graph
+    from placer.plan.crossings import lockstep
     from placer.plan.lower import lower
     from placer.plan.place import place
     from placer.spec.check import torch_pipeline_blocker
@@ -212,7 +213,8 @@ def build_and_plan(spec, progress=None):
                  f"({time.perf_counter() - t0:.1f}s); planning ...")
     plan = lower(place(spec, graph), spec, graph)
     est = estimate(plan, graph, spec.training.optimizer, spec.training.prefetch)
-    if spec.pipeline and torch_pipeline_blocker(spec) and any(o.phase == "bwd_weight" for o in plan.unique_ops()):
+    own = torch_pipeline_blocker(spec) or lockstep(spec, plan.segments)  # placer's loops, not torch's schedules
+    if spec.pipeline and own and any(o.phase == "bwd_weight" for o in plan.unique_ops()):
         est = dataclasses.replace(est, notes=est.notes + (  # what codegen/loops.py runs, said plainly
             "placer's own loops run this schedule: each I runs the whole backward and each W nothing "
             "(the chart and timeline draw torch's split)",))

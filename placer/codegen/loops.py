@@ -1,7 +1,14 @@
 """Placer's own micro-batch loops in a pipeline schedule's order (1F1B, interleaved 1F1B, looped
 BFS, zero bubble, V), for what torch's schedules cannot run: stages of different data degrees,
-data stages with another sync, shard or sync_batchnorm, copies via host memory; and 1F1B for
-module models in lockstep.
+data stages with another sync, shard or sync_batchnorm, copies via host memory, channel / tensor
+/ spatial stages beside stages of other modes or sizes; and module models in lockstep (one
+micro-batch's forward per thread where a rank holds several stages).
+
+Every rank of a stage's group walks the same actions, so the collectives inside a split stage
+(tensor's all-reduces, spatial's halos) match across its ranks. A boundary copy is GPipe's
+(`redistribute` by rows, or `relayout` where a side holds the whole activation on each rank or
+bands of another dim), cut in two: the send half in the sending stage's action, the receive half
+in the receiving one's.
 
 Each rank walks its own list of actions (`order`: `0F0` = stage 0's forward of micro-batch 0, B
 its backward, I / W a zero-bubble split of it), taken from torch's own generator
@@ -68,14 +75,38 @@ def lockstep_step(w: "TrainWriter") -> None:
     c, last = w.c, w.segs[-1]
     head(w, "in lockstep (F: the whole model's forward of a micro-batch, B: this rank's backward of it)", False)
     c('if kind == "F":').indent()
-    c("out = model(xs[mb].to(device))", "loss = None")
-    w.when(last.ranks, "loss = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
+    c(*w.autocast("out = model(xs[mb].to(device))"), "loss = None")
+    w.when(last.ranks, *w.autocast("loss = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)"))
     c("saved[mb] = (loss, crossing.take(wait=False))").dedent()
     c("else:").indent()
     c("loss, crossed = saved.pop(mb)", 'with timer("comm"):',
       "    crossing.backward_own(loss, crossed)  # receives the gradients of what it sent, sends those of what it got")
     w.when(last.ranks, "mb_losses.append(loss)")
     c.dedent()
+    tail(w, "crossing.settle()  # every send of the step")
+
+
+def lockstep_stages_step(w: "TrainWriter") -> None:
+    """A schedule where a rank holds several stages (interleaved, looped, V), in lockstep: each
+    micro-batch's whole forward runs in a thread of its own that stops before the work of this
+    rank's next stage (runtime/lockstep.py `forward_stage`); F lets it run through the stage, B
+    (zero bubble: I) backpropagates the stage's part (`backward_stage`), W does nothing."""
+    c, last = w.c, w.segs[-1]
+    head(w, "in lockstep (F: micro-batch mb's whole forward, run on through this stage's work; B: the stage's "
+         "backward)", False)
+    c('if kind == "F":').indent()
+    c("out = crossing.forward_stage(stage, mb, model, xs[mb].to(device))  # the model's output once it has run")
+    w.when(last.ranks, f"if stage == {last.k}:",
+           "    saved[mb] = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
+    c.dedent()
+    c('elif kind in ("B", "I"):').indent()
+    c(f"loss = saved.pop(mb) if stage == {last.k} else None", 'with timer("comm"):',
+      "    crossing.backward_stage(stage, mb, loss)  # receives the gradients of what the stage sent, sends those "
+      "of what it got")
+    c("if loss is not None:", "    mb_losses.append(loss)")
+    c.dedent()
+    if any("W" in order for order in (w.orders or {}).values()):
+        c('# kind "W": nothing; the I before it ran the whole backward')
     tail(w, "crossing.settle()  # every send of the step")
 
 
@@ -108,24 +139,40 @@ def _tag(w: "TrainWriter", seg: "Seg", grad: bool) -> str:
 
 
 def _copy(w: "TrainWriter", x: str, src: "Seg", dst: "Seg", grad: bool, pending: bool) -> str:
-    """One half of the row-wise copy into `dst` (or of its gradient back, `grad`)."""
-    call = "redistribute_grad" if grad else "redistribute"
+    """One half of the copy into `dst` (or of its gradient back, `grad`): the row-wise
+    `redistribute`, or `relayout` where a side holds the whole activation on each rank (channel,
+    tensor) or bands of another dim (spatial), exactly as GPipe's loops move it."""
     more = ", pending=sends" if pending else ""
-    return (f"{call}({x}, {list(src.ranks)}, {list(dst.ranks)}, {list(dst.in_shape)}, {w.dtype_arg(dst)}"
-            f"route={w.route(dst)}, device=device{more}, tag={_tag(w, dst, grad)})")
+    tail = f"route={w.route(dst)}, device=device{more}, tag={_tag(w, dst, grad)})"
+    if w.relaid(src, dst):
+        call = "relayout_grad" if grad else "relayout"
+        return (f"{call}({x}, {w.layout_arg(src)}, {w.layout_arg(dst)}, {list(dst.in_shape)}, "
+                f"{w.dtype_arg(dst)}{tail}")
+    call = "redistribute_grad" if grad else "redistribute"
+    return f"{call}({x}, {list(src.ranks)}, {list(dst.ranks)}, {list(dst.in_shape)}, {w.dtype_arg(dst)}{tail}"
+
+
+def _moves(w: "TrainWriter", src: "Seg", dst: "Seg", grad: bool = False) -> str:
+    """What the copy from `src` into `dst` (`grad`: of its gradient back) does, in words."""
+    a, b = (dst, src) if grad else (src, dst)
+    if w.relaid(src, dst):
+        text = f"{w.layout_text(a)} -> {w.layout_text(b)}, {list(dst.in_shape)} in all"
+    else:
+        text = w.transfer_text(a.ranks, b.ranks, dst.in_shape)
+    return text + (" (gradient)" if grad else "")
 
 
 def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
     k, segs = seg.k, w.segs
-    assert not any(w.relaid(a, b) for a, b in zip(segs, segs[1:])) and not segs[-1].loss_gather
     lines = [f"# segment {k}'s forward"]
     if k == 0:
-        x = "xs[mb]" if len(seg.ranks) == 1 else f"local_slice(xs[mb], {list(seg.ranks)}, rank)"
+        x = "xs[mb]" if len(seg.ranks) == 1 or seg.replicated else \
+            f"local_slice(xs[mb], {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
         lines += ["a = None", *_compute(w, seg, f"{x}.to(device)")]
     else:
         prev = segs[k - 1]
         if seg.moved_in:
-            lines += [f"# receive: {w.transfer_text(prev.ranks, seg.ranks, seg.in_shape)}", 'with timer("comm"):',
+            lines += [f"# receive: {_moves(w, prev, seg)}", 'with timer("comm"):',
                       f"    a = {_copy(w, 'None', prev, seg, False, False)}"]
         else:
             lines += [f"# segment {k - 1}'s output, on these ranks too: no copy",
@@ -135,16 +182,34 @@ def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
     if k < len(segs) - 1:
         nxt = segs[k + 1]
         if nxt.moved_in:
-            lines += [f"# send (waited on at the end of the step): "
-                      f"{w.transfer_text(seg.ranks, nxt.ranks, nxt.in_shape)}",
+            lines += [f"# send (waited on at the end of the step): {_moves(w, seg, nxt)}",
                       'with timer("comm"):', f"    {_copy(w, 'h', seg, nxt, False, True)}"]
-        lines += ["loss = None"]
+        return lines + [f"saved[{k}, mb] = (a, h, None)"]
+    return lines + _loss(w, seg)
+
+
+def _loss(w: "TrainWriter", seg: "Seg") -> list[str]:
+    """The last stage's loss on a micro-batch: on each rank its rows' share; a group holding the
+    whole output on each rank (channel, tensor) computes it on each, counted on the first; a
+    spatial group's bands are gathered on its first rank first (within the group, in this action)."""
+    lines, out = [], "h"
+    if seg.loss_gather:
+        out = "out"
+        lines += [f"# the loss needs the whole output: {w.layout_text(seg)} -> rank {seg.ranks[0]}",
+                  'with timer("comm"):',
+                  f"    out = relayout(h, {w.layout_arg(seg)}, Replicate({list(seg.ranks[:1])}), "
+                  f"{list(seg.out_shape)}, route={w.route(seg)}, device=device)",
+                  f"if rank == {seg.ranks[0]}:", "    out.requires_grad_()"]
+    whole_y = len(seg.ranks) == 1 or seg.replicated or seg.loss_gather
+    y = "ys[mb]" if whole_y else f"local_slice(ys[mb], {list(seg.ranks)}, rank)"
+    loss = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
+    loss_lines = [AUTOCAST, f"    {loss}"] if w.bf16 else [loss]
+    lines += ["# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM"]
+    if seg.loss_gather:
+        lines += ["loss = None", f"if rank == {seg.ranks[0]}:", *("    " + line for line in loss_lines)]
     else:
-        y = "ys[mb]" if len(seg.ranks) == 1 else f"local_slice(ys[mb], {list(seg.ranks)}, rank)"
-        loss = f"loss = compute_loss(h, {y}.to(device)) * (h.shape[0] / BATCH_SIZE)"
-        lines += ["# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM",
-                  *([AUTOCAST, f"    {loss}"] if w.bf16 else [loss])]
-    return lines + [f"saved[{k}, mb] = (a, h, loss)"]
+        lines += loss_lines
+    return lines + [f"saved[{seg.k}, mb] = (a, h, loss{', out' if seg.loss_gather else ''})"]
 
 
 AUTOCAST = "with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16"
@@ -152,24 +217,25 @@ AUTOCAST = "with torch.autocast(device.type, dtype=torch.bfloat16):  # precision
 
 def _compute(w: "TrainWriter", seg: "Seg", arg: str) -> list[str]:
     """`h = seg{k}(arg)`; with precision bf16 under autocast, the output cast back to float32 to
-    cross to the next stage, as TrainWriter.forward_line does."""
+    cross to the next stage (or to the loss's rank), as TrainWriter.forward_line does."""
     call = w.call(seg, arg)
     if not w.bf16:
         return [*w.recompute_note(seg), f"h = {call}"]
-    if seg.k < len(w.segs) - 1 and seg.out_dtype == "float32":
+    if (seg.k < len(w.segs) - 1 or seg.loss_gather) and seg.out_dtype == "float32":
         call += ".float()"
     return [*w.recompute_note(seg), AUTOCAST, f"    h = {call}"]
 
 
 def _backward(w: "TrainWriter", seg: "Seg") -> list[str]:
     k, segs = seg.k, w.segs
-    lines = [f"# segment {k}'s backward", f"a, h, loss = saved.pop(({k}, mb))"]
+    out = ", out" if seg.loss_gather else ""
+    lines = [f"# segment {k}'s backward", f"a, h, loss{out} = saved.pop(({k}, mb))"]
     if k == len(segs) - 1:
-        lines += ["loss.backward()", "mb_losses.append(loss)"]
+        lines += _loss_backward(w, seg)
     elif segs[k + 1].grad_in:
         nxt = segs[k + 1]
         if nxt.moved_in:
-            lines += [f"# receive: {w.transfer_text(nxt.ranks, seg.ranks, nxt.in_shape)} (gradient)",
+            lines += [f"# receive: {_moves(w, seg, nxt, grad=True)}",
                       'with timer("comm"):', f"    d = {_copy(w, 'None', seg, nxt, True, False)}"]
         else:
             lines += [f"d = turn.pop(mb)  # segment {k + 1}'s input gradient, on these ranks too"]
@@ -177,9 +243,21 @@ def _backward(w: "TrainWriter", seg: "Seg") -> list[str]:
     if k > 0 and seg.grad_in:
         prev = segs[k - 1]
         if seg.moved_in:
-            lines += [f"# send (waited on at the end of the step): "
-                      f"{w.transfer_text(seg.ranks, prev.ranks, seg.in_shape)} (gradient)",
+            lines += [f"# send (waited on at the end of the step): {_moves(w, prev, seg, grad=True)}",
                       'with timer("comm"):', f"    {_copy(w, 'a.grad', prev, seg, True, True)}"]
         else:
             lines += ["turn[mb] = a.grad"]
     return lines
+
+
+def _loss_backward(w: "TrainWriter", seg: "Seg") -> list[str]:
+    """Backward from the last stage's loss of a micro-batch (see _loss)."""
+    if seg.loss_gather:
+        return ["if loss is not None:", "    loss.backward()", "# the output's gradient back to the bands",
+                'with timer("comm"):',
+                f"    d = relayout_grad(out.grad if rank == {seg.ranks[0]} else None, {w.layout_arg(seg)}, "
+                f"Replicate({list(seg.ranks[:1])}), {list(seg.out_shape)}, route={w.route(seg)}, device=device)",
+                "torch.autograd.backward(h, d)", "if loss is not None:", "    mb_losses.append(loss)"]
+    if seg.replicated:  # each rank backpropagates the whole loss into its slices; it counts once
+        return ["loss.backward()", f"if rank == {seg.ranks[0]}:", "    mb_losses.append(loss)"]
+    return ["loss.backward()", "mb_losses.append(loss)"]

@@ -19,7 +19,7 @@ import subprocess
 import textwrap
 import tokenize
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from placer import __version__
@@ -111,6 +111,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     pl = spec.pipeline if spec.pipeline and not ls and torch_schedules_take(spec) else None  # else: micro-batch loops
     loops = spec.pipeline.microbatches if spec.pipeline and not pl else 0
     segs = program_segments(plan, spec, graph, loops=bool(loops))
+    if ls:  # data segments in lockstep: their layers run inside the whole forward, so no DDP; all-reduced after
+        segs = [replace(s, overlap=False) for s in segs]
     tied = ties.program_ties(plan, spec, graph, devices)
     diags = crossings.check(spec, graph, plan.segments)
     if diags:
@@ -129,7 +131,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     cut = not spec.model.inline and len(segs) > 1 and not ls  # torch's pipelining cuts the module model
     used |= {"seed"} if not ls and not cut else set()  # ranks materialise only their segments (TrainWriter.seeded)
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
-    used |= {"recompute"} if pl and any(s.recompute for s in segs) else set()
+    used |= {"recompute"} if (pl or ls) and any(s.recompute for s in segs) else set()
     used |= {"precision"} if pl and spec.training.precision == "bf16" else set()
     used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
         segs, len(devices), devices, False, False).syncs_in_backward else set()
@@ -207,10 +209,11 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
         for s in segs:
             if r in s.ranks:
                 what = f"{s.name} ({s.layers[0]}{'..' + s.layers[-1] if len(s.layers) > 1 else ''})"
-                if MODES[s.mode].data_degree(len(s.ranks)) > 1:
+                if MODES[s.mode].data_degree(len(s.ranks), s.replicas) == len(s.ranks) > 1:
                     what += f" 1/{len(s.ranks)} of the batch"
                 elif s.mode != "none":
-                    what += f" {s.mode} split 1/{len(s.ranks)}"
+                    what += f" {s.mode} split 1/{len(s.ranks) // s.replicas}"
+                    what += f" of 1/{s.replicas} of the batch" if s.replicas > 1 else ""
                 work.append(what)
             elif r == s.server:
                 work.append(f"parameter server of {s.name}")
@@ -469,9 +472,9 @@ def _stage_doc(seg: Seg, devices) -> str:
 
 def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[int, list[str]]]:
     """(constants, names per segment) of a module model run in lockstep: where each placed layer
-    runs and what its output is made of, and the plan's crossing copies in rank terms."""
-    rank = {s.k: s.ranks[0] for s in segs}
-    layers = {name: (s.k, rank[s.k], graph.layer(name).out_kind,
+    runs and what its output is made of, the replica pipelines, and the plan's crossing copies in
+    rank terms."""
+    layers = {name: (s.k, graph.layer(name).out_kind,
                      [None if leaf is None else (list(leaf[0]), leaf[1]) for leaf in graph.layer(name).out_leaves])
               for s in segs for name in s.layers}
     # a copy each, or in a GPipe pipeline a send (and its receive) per micro-batch: the first's
@@ -479,19 +482,22 @@ def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[in
     back = {(op.attrs["of"], op.attrs["leaf"], op.dst[0], op.src[0]) for op in ops if op.phase != "fwd"}
     rows = [(op.attrs["of"], op.attrs["leaf"], devices.index(op.src[0]), devices.index(op.dst[0]), op.route,
              (op.attrs["of"], op.attrs["leaf"], op.src[0], op.dst[0]) in back) for op in ops if op.phase == "fwd"]
+    # one pipeline (each segment's first rank) beside split-mode groups, else one per replica
+    beside = any(len(s.ranks) > 1 and MODES[s.mode].lockstep_group for s in segs)
+    pipes = [[s.ranks[r] for s in segs] for r in range(1 if beside else len(segs[0].ranks))]
     c = Code()
-    c("# where each placed layer runs (segment, rank) and what it returns (tensor / tuple / list of",
+    c("# where each placed layer runs (segment) and what it returns (tensor / tuple / list of",
       "# (shape, dtype) or None): a rank without it rebuilds that from what it receives, or zeros",
       f"LAYERS = {literal(layers)}",
       "# what crosses a boundary, one tensor to one rank each, as the plan counts it:",
       "# (layer, output leaf, from rank, to rank, route, its gradient goes back)",
       f"CROSSINGS = {literal(rows)}",
-      f"SEGMENT_RANKS = {[s.ranks[0] for s in segs]!r}  # segment k runs on rank SEGMENT_RANKS[k]")
-    groups = [list(s.ranks) for s in segs if len(s.ranks) > 1]
-    if groups:
-        c("# the ranks of each segment over several (tensor parallel): each runs the segment's layers,",
-          "# what enters is sent to each, what leaves is sent from the first and its gradient to each",
-          f"GROUPS = {groups!r}")
+      f"PIPELINES = {pipes!r}  # in pipeline p, segment k runs on rank PIPELINES[p][k]"
+      + ("; each takes its slice of the batch" if len(pipes) > 1 else ""))
+    if beside:
+        c("# the ranks of each segment over several (a split mode beside the others): each runs the segment's",
+          "# layers, what enters is sent to each, what leaves is sent from the first and its gradient to each",
+          f"GROUPS = {[list(s.ranks) for s in segs if len(s.ranks) > 1]!r}")
     names = {s.k: list(s.layers) + [r.name for r in graph.root_params if r.trainable and r.consumer in s.layers]
              for s in segs}
     return c.text(), names

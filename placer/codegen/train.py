@@ -11,15 +11,15 @@ a SUM and the step equals the one-device step on the whole batch.
 Groups hold activations in one of three layouts (`Seg.layout`): slices of a dim (rows of
 a data group, bands of a spatial one), the whole tensor on every rank (channel, tensor),
 or one rank. `relayout` moves between any two. A gpipe pipeline that torch's schedules
-cannot run is this same step inside micro-batch loops (`gpipe_step`); a 1f1b one runs
-each rank's actions in the schedule's order (codegen/loops.py).
+cannot run is this same step inside micro-batch loops (`gpipe_step`); under another schedule
+each rank runs its actions in the schedule's order (codegen/loops.py), with the same copies.
 """
 from __future__ import annotations
 
 from placer.codegen import loops, ties
 from placer.codegen.segments import Seg
 from placer.codegen.train_options import TrainingOptions
-from placer.modes import MODES, data
+from placer.modes import MODES, data, tensor
 
 
 class Code:
@@ -89,6 +89,12 @@ class TrainWriter(TrainingOptions):
         from the seed file (runtime/seed.py): not in lockstep, which runs the whole model on
         every rank, nor where torch's pipelining cuts it."""
         return not self.lockstep and not self.cut
+
+    @property
+    def beside(self) -> bool:
+        """Whether, in lockstep, split-mode groups run beside one-device segments (one pipeline,
+        `GROUPS`), not replica pipelines."""
+        return self.lockstep and any(len(s.ranks) > 1 and MODES[s.mode].lockstep_group for s in self.segs)
 
     def placed(self, stage: str) -> str:
         """The stage module `stage` on this rank's device, with its seed values."""
@@ -177,6 +183,9 @@ class TrainWriter(TrainingOptions):
             c("", "# every rank builds the whole model from the seed and runs its whole forward (the parent's",
               "# glue); each placed layer runs only on its segment's rank (Lockstep, below)",
               "model = build_model().to(device)")
+            copies = [name for t in self.tied for _, _, name in t.copies[1:]]
+            if copies:
+                c("untie(model, " + repr(copies) + ")  # each segment using a tied parameter holds a copy")
         elif not self.cut:
             c("", "# the first worker of each machine builds the whole model from the seed once and saves it;",
               "# every rank builds it on the meta device (no memory) and takes its own segments' values",
@@ -196,8 +205,12 @@ class TrainWriter(TrainingOptions):
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
-              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, SEGMENT_RANKS, device, host, batch=BATCH_SIZE"
-              + (", groups=GROUPS)" if any(len(s.ranks) > 1 for s in self.segs) else ")"))
+              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, PIPELINES, device, host, batch=BATCH_SIZE"
+              + (", groups=GROUPS)" if self.beside else ")"))
+            for seg in self.segs:
+                if seg.recompute:
+                    self.when(seg.ranks, f"# recompute: segment {seg.k}'s layers keep only their inputs; backward runs "
+                              "each forward again", f"recompute_layers(model, {list(seg.layers)!r})")
         if self.clip is not None:
             c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
@@ -231,7 +244,10 @@ class TrainWriter(TrainingOptions):
             group = f"g{k}"
             ranks = sorted(seg.holders) if seg.sync == "parameter_server" else list(seg.ranks)
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
-            c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
+            if seg.replicas > 1:
+                c(*tensor.emit_groups(k, list(seg.ranks), seg.replicas))
+            else:
+                c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
             if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
                 c(f"{group}_bn = dist.new_group({list(seg.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))  # batch statistics: the data ranks only")
         c(f"seg{k} = opt{k} = None" if seg.has_params or self.checkpoint or self.steps_all else f"seg{k} = None")
@@ -277,9 +293,14 @@ class TrainWriter(TrainingOptions):
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        if self.lockstep and self.orders:
+        if self.lockstep and len(segs[0].ranks) > 1 and not self.beside:
+            c("# this rank's replica pipeline (its rank in every segment) takes its slice of the batch",
+              "x, y = local_slice(x, PIPELINES, crossing.segments), local_slice(y, PIPELINES, crossing.segments)")
+        if self.lockstep and self.orders and len({s.ranks for s in segs}) < len(segs):  # several stages a rank
+            loops.lockstep_stages_step(self)
+        elif self.lockstep and self.orders:
             loops.lockstep_step(self)
-        elif self.lockstep:
+        elif self.lockstep and self.accumulate == 1:
             self.lockstep_step()
         elif self.orders:
             loops.stage_step(self)
@@ -312,25 +333,33 @@ class TrainWriter(TrainingOptions):
               f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []", f"for mb in range({m}):")
             c.indent()("x, y = xs[mb], ys[mb]")
         c("", "# forward: the whole model on every rank; what crosses a boundary is sent as it is made",
-          "out = model(x.to(device))",
+          *self.autocast("out = model(x.to(device))"),
           "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
-        self.when(last.ranks, "loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)")
+        self.when(last.ranks, *self.autocast("loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)"))
         if m:
             c("saved.append((loss, crossing.take()))").dedent()
             c("mb_losses = []", "for loss, crossed in saved:").indent()
             c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
             c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
-            if len(last.ranks) > 1:
+            if self.beside and len(last.ranks) > 1:
                 c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
                   "    loss = None  # it counts once, on the first")
             return
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
-        if len(last.ranks) > 1:
+        if self.beside and len(last.ranks) > 1:
             c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
               "    loss = None  # it counts once, on the first")
 
+    def autocast(self, line: str) -> list[str]:
+        """`line`, under autocast with precision bf16."""
+        return ["with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16", f"    {line}"] \
+            if self.bf16 else [line]
+
     def forward_backward(self) -> None:
+        if self.lockstep:  # (accumulate's micro-steps)
+            self.lockstep_step()
+            return
         c, segs = self.c, self.segs
         c("", "# forward, segment by segment", 'STATUS.at(step, "forward")')
         for seg in segs:
@@ -392,8 +421,7 @@ class TrainWriter(TrainingOptions):
         if last.replicated:
             c("# every rank of the last group holds the whole output: each backpropagates the whole loss")
             c("# (reaching its own slices of the parameters); it counts once, on the first")
-        whole_y = len(last.ranks) == 1 or last.replicated or last.loss_gather
-        y = "y" if whole_y else f"local_slice(y, {list(last.ranks)}, rank)"
+        y = "y" if last.loss_gather else self.rows_of("y", last)
         line = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
         if self.bf16:
             line = f"with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16\n    {line}"
@@ -409,7 +437,8 @@ class TrainWriter(TrainingOptions):
         if not computed:
             c("if loss is not None:", "    loss.backward()")
         if last.replicated:
-            c(f"if rank in {tuple(last.ranks[1:])}:", "    loss = None")
+            counted = last.ranks[::len(last.ranks) // last.replicas]  # each replica's loss, once
+            c(f"if rank in {tuple(r for r in last.ranks if r not in counted)}:", "    loss = None")
         if last.loss_gather:
             c("# the output's gradient back to the bands", 'with timer("comm"):',
               f"    d{last.k} = relayout_grad(out.grad if rank == {last.ranks[0]} else None, {self.layout_arg(last)}, "
@@ -419,8 +448,7 @@ class TrainWriter(TrainingOptions):
     def forward(self, seg: Seg) -> None:
         c, k = self.c, seg.k
         if k == 0:
-            x = "x" if len(seg.ranks) == 1 or seg.replicated else \
-                f"local_slice(x, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
+            x = self.rows_of("x", seg)
             self.forward_line(seg, f"{x}.to(device)")
             return
         prev = self.segs[k - 1]
@@ -445,13 +473,14 @@ class TrainWriter(TrainingOptions):
     def forward_line(self, seg: Seg, arg: str) -> None:
         """`h{k} = seg{k}(arg)` on the segment's ranks. With precision bf16 under autocast, the
         output cast back to float32 to cross to the next segment (exact: autocast rounds it to
-        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is."""
+        bfloat16 again where the next layer wants that); the last segment's feeds the loss as is,
+        but where its bands are gathered for the loss (the copy is of float32)."""
         c, call = self.c, self.call(seg, arg)
         c(*self.recompute_note(seg))
         if not self.bf16:
             c(f"h{seg.k} = {self.guarded(call, seg.ranks)}")
             return
-        if seg.k < len(self.segs) - 1 and seg.out_dtype == "float32":
+        if (seg.k < len(self.segs) - 1 or seg.loss_gather) and seg.out_dtype == "float32":
             call += ".float()"
         c("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16",
           f"    h{seg.k} = {self.guarded(call, seg.ranks)}")
@@ -499,6 +528,10 @@ class TrainWriter(TrainingOptions):
         if not seg.has_params:
             return
         ranks, lines = MODES[seg.mode].emit_sync(seg)
+        if self.lockstep and self.tied:  # replica pipelines: each tie's all-reduce has summed every copy
+            tied = ", ".join(f"tied{i}" for i in range(len(self.tied)))
+            lines = [line.replace(f"seg{seg.k}.parameters()", f"untied(seg{seg.k}.parameters(), {tied})")
+                     for line in lines]
         if self.clip is not None:  # the steps come after the global norm (P092: sync helpers that step are refused)
             lines = [line for line in lines if line != f"opt{seg.k}.step()"]
         if lines:
@@ -522,15 +555,30 @@ class TrainWriter(TrainingOptions):
         return seg.moved_in and any(s.replicated or s.split_dim for s in (prev, seg))
 
     @staticmethod
+    def rows_of(batch: str, seg: Seg) -> str:
+        """The part of the global `batch` (x or y) that segment seg's ranks take: all of it on one
+        rank or a replicated group, a replica's rows in a 2-D one, else this rank's slice."""
+        if seg.replicas > 1:
+            return f"replica_slice({batch}, {tensor.runs(seg.ranks, seg.replicas)}, rank)"
+        if len(seg.ranks) == 1 or seg.replicated:
+            return batch
+        return f"local_slice({batch}, {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
+
+    @staticmethod
     def layout_arg(seg: Seg) -> str:
-        """`Shard(dim, ranks)` (slices of dim over the ranks) or `Replicate(ranks)` (whole on each)."""
-        ranks, dim, replicated = seg.layout
+        """`Shard(dim, ranks)` (slices of dim over the ranks), `Replicate(ranks)` (whole on each)
+        or `Replicas(ranks, n)` (n data replicas, each whole on its ranks)."""
+        ranks, dim, replicated, replicas = seg.layout
+        if replicas > 1:
+            return f"Replicas({ranks}, {replicas})"
         return f"Replicate({ranks})" if replicated or len(ranks) == 1 else f"Shard({dim}, {ranks})"
 
     @staticmethod
     def layout_text(seg: Seg) -> str:
         if len(seg.ranks) == 1:
             return ranks_text(seg.ranks)
+        if seg.replicas > 1:
+            return f"{ranks_text(seg.ranks)} ({seg.replicas} replicas: rows across them, whole on each rank of one)"
         if seg.replicated:
             return f"{ranks_text(seg.ranks)} (whole on each)"
         return f"{ranks_text(seg.ranks)} ({'rows' if seg.split_dim == 0 else f'bands of dim {seg.split_dim}'})"

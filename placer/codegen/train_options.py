@@ -26,7 +26,15 @@ class TrainingOptions:
     def norm_share(self, seg: Seg) -> None:
         """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
         if self.clip is not None and seg.has_params:
-            self.c(f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})")
+            line = f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})"
+            if seg.replicas > 1 and seg.shard == "full":  # FSDP2 x TP: each (dp, tp) piece once
+                leaders = tuple(seg.ranks[::len(seg.ranks) // seg.replicas])
+                self.c(f"norm_params += norm_share_2d(seg{seg.k}, tp_first=rank in {leaders})")
+            elif seg.replicas > 1:  # a 2-D segment's replicas hold the same gradients
+                first = tuple(seg.ranks[:len(seg.ranks) // seg.replicas])
+                self.c(f"if rank in {first}:  # counted on the first data replica", f"    {line}")
+            else:
+                self.c(line)
 
     @property
     def sched_arg(self) -> str:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from placer.device import Device
-from placer.plan.ir import TRANSFERS, Layout, Op, OpKind, Plan
-from placer.plan.layout import Move, moves
+from placer.plan.ir import TRANSFERS, Op, OpKind, Plan
+from placer.plan.layout import Move, moves, transfer_layouts
 
 
 def route_hops(a: str, b: str, n: int, route: str | None) -> list[Move]:
@@ -65,7 +65,7 @@ def op_moves(op: Op) -> list[Move]:
     """What one op moves, per (from, to) device pair, routes included. RECV moves nothing: its SEND does."""
     k, n, devs = op.kind, len(op.devices), op.devices
     if k in TRANSFERS:
-        raw = moves(Layout(op.src, op.src_dim), Layout(op.dst, op.dst_dim), op.bytes)
+        raw = moves(*transfer_layouts(op), op.bytes)
     elif k == OpKind.SEND:
         raw = [(op.src[0] if op.src else devs[0], op.dst[0] if op.dst else devs[-1], op.bytes)]
     elif k == OpKind.ALL_REDUCE:

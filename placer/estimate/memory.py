@@ -123,8 +123,9 @@ def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int
     rn, rb, rbuf = _roots(seg, graph)
     tn, tb = copy_elements(seg, graph)  # its own copy of a parameter tied to another segment's layer
     n, b, buf = n + rn + tn, b + rb + tb, buf + rbuf
-    if seg.options.get("shard") == "full":
-        n, b = _share(n, d, r), _share(b, d, r)
+    if seg.options.get("shard") == "full":  # sharded over the data replicas: a 2-D segment's are runs of devices
+        reps = seg.options.get("data", d)
+        n, b = _share(n, reps, r // (d // reps)), _share(b, reps, r // (d // reps))
     return n, b, buf
 
 
@@ -141,7 +142,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
         server = seg.server
         holders = seg.devices + ((server,) if server and server not in seg.devices else ())
         stepping = steppers(seg)
-        shard = seg.options.get("shard", "none")  # (only data has the option)
+        shard = seg.options.get("shard", "none")  # (data's option, and a 2-D tensor segment's)
         for dev in holders:
             n, b, buf = held_params(seg, graph, dev)
             a = acc[dev]

@@ -8,8 +8,10 @@ comes from the all-reduce that BatchLosses already runs a step behind.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 from pathlib import Path
+from typing import Any
 
 CSV = "metrics.csv"
 TENSORBOARD = "tensorboard"
@@ -31,14 +33,15 @@ class MetricsWriter:
         self.csv = csv.DictWriter(self.file, COLUMNS, extrasaction="ignore")
         if fresh:
             self.csv.writeheader()
-        self.board, self.note = None, None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
+        # The SummaryWriter is made at the first step, not here: importing it takes 0.3-1 s that
+        # would delay the workers' start (issue 15); find_spec only looks for the package.
+        self.board: Any = None
+        self.board_dir: Path | None = run_dir / TENSORBOARD
+        self.note: str | None = None
+        if importlib.util.find_spec("tensorboard") is None:
+            self.board_dir = None
             self.note = (f"TensorBoard is not installed: no event files, {path.name} has every step "
                          "(pip install 'placer[tensorboard]')")
-        else:
-            self.board = SummaryWriter(log_dir=str(run_dir / TENSORBOARD))
 
     def add(self, record: dict) -> None:
         if "step" not in record:  # "resumed_from" and other events
@@ -48,6 +51,9 @@ class MetricsWriter:
         row["samples_per_s"] = self.batch_size / step_s if step_s else None
         self.csv.writerow({k: "" if v is None else v for k, v in row.items()})
         self.file.flush()
+        if self.board is None and self.board_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.board, self.board_dir = SummaryWriter(log_dir=str(self.board_dir)), None
         if self.board is not None:
             for name in COLUMNS[1:]:
                 value = row[name]

@@ -75,8 +75,9 @@ class Mode:
         its collectives in backward, which neither the program nor the plan does yet."""
         return None
 
-    def data_degree(self, n: int) -> int:
-        """Into how many parts the segment's group cuts the batch."""
+    def data_degree(self, n: int, replicas: int = 1) -> int:
+        """Into how many parts the segment's group of n devices cuts the batch (`replicas`: its
+        `data` option, a 2-D segment's replicas)."""
         return 1
 
     def torch_pipeline_blocker(self, p) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from placer.diagnostics import Diagnostic
+from placer.modes import tensor
 from placer.modes.base import Mode
 from placer.plan.attach import Attached
 from placer.plan.crossings import group_blocker
@@ -58,38 +59,42 @@ def check(seg, seg_layers, kinds: Sequence[str]) -> list[Diagnostic]:
     return diags
 
 
-def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
-    """The plan's gathers and input-gradient all-reduces, as the program's ChannelSplit runs them."""
+def collectives(a: Attached, info, grads: Sequence[bool], op, replicas: int = 1, **kw) -> None:
+    """The plan's gathers and input-gradient all-reduces, as the program's ChannelSplit runs them
+    (`replicas`: a 2-D segment's, each of which runs them on its rows in its own group)."""
     sliced = None  # the channel dim the activation is split along, None while it is whole
     for i, l in enumerate(info):
         how = role(l.op)
         if sliced is not None and how != "follows":  # this layer needs every channel: gather
             a.cuts.add(i)
             assert l.in_shape is not None  # channel segments have shapes
-            a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes, l.name, dim=sliced,
-                                   attrs={"channels": l.in_shape[sliced]}))
+            a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "act", l.in_bytes // replicas, l.name, dim=sliced,
+                                   attrs={"channels": l.in_shape[sliced]}, **kw))
             sliced = None
         if how == "split":  # each device makes its slice of the output channels from the whole input
             if grads[i]:  # whose gradient is the sum of every slice's part
                 a.cuts |= {i, i + 1}
-                a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", l.in_bytes, l.name))
+                a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", l.in_bytes // replicas, l.name, **kw))
             sliced = channel_dim(l)
     if sliced is not None:  # the segment leaves whole outputs on every device
         last = len(info) - 1
         a.cuts.add(last + 1)
         assert info[-1].out_shape is not None  # channel segments have shapes
-        a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes, info[-1].name,
-                                   dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}))
+        a.add("post_fwd", last, op(OpKind.ALL_GATHER, "fwd", "act", info[-1].out_bytes // replicas, info[-1].name,
+                                   dim=sliced, attrs={"channels": info[-1].out_shape[sliced]}, **kw))
 
 def held(l) -> bool:
     """Whether a device holds only its slice of the layer's parameters and buffers."""
     return l.op == "Linear" or l.op.startswith(("Conv", "BatchNorm"))
 
 
-def emit_stage(k: int, ranks) -> list[str]:
-    """The program's lines that split segment k's `stage` by channels over group g{k}."""
+def emit_stage(k: int, ranks, replicas: int = 1) -> list[str]:
+    """The program's lines that split segment k's `stage` by channels over group g{k} (a 2-D
+    segment's: this rank's replica)."""
+    over = f"{list(ranks)}" if replicas == 1 else \
+        f"next(r for r in {tensor.runs(ranks, replicas)} if rank in r)"
     return [f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
-            f"seg{k} = ChannelSplit(stage, g{k}, {list(ranks)})"]
+            f"seg{k} = ChannelSplit(stage, g{k}, {over})"]
 
 
 def out_axis(layers, graph) -> int:
@@ -124,6 +129,7 @@ def chain_check(seg, info, locs) -> list[Diagnostic]:
 
 class Channel(Mode):
     name = "channel"
+    options_keys = ("data",)
     whole_on_each = True
     forward_sends_activations = True
 
@@ -148,29 +154,56 @@ class Channel(Mode):
         return found or None  # a chain: the layer rules of inline models (P027) apply
 
     def check(self, seg, seg_layers, kinds, pipelined):
-        return check(seg, seg_layers, kinds)
+        diags = check(seg, seg_layers, kinds)
+        norms = [l for l in seg_layers if l.op.startswith("BatchNorm")] if seg.parallel.data > 1 else []
+        if norms:  # (a channel-split BatchNorm's statistics are exact over the rows it sees)
+            diags.append(Diagnostic("W006", f"layer {norms[0].name!r} is a BatchNorm in 2-D segment {seg.name!r}: "
+                                    f"each replica normalises over its 1/{seg.parallel.data} of the batch, so run "
+                                    "--check cannot match one device", norms[0].loc,
+                                    "drop `data` here, or use a norm without batch statistics", severity="warning"))
+        return diags
+
+    def check_options(self, spec, seg):
+        if seg.parallel.data > 1 and not spec.model.inline:
+            return [Diagnostic("P032", f"segment {seg.name!r}: channel with data replicas in a module model "
+                               "(`model.module`) is not generated by this version of placer", seg.parallel.loc,
+                               "give the model as inline layers, or drop `data` there")]
+        return tensor.check_replicas(spec, seg)
+
+    def data_degree(self, n, replicas=1):
+        return replicas
 
     def options(self, p, layers, graph):
-        return {"axis": out_axis(layers, graph)}
+        return {"axis": out_axis(layers, graph)} | ({"data": p.data} if p.data > 1 else {})
 
     def collectives(self, a, seg, info, grads, op, ctx):
-        collectives(a, info, grads, op)
+        if seg.options.get("data", 1) > 1:
+            tensor.replica_collectives(a, seg, info, grads, op, ctx.sizes, self, collectives)
+        else:
+            collectives(a, info, grads, op)
 
     def sliced_dims(self, seg, info):
         return [seg.options.get("axis", 1)] * len(info)
 
     def held(self, seg, info, d, r, share):  # a sliced layer: its part of the output channels
+        d, r = d // seg.options.get("data", 1), r % (d // seg.options.get("data", 1))  # (a 2-D segment: its replica's)
         return [(share(l.params, d, r), share(l.buffer_bytes, d, r)) if held(l) else (l.params, l.buffer_bytes)
                 for l in info]
 
     def describe(self, seg, devices):
+        if seg.replicas > 1:
+            return (f"channel x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
+                    "splitting every Linear/Conv's output channels; gradients summed over the replicas after backward")
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
     def runtime(self, seg, torch_pipeline):
-        return {"channel"}
+        return {"channel", "tensor"} if seg.replicas > 1 else {"channel"}  # (replica_slice, all_reduce_slices)
 
     def emit_stage(self, seg, resumable):
-        return emit_stage(seg.k, seg.ranks)
+        return emit_stage(seg.k, seg.ranks, seg.replicas)
+
+    def emit_sync(self, seg):
+        return tensor.emit_sync(seg) if seg.replicas > 1 else super().emit_sync(seg)
 
     def emit_gather(self, seg):
         return [f"channel_unshard(seg{seg.k})  # segment {seg.k}: the channel slices back into the full layers",

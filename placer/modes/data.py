@@ -162,7 +162,7 @@ class Data(Mode):
         # (and BatchNorm would update its running statistics twice)
         return "SyncBatchNorm all-reduces statistics in its forward" if p.sync_batchnorm else None
 
-    def data_degree(self, n):
+    def data_degree(self, n, replicas=1):
         return n
 
     def torch_pipeline_blocker(self, p):

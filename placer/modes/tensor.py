@@ -58,16 +58,87 @@ def check(seg, seg_layers, kinds: Sequence[str]) -> list[Diagnostic]:
                        "layers to another segment")]
 
 
-def collectives(a: Attached, info, grads: Sequence[bool], op) -> None:
-    """The plan's all-reduces of each pair, hung on the pair's layers (`op` makes a group op)."""
+def collectives(a: Attached, info, grads: Sequence[bool], op, replicas: int = 1, **kw) -> None:
+    """The plan's all-reduces of each pair, hung on the pair's layers (`op` makes a group op;
+    `replicas`: a 2-D segment's, each of which all-reduces its rows in its own group)."""
     for col, row in pairs([op_kind(l.op) for l in info]):
         a.cuts |= {col, row + 1}
         pair = f"{info[col].name}..{info[row].name}"  # the plan text's layer-range form
-        a.add("post_fwd", col, op(OpKind.ALL_REDUCE, "fwd", "act", info[row].out_bytes, info[row].name,
-                                  attrs={"pair": pair}))
+        a.add("post_fwd", col, op(OpKind.ALL_REDUCE, "fwd", "act", info[row].out_bytes // replicas, info[row].name,
+                                  attrs={"pair": pair}, **kw))
         if grads[col]:
-            a.add("post_bwd", col, op(OpKind.ALL_REDUCE, "bwd", "grad", info[col].in_bytes, info[col].name,
-                                      attrs={"pair": pair}))
+            a.add("post_bwd", col, op(OpKind.ALL_REDUCE, "bwd", "grad", info[col].in_bytes // replicas,
+                                      info[col].name, attrs={"pair": pair}, **kw))
+
+
+# -- 2-D segments (`data: D`): D replicas of consecutive devices, each split as above ------------------
+
+def runs(devices: Sequence, replicas: int) -> list[list]:
+    """The replicas: `replicas` runs of consecutive devices (or ranks)."""
+    t = len(devices) // replicas
+    return [list(devices[i:i + t]) for i in range(0, len(devices), t)]
+
+
+def positions(devices: Sequence, replicas: int) -> list[list]:
+    """The devices holding the same slices, one from each replica: the gradients' all-reduce groups."""
+    return [list(g) for g in zip(*runs(devices, replicas))]
+
+
+def check_replicas(spec, seg) -> list[Diagnostic]:
+    """P033 for `shard` without replicas; P031 unless `data: D` cuts the group into replicas of
+    at least 2 devices; P030 unless D divides the batch; P032 in a pipeline or with shard
+    optimizer (not generated yet)."""
+    d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
+    if shard != "none" and d == 1:
+        return [Diagnostic("P033", f"segment {seg.name!r}: {seg.parallel.mode} with shard {shard!r} needs data replicas to shard "
+                           "over", seg.parallel.loc, "add `data: D` (2-D: FSDP2 x TP over D replicas), or drop shard")]
+    if d == 1:
+        return []
+    loc = spec.doc.loc(("placement", seg.index, "parallel", "data"))
+    if n % d or n // d < 2:
+        return [Diagnostic("P031", f"segment {seg.name!r}: data {d} does not cut its {n} devices into replicas of "
+                           "at least 2 devices each", loc,
+                           f"use a data degree that divides {n} and leaves 2 or more devices per replica")]
+    t = spec.training
+    if (t.batch_size // t.accumulate) % d:
+        return [Diagnostic("P030", f"batch_size {t.batch_size} is not divisible by the {d} data replicas of "
+                           f"segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
+                           f"use a multiple of {d * t.accumulate}")]
+    if spec.pipeline or shard == "optimizer":
+        what = "in a pipeline" if spec.pipeline else "and shard 'optimizer'"
+        return [Diagnostic("P032", f"segment {seg.name!r}: {seg.parallel.mode} with data replicas {what} is not generated "
+                           "by this version of placer", loc, "use shard none or full, without a pipeline, there")]
+    return []
+
+
+def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes: dict, mode=None,
+                        inner=None) -> None:
+    """A 2-D segment: each replica runs the mode's collectives (`inner`: tensor's pair all-reduces
+    by default) on its rows; after its backward, the devices holding the same slices all-reduce
+    their gradients (one flat message each, as the program's `all_reduce_slices` sends it, before
+    any step and the global gradient norm), or under `shard: full` FSDP2 gathers and
+    reduce-scatters them per layer."""
+    d, mode = seg.options["data"], mode or MODE
+    inner = inner or (module_collectives if seg.options.get("blocks") else collectives)
+    for run in runs(seg.devices, d):
+        inner(a, info, grads, op, d, devices=tuple(run))
+    for p, group in enumerate(positions(seg.devices, d)):
+        # each layer's bytes (root parameters it consumes included) less the slices others hold
+        held_elems = mode.held(seg, info, len(seg.devices), p, lambda n, k, r: n // k + (r < n % k))
+        layer_bytes = [sizes[l.name] - (l.params - k) * l.param_bytes // max(l.params, 1)
+                       for l, (k, _) in zip(info, held_elems)]
+        if seg.options.get("shard") == "full":  # FSDP2 over the replicas, a unit per layer, as for data
+            for i, (l, pb) in enumerate(zip(info, layer_bytes)):
+                if pb:
+                    a.cuts |= {i, i + 1}
+                    kw = dict(devices=tuple(group), attrs={"replicas": d})
+                    a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name, **kw), scale=False)
+                    a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name, **kw), scale=False)
+                    a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name, **kw), scale=False,
+                          weight=True)
+            continue
+        a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(layer_bytes), devices=tuple(group),
+                                 attrs={"replicas": d}))
 
 
 # -- module models: a parallel plan per transformer block -------------------------------------------
@@ -126,7 +197,8 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
     return []
 
 
-def module_collectives(a: Attached, info, grads: Sequence[bool], op, bf16: bool = False) -> None:
+def module_collectives(a: Attached, info, grads: Sequence[bool], op, replicas: int = 1, bf16: bool = False,
+                       **kw) -> None:
     """The plan's all-reduces of each block's groups: the row half's sum forward, and in
     backward, when something before trains, one per column half (DTensor all-reduces each
     column Linear's input gradient). Under bf16 autocast the row half's partial sums are
@@ -139,12 +211,12 @@ def module_collectives(a: Attached, info, grads: Sequence[bool], op, bf16: bool 
         for cols, row in groups(l.projections):
             a.cuts |= {i, i + 1}
             pair = f"{'+'.join(f'{l.name}.{c}' for c in cols)}..{l.name}.{row}"
-            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * act, l.name,
-                                    attrs={"pair": pair}))
+            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * act // replicas,
+                                    l.name, attrs={"pair": pair}, **kw))
             if grads[i]:
                 for c in cols:
-                    a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", tokens * sizes[c][0] * 4, l.name,
-                                            attrs={"pair": pair}))
+                    a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", tokens * sizes[c][0] * 4 // replicas,
+                                            l.name, attrs={"pair": pair}, **kw))
 
 
 def module_held(l, d: int, r: int, share) -> int:
@@ -201,8 +273,44 @@ def emit_blocks(k: int, pairs) -> list[str]:
             f"seg{k} = stage"]
 
 
+def emit_groups(k: int, ranks, replicas: int) -> list[str]:
+    """A 2-D segment's groups, made by every rank in the same order: g{k}, this rank's replica
+    (the layers split over it), and dp{k}, the ranks holding this rank's slices in every replica."""
+    out = [f"g{k} = dp{k} = None"]
+    for name, groups, what in ((f"g{k}", runs(ranks, replicas), "the data replicas: each splits the layers"),
+                               (f"dp{k}", positions(ranks, replicas), "the same slices in every replica")):
+        out += [f"for ranks in {groups}:  # {what}",
+                "    group = dist.new_group(ranks, timeout=timedelta(seconds=TIMEOUT_S))",
+                f"    {name} = group if rank in ranks else {name}"]
+    return out
+
+
+def emit_fsdp_stage(seg) -> list[str]:
+    """FSDP2 x TP, as torch's 2-D recipe builds it: a 2-D DeviceMesh (dp, tp) of the segment's
+    ranks, the tensor split over its tp dim, then fully_shard per unit and root over its dp dim."""
+    k, reps = seg.k, runs(seg.ranks, seg.replicas)
+    tp, dp = f'mesh{k}["tp"]', f'mesh{k}["dp"]'
+    split = (f"tensor_parallelize_blocks(stage, {tp}, {[(tuple(c.split('+')), r) for c, r in seg.pairs]!r}, "
+             "device.type)  # ((column halves), row half)" if seg.blocks else
+             f"tensor_parallelize(stage, {tp}, {list(seg.pairs)!r}, device.type)  # (column, row) Linear pairs")
+    return [f"# FSDP2 x TP: a 2-D mesh, rows the {seg.replicas} data replicas, columns the ranks of each",
+            f'mesh{k} = DeviceMesh.from_group([dp{k}, g{k}], device.type, mesh={reps}, mesh_dim_names=("dp", "tp"))',
+            split,
+            f"seg{k} = fully_shard_segment(stage, {dp}, device.type)  # gradients reduce-scattered over dp"]
+
+
+def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
+    """A 2-D segment's gradient sync (the same slices summed over the replicas) and step."""
+    if seg.shard == "full":  # FSDP2 reduce-scattered them in backward
+        return seg.ranks, [f"opt{seg.k}.step()"]
+    return seg.ranks, ['with timer("comm"):',
+                       f"    all_reduce_slices(seg{seg.k}, dp{seg.k})  # summed over the {seg.replicas} data replicas",
+                       f"opt{seg.k}.step()"]
+
+
 class Tensor(Mode):
     name = "tensor"
+    options_keys = ("data", "shard")
     whole_on_each = True
     forward_sends_activations = True
 
@@ -211,20 +319,31 @@ class Tensor(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and spec.pipeline.schedule != "gpipe":  # lockstep's GPipe loops run groups
             return f"in a pipeline under schedule {spec.pipeline.schedule!r}"
+        if seg.parallel.data > 1 and spec.training.precision != "fp32":  # the replicas' plan counts float32
+            return f"with data replicas and precision {spec.training.precision}"
         return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
 
     def check_module(self, seg, info, locs, degree):
-        return check_module(seg, info, locs, degree)
+        return check_module(seg, info, locs, degree // seg.parallel.data)  # (a 2-D segment: each replica's)
+
+    def check_options(self, spec, seg):
+        return check_replicas(spec, seg)
+
+    def data_degree(self, n, replicas=1):
+        return replicas
 
     def options(self, p, layers, graph):
-        return {} if graph.traced_with == "inline" else {"blocks": True}
+        return ({} if graph.traced_with == "inline" else {"blocks": True}) | (
+            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {})
 
     def collectives(self, a, seg, info, grads, op, ctx):
-        if seg.options.get("blocks"):
-            module_collectives(a, info, grads, op, ctx.bf16)
+        if seg.options.get("data", 1) > 1:
+            replica_collectives(a, seg, info, grads, op, ctx.sizes)
+        elif seg.options.get("blocks"):
+            module_collectives(a, info, grads, op, bf16=ctx.bf16)
         else:
             collectives(a, info, grads, op)
 
@@ -239,6 +358,7 @@ class Tensor(Mode):
         return out
 
     def held(self, seg, info, d, r, share):
+        d, r = d // seg.options.get("data", 1), r % (d // seg.options.get("data", 1))  # (a 2-D segment: its replica's)
         if seg.options.get("blocks"):
             return [(module_held(l, d, r, share), l.buffer_bytes) for l in info]
         split, rows = split_layers(info)
@@ -246,15 +366,32 @@ class Tensor(Mode):
                 for l in info]
 
     def describe(self, seg, devices):
+        if seg.replicas > 1:
+            what = "each block's projections" if seg.blocks else "the Linear pairs"
+            how = ("parameters sharded over the replicas by FSDP2 (FSDP2 x TP)" if seg.shard == "full" else
+                   "gradients summed over the replicas after backward")
+            return (f"tensor x data: {seg.replicas} data replicas {runs(seg.ranks, seg.replicas)}, each splitting "
+                    f"{what} by columns then rows; {how}")
         if seg.blocks:
             return (f"tensor parallel over {len(seg.ranks)} ranks: in each block, q/k/v and up/gate split by columns "
                     "(heads), the output and down projections by rows; other layers whole")
         return f"tensor parallel, Linear pairs split by columns then rows over {len(seg.ranks)} ranks"
 
     def runtime(self, seg, torch_pipeline):
-        return {"tensor"}
+        return {"tensor", "sharding"} if seg.shard == "full" else {"tensor"}
+
+    def recompute_blocker(self, p):
+        return "FSDP2 gathers the parameters in its forward" if p.shard == "full" else None
+
+    def comm_buffers(self, seg, held, largest):
+        return 2 * largest if seg.options.get("shard") == "full" else 0  # FSDP2: one unit gathered, its gradients
+
+    def emit_sync(self, seg):
+        return emit_sync(seg) if seg.replicas > 1 else super().emit_sync(seg)
 
     def emit_stage(self, seg, resumable):
+        if seg.shard == "full":
+            return emit_fsdp_stage(seg)
         if seg.blocks:
             return emit_blocks(seg.k, seg.pairs)
         return emit_stage(seg.k, seg.pairs)

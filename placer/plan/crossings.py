@@ -1,20 +1,27 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
-A module model (`model.module`) whose segments sit on one device each (or a tensor group's several,
-`Mode.lockstep_group`: each runs the segment on the whole input), without a pipeline or with
-a GPipe or 1F1B one, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward (its glue:
-embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
+A module model (`model.module`) whose segments sit on one device each (or are data parallel over
+groups of one size: one replica pipeline per group position), without a pipeline or under any
+schedule, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward
+(its glue: embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
 rotary `cos`/`sin`, a skip connection) crosses to that device, once per device and call. Masks
 and positions built from the batch are computed on every device and never cross. The trace
 (`LayerInfo.consumers`) says which leaves reach which layers; `crossings` turns that into one
-transfer per tensor and receiving device, which the plan counts and the program sends.
+transfer per tensor and receiving device, which the plan counts and the program sends. With
+data-parallel segments each replica pipeline (the r-th device of every segment) takes 1/D of the
+batch and sends to its own peers only. Without a pipeline or under GPipe, a group of a split mode
+(tensor, channel, spatial: `Mode.lockstep_group`) may sit beside one-device segments on devices of
+its own: each of its devices runs the segment on the whole input, so what enters is sent to each,
+what leaves is sent from its first, and the gradients go back alike (`group_blocker`).
 
 What lockstep cannot run is refused before any worker starts: a placed layer whose output is
 not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
 parent's own parameter whose glue feeds layers on several devices (P082: each would train its
-own copy). Other placements of module models are cut by torch.distributed.pipelining, which
-passes one tensor between stages: a cut where the trace sees more is refused (P083).
+own copy). Other placements of module models (groups of different sizes not as above, data
+groups that shard or sync otherwise) are cut by torch.distributed.pipelining,
+which passes one tensor between stages: a cut where the trace sees more is refused (P083), saying
+why lockstep does not run it.
 """
 from __future__ import annotations
 
@@ -38,7 +45,8 @@ class Crossing:
     src: int
     """The producing segment."""
     dst: int
-    """The first segment on the receiving device that reads it."""
+    """The segment on the receiving device whose work receives it: its first after the producer's
+    (where the forward reaches the producing layer's stand-in on that device)."""
     src_device: str
     dst_device: str
     shape: tuple
@@ -65,57 +73,117 @@ class Crossing:
         return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 4) * self.calls
 
 
-LOCKSTEP_SCHEDULES = ("gpipe", "1f1b")
-"""The schedules lockstep runs as placer's micro-batch loops: one stage per rank, each forward
-the whole model's. A rank holding several stages (interleaved, looped, V) would run a part of
-one forward per action, which the model's single forward cannot do: those are cut by
-torch.distributed.pipelining instead."""
-
-
 def lockstep(spec, segments) -> bool:
-    """Whether a module model runs in lockstep: several segments, one device each, and no
-    pipeline or a GPipe or 1F1B one (placer's micro-batch loops); or, without a pipeline or with
-    a GPipe one, groups that `group_blocker` lets run beside them (tensor, channel, spatial)."""
+    """Whether a module model runs in lockstep: several segments, one device each or each data
+    parallel over the same number of devices (`replica_blocker` says which), without a pipeline
+    or under any schedule (placer's micro-batch loops; a rank holding several stages runs each
+    micro-batch's forward in a thread that waits for the schedule's action of its next stage);
+    or, without a pipeline or under GPipe, split-mode groups that `group_blocker` lets run beside
+    one-device segments (tensor, channel, spatial)."""
     if spec.model.inline or len(segments) < 2:
         return False
-    if all(len(s.devices) == 1 for s in segments):
-        return spec.pipeline is None or spec.pipeline.schedule in LOCKSTEP_SCHEDULES
-    return (spec.pipeline is None or spec.pipeline.schedule == "gpipe") and all(len(s.devices) == 1 or group_blocker(segments, s.index) is None
-                                         for s in segments)
+    if has_groups(segments):
+        return (spec.pipeline is None or spec.pipeline.schedule == "gpipe") and all(
+            len(s.devices) == 1 or group_blocker(segments, s.index) is None for s in segments)
+    if len({len(s.devices) for s in segments}) != 1:
+        return False
+    return len(segments[0].devices) == 1 or replica_blocker(spec, segments) is None
+
+
+def has_groups(segments) -> bool:
+    """Whether some segment (spec or plan segments) is a split-mode group over several devices
+    (`Mode.lockstep_group`): lockstep then runs one pipeline, the groups beside it."""
+    from placer.modes import MODES
+
+    return any(len(s.devices) > 1 and MODES[s.mode].lockstep_group for s in segments)
 
 
 def group_blocker(segments, k: int) -> str | None:
     """Why segment k (spec or plan segments), over several devices, cannot run in lockstep beside
     the others, as words after its mode; None if it can. Each rank of a group runs the segment's
     layers on the whole activation (`Mode.lockstep_group`), the others must be one device each or
-    such groups, on devices no other segment uses."""
+    such groups, on devices no other segment uses: not data replicas (replica pipelines), which
+    cut the batch, nor a 2-D group's."""
     from placer.modes import MODES
 
     seg = segments[k]
     if not MODES[seg.mode].lockstep_group:
         return "beside other segments"
+    if _data(seg) > 1:
+        return "with data replicas beside other segments"
     for other in segments:
         if other.index == k:
             continue
         if len(other.devices) > 1 and not MODES[other.mode].lockstep_group:
             return f"beside segment {other.name!r} of mode {other.mode!r} over several devices"
+        if len(other.devices) > 1 and _data(other) > 1:
+            return f"beside segment {other.name!r} with data replicas"
         shared = [d for d in other.devices if d in seg.devices]
         if shared:
             return f"beside segment {other.name!r} on its device {shared[0]!r} (give the group devices of its own)"
     return None
 
 
+def _data(seg) -> int:
+    """A segment's data replicas (`data: D` of a 2-D one), of a spec or a plan segment."""
+    return seg.parallel.data if hasattr(seg, "parallel") else seg.options.get("data", 1)
+
+
+def replica_blocker(spec, segments) -> str | None:
+    """Why multi-device segments of a module model cannot run as replica pipelines in lockstep,
+    or None. Each group must hold whole replicas that cut the batch (data) and sync by an
+    all-reduce of whole gradients after the lockstep backward (placer's buckets, no DDP: the
+    segment's layers run inside the whole model's forward), as a stage torch's schedules run
+    replicated; and a device keeps one place in every group (its pipeline)."""
+    from placer.modes import MODES
+
+    for s in segments:
+        seg = spec.placement[s.index]
+        mode = MODES[seg.mode]
+        if mode.data_degree(len(s.devices)) != len(s.devices):
+            return f"segment {s.name!r} is {seg.mode} over {len(s.devices)} devices"
+        why = mode.torch_pipeline_blocker(seg.parallel)
+        if why:
+            return f"segment {s.name!r} is {why}"
+    place: dict[str, int] = {}
+    for s in segments:
+        for r, d in enumerate(s.devices):
+            if place.setdefault(d, r) != r:
+                return f"device {d!r} is number {place[d] + 1} of one group and number {r + 1} of segment {s.name!r}'s"
+    return None
+
+
+def pipelines(segments) -> list[tuple[str, ...]]:
+    """The replica pipelines of a lockstep placement: the r-th device of every segment (one, of
+    each segment's first device, beside split-mode groups)."""
+    if has_groups(segments):
+        return [tuple(s.devices[0] for s in segments)]
+    return [tuple(s.devices[r] for s in segments) for r in range(len(segments[0].devices))]
+
+
 def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
     """Bytes of one micro-batch's copy: a leaf whose dim 0 is the batch is cut m ways (rotary
-    cos / sin, [1, seq, d], is not)."""
+    cos / sin, [1, seq, d], is not). `batch_size`: a replica pipeline's."""
     return c.bytes // m if c.shape and c.shape[0] == batch_size else c.bytes
 
 
-def crossings(segments, graph: ModelGraph) -> list[Crossing]:
-    """Every output leaf that reaches a layer (or the loss) on another device, per receiving
-    device, producers in model order. A group (tensor: every device holds the whole activation)
-    sends from its first device, receives on each, and sends the gradient back from its first."""
+def crossings(segments, graph: ModelGraph, batch_size: int = 0) -> list[Crossing]:
+    """Every output leaf that reaches a layer (or the loss) on another device, per replica
+    pipeline and receiving device, producers in model order. With D replicas, a leaf whose dim 0
+    is the batch (`batch_size`) carries a replica's 1/D of it. A split-mode group (every device
+    holds the whole activation) sends from its first device, receives on each, and sends the
+    gradient back from its first to each of the producer's."""
     seg_of = {layer: s for s in segments for layer in s.layers}
+    groups = has_groups(segments)
+    n = 1 if groups else len(segments[0].devices)
+
+    def devices(seg, r: int) -> tuple:  # segment seg's devices in replica pipeline r
+        return seg.devices if groups else (seg.devices[r],)
+
+    held: dict[str, list] = {}  # device -> its segments, in order
+    for s in segments:
+        for d in s.devices:
+            held.setdefault(d, []).append(s)
     out = []
     for s in segments:
         for layer in s.layers:
@@ -124,18 +192,21 @@ def crossings(segments, graph: ModelGraph) -> list[Crossing]:
                 spec_leaf = info.out_leaves[leaf] if leaf < len(info.out_leaves) else None
                 if spec_leaf is None:
                     continue
-                dsts: dict[str, PlacedSegment] = {}
-                for u in users:
-                    t = segments[-1] if u == OUTPUT else seg_of[u]
-                    for d in t.devices:
-                        if d not in s.devices:
-                            dsts.setdefault(d, t)
                 shape, dtype, grad = spec_leaf
-                group = s.devices if len(s.devices) > 1 else ()
-                out += [Crossing(layer, leaf, s.index, t.index, s.devices[0], d, tuple(shape), dtype,
-                                 bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"), info.calls,
-                                 back=d == t.devices[0], src_group=group)
-                        for d, t in dsts.items()]
+                shape = tuple(shape)
+                if n > 1 and shape and shape[0] == batch_size:
+                    shape = (batch_size // n, *shape[1:])
+                for r in range(n):
+                    src = devices(s, r)
+                    dsts: dict[str, PlacedSegment] = {}
+                    for u in users:
+                        for d in devices(segments[-1] if u == OUTPUT else seg_of[u], r):
+                            if d not in src:
+                                dsts.setdefault(d, next(x for x in held[d] if x.index > s.index))
+                    out += [Crossing(layer, leaf, s.index, t.index, src[0], d, shape, dtype,
+                                     bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"),
+                                     info.calls, back=d == devices(t, r)[0], src_group=src if len(src) > 1 else ())
+                            for d, t in dsts.items()]
     return out
 
 
@@ -190,6 +261,7 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                 f"the previous segment's output where the model is cut by torch.distributed.pipelining",
                 spec.placement[s.index].loc, "give every other segment one device (lockstep runs the glue), or "
                 "start the segment after the glue"))
+    why = _why_cut(spec, segments)
     for k, seg in enumerate(segments[1:], 1):
         made = [h for layer in seg.layers for h in graph.layer(layer).homes
                 if (segments[0] if h == INPUT else seg_of[h]).index != k]
@@ -199,10 +271,22 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
             s = spec.placement[k]
             out.append(Diagnostic(
                 "P083", f"segment {s.name!r} reads tensors made in earlier segments at {', '.join(made)} (a layer's "
-                "output, or the parent's work before it: a mask, rotary, a skip connection); a pipeline schedule or "
-                "a multi-device segment cuts a module model with torch.distributed.pipelining, which passes exactly "
+                f"output, or the parent's work before it: a mask, rotary, a skip connection); {why}, so "
+                "torch.distributed.pipelining cuts the module model, and it passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment, without a pipeline or with schedule gpipe or "
-                "1f1b (lockstep passes any crossing), or cut where only the hidden state crosses"))
+                "place the module model one device per segment, or data parallel over groups of one size (sync "
+                "allreduce, no shard), where lockstep passes any crossing under any schedule, or cut where only "
+                "the hidden state crosses"))
     return out
 
+
+def _why_cut(spec, segments) -> str:
+    """Why a module model's placement does not run in lockstep, in words."""
+    if has_groups(segments):
+        why = next((f"segment {s.name!r} is {s.mode} {w}" for s in segments if len(s.devices) > 1
+                    for w in [group_blocker(segments, s.index)] if w), None)
+        return why or "split-mode groups run in lockstep only without a pipeline or under schedule gpipe"
+    sizes = {len(s.devices) for s in segments}
+    if len(sizes) > 1:
+        return f"the segments' groups differ in size ({', '.join(map(str, sorted(sizes)))} devices)"
+    return replica_blocker(spec, segments) or "it does not run in lockstep"

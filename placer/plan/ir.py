@@ -77,10 +77,23 @@ class PlacedSegment:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a tensor lives: on `devices`, cut along `dim` (None: whole on each device)."""
+    """Where a tensor lives: on `devices`, cut along `dim` (None: whole on each device). With
+    `replicas` (a 2-D segment), the devices are that many runs of consecutive devices: rows
+    (dim 0) are cut across the runs, and `dim` within each run."""
 
     devices: tuple[str, ...]
     dim: int | None = None
+    replicas: int = 1
+
+    def leaders(self) -> "Layout":
+        """The first device of each replica, holding its rows (a 2-D layout whole within each replica)."""
+        t = len(self.devices) // self.replicas
+        return Layout(self.devices[::t], 0) if self.replicas > 1 else self
+
+    def runs(self) -> list[tuple[str, ...]]:
+        """The replicas' devices, in order (one run: the whole group)."""
+        t = len(self.devices) // self.replicas
+        return [self.devices[i:i + t] for i in range(0, len(self.devices), t)]
 
 
 def transfer_kind(src: tuple, dst: tuple) -> OpKind:

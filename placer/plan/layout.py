@@ -19,7 +19,13 @@ def in_layout(seg: PlacedSegment) -> Layout:
     their gradients in: slices of the mode's `layout_dim` over the group, or whole on each
     device (one device; channel and tensor groups, which gather their slices and all-reduce
     the input gradient inside the group)."""
-    return Layout(seg.devices, MODES[seg.mode].layout_dim(seg))
+    return Layout(seg.devices, MODES[seg.mode].layout_dim(seg), seg.options.get("data", 1))
+
+
+def transfer_layouts(op) -> tuple[Layout, Layout]:
+    """The source and destination layouts of a transfer op (a 2-D side's replicas in its attrs)."""
+    return (Layout(op.src, op.src_dim, op.attrs.get("src_replicas", 1)),
+            Layout(op.dst, op.dst_dim, op.attrs.get("dst_replicas", 1)))
 
 
 def _piece(layout: Layout, i: int) -> dict:
@@ -52,7 +58,18 @@ def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
     Every destination device gets the part of the tensor it holds in `dst`:
     from each source device that holds a piece of it, from one holder (its
     own copy if it has one) when the source is whole on several devices.
-    Nothing moves to itself. Pieces are whole bytes that add up exactly."""
+    Nothing moves to itself. Pieces are whole bytes that add up exactly.
+
+    A 2-D layout (replicas, each whole on its devices; `dim` None) sends from its replicas'
+    first devices, and receives on them: each then copies its replica's rows to the rest of
+    its replica (the program's `relayout` does the same)."""
+    if src.replicas > 1 or dst.replicas > 1:
+        assert src.dim is None or src.replicas == 1, "2-D layouts are whole within each replica"
+        assert dst.dim is None or dst.replicas == 1, "2-D layouts are whole within each replica"
+        out = moves(src.leaders(), dst.leaders(), nbytes)
+        for i, run in enumerate(dst.runs() if dst.replicas > 1 else ()):
+            out += [(run[0], t, _share(nbytes, i, dst.replicas)) for t in run[1:]]
+        return out
     out = []
     for j, t in enumerate(dst.devices):
         want = _piece(dst, j)

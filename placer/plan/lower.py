@@ -26,11 +26,12 @@ from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
 from placer.modes import MODES, Lowering
 from placer.plan.attach import Attached
-from placer.plan.crossings import crossings, lockstep, per_microbatch
+from placer.plan.crossings import crossings, lockstep, per_microbatch, pipelines
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, layer_range, transfer_kind, union
 from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
 from placer.plan.ties import insert_ties
+from placer.plan.ties import placed as placed_ties
 from placer.plan.verify import verify
 from placer.spec.shapes import op_kind
 from placer.spec.types import Spec
@@ -112,9 +113,11 @@ def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
 
 
 def _transfer(src: Layout, dst: Layout, seg: int, phase: str, tensor: str, nbytes: int, route: str) -> Op:
+    # a 2-D side (data replicas of a split mode) says how many replicas it holds
+    attrs = {f"{side}_replicas": l.replicas for side, l in (("src", src), ("dst", dst)) if l.replicas > 1}
     return Op(kind=transfer_kind(src.devices, dst.devices), devices=union(src.devices, dst.devices), segment=seg,
               phase=phase, tensor=tensor, bytes=nbytes, route=route, src=src.devices, dst=dst.devices,
-              src_dim=src.dim, dst_dim=dst.dim)
+              src_dim=src.dim, dst_dim=dst.dim, attrs=attrs)
 
 
 def insert_copies(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
@@ -129,10 +132,12 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     """One COPY per crossing tensor and receiving device (attrs: `of` the producing layer, its
     output `leaf`, `from` its segment), at the points the lockstep program moves it: forward after
     the producer's segment and before the consumer's; the gradient after every later segment's
-    backward on the receiving device and before the producer's backward."""
+    backward on the receiving device and before the producer's backward. With accumulate, once
+    per micro-step: a leaf that is not cut by rows (rotary's cos / sin) crosses N times."""
     ops = {d: list(v) for d, v in plan.ops.items()}
     segs = plan.segments
-    found = crossings(segs, graph)
+    found = crossings(segs, graph, plan.batch_size)
+    n = plan.accumulate
 
     def xing(o: Op, phase: str, src: int) -> bool:
         return o.attrs.get("from") == src and o.phase == phase
@@ -140,7 +145,7 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     for c in found:
         attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
         fwd = Op(kind=OpKind.COPY, devices=(c.src_device, c.dst_device), segment=c.dst, phase="fwd", tensor="act",
-                 bytes=c.bytes, route=segs[c.dst].route, src=(c.src_device,), dst=(c.dst_device,), attrs=attrs)
+                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.src_device,), dst=(c.dst_device,), attrs=attrs)
         lst = ops[c.src_device]
         lst.insert(_found(_last(lst, lambda o: _is_compute(o, c.src, ("fwd",)) or xing(o, "fwd", c.src))) + 1, fwd)
         lst = ops[c.dst_device]
@@ -148,7 +153,8 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
     for c, to in sorted(((c, to) for c in found for to in c.grad_to), key=lambda ct: -ct[0].src):
         attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}  # to each device of a producing group
         bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, to), segment=c.dst, phase="bwd", tensor="grad",
-                 bytes=c.bytes, route=segs[c.dst].route, src=(c.dst_device,), dst=(to,), attrs=attrs)
+                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.dst_device,),
+                 dst=(to,), attrs=attrs)
         lst = ops[c.dst_device]
         lst.insert(_found(_last(lst, lambda o: (o.kind == OpKind.COMPUTE and o.segment > c.src and o.phase in BWD)
                                 or (o.phase == "bwd" and "from" in o.attrs))) + 1, bwd)
@@ -170,12 +176,16 @@ def insert_splits(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
 
 # ---- collectives ---------------------------------------------------------------------------------
 
-def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float) -> list[tuple[int, tuple[str, ...]]]:
+def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float,
+            tied: dict[str, int] | None = None) -> list[tuple[int, tuple[str, ...]]]:
     """Gradient buckets like DDP's: layers with parameters in reverse order, about bucket_mb each.
 
     Returns (bytes, layers in model order) per bucket, first-ready bucket first. A layer is never
-    split; one larger than the cap gets a bucket of its own. Root parameters go with their consumer."""
+    split; one larger than the cap gets a bucket of its own. Root parameters go with their consumer.
+    `tied`: layer -> bytes of tied parameters it owns that the tie's own all-reduce sums instead."""
     sizes = param_bytes(seg, graph)
+    for name, b in (tied or {}).items():
+        sizes[name] -= b
     cap = bucket_mb * MiB
     out, size = [], 0
     cur: list[str] = []
@@ -219,9 +229,14 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     def op(kind, phase, tensor, nbytes, layer=None, **kw):
         attrs = {"layer": layer} if layer else {}
         attrs.update(kw.pop("attrs", {}))
-        return Op(kind=kind, devices=g, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs, **kw)
+        devices = kw.pop("devices", g)  # a 2-D segment's: one replica, or one position across them
+        return Op(kind=kind, devices=devices, segment=i0, phase=phase, tensor=tensor, bytes=nbytes, attrs=attrs,
+                  **kw)
 
-    ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb),
+    # a tie across data segments (lockstep): summed over every copy by the tie's all-reduce (insert_ties)
+    tied = {t.tie.layers[0]: t.tie.bytes for t in placed_ties(plan.segments, graph)
+            if len(seg.devices) > 1 and t.tie.layers[0] in seg.layers}
+    ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb, tied),
                    geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
                    lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16")
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
@@ -302,23 +317,26 @@ def insert_collectives(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
         s = seg.index
         for d in union(seg.devices, a.step_devices):
             lst, new = ops[d], []
+
+            def mine(part: list) -> list:  # a 2-D segment's collectives run in a replica or a position's group
+                return [o for o in part if d in o.devices]
             first = _first(lst, lambda o: _is_compute(o, s, ("fwd",)))
             last = _last(lst, lambda o: _is_compute(o, s, BWD))
             has_step = False
             for i, o in enumerate(lst):
                 if o.kind == OpKind.COMPUTE and o.segment == s:
-                    new += a.seg_pre_fwd if i == first else []
-                    new += _expand(o, seg, a, m, plan.accumulate)
-                    new += a.seg_post_bwd if i == last else []
+                    new += mine(a.seg_pre_fwd) if i == first else []
+                    new += mine(_expand(o, seg, a, m, plan.accumulate))
+                    new += mine(a.seg_post_bwd) if i == last else []
                 elif o.kind == OpKind.STEP and o.segment == s:
-                    new += a.step_pre + [o] + a.step_post
+                    new += mine(a.step_pre) + [o] + mine(a.step_post)
                     has_step = True
                 else:
                     new.append(o)
             if not has_step and d in a.step_devices and (a.step_pre or a.step_post):
                 at = _first(new, lambda o: o.phase == "step" and o.segment > s)
                 at = len(new) if at is None else at
-                new[at:at] = a.step_pre + a.step_post
+                new[at:at] = mine(a.step_pre) + mine(a.step_post)
             ops[d] = new
     return plan.with_ops(ops)
 
@@ -343,8 +361,9 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     m, segs = plan.microbatches, plan.segments
     out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV, its segment)] after that work
     need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
-    for c in crossings(segs, graph) if lockstep(spec, segs) else ():  # a module model's GPipe in lockstep
-        n, attrs = per_microbatch(c, plan.batch_size, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
+    rows = plan.batch_size // len(pipelines(segs))  # a replica pipeline's (lockstep: groups of one size)
+    for c in crossings(segs, graph, plan.batch_size) if lockstep(spec, segs) else ():  # a module model in lockstep
+        n, attrs = per_microbatch(c, rows, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
         flows = [("fwd", c.src, c.dst, c.src_device, c.dst_device, "act")]
         flows += [("bwd", c.dst, c.src, c.dst_device, to, "grad") for to in c.grad_to]  # each of a group's
         for flow, a_k, b_k, a, b, what in flows:

@@ -8,9 +8,12 @@ backward the copies' gradients are summed, on one rank locally and over the rank
 copy by an all-reduce (one ALL_REDUCE op per tie in the plan), so every copy takes the same
 step. The sum is the gradient the one parameter gets on one device.
 
-Kept only between segments on one device each: a data, channel, tensor or spatial group
-would need its own rule (which replica sums with which), so `check` refuses it (P080)
-before any worker starts rather than train the copies apart.
+Data-parallel segments of a module model in lockstep (replica pipelines) keep a tie too: the
+all-reduce runs over every rank holding a copy, every replica of every segment that uses it,
+and sums all their gradients, so the segments' own data all-reduce leaves the tied parameter
+out. Elsewhere a tie is kept only between segments on one device each: a channel, tensor or
+spatial group, or a data group cut by torch's pipelining, would need its own rule, so `check`
+refuses it (P080) before any worker starts rather than train the copies apart.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic
 from placer.model.graph import ModelGraph, Tie
+from placer.plan.crossings import has_groups, lockstep
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, union
 
 
@@ -75,6 +79,8 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
     """P080 for a tie across segments that placer cannot keep (`groups`: layer indices per segment)."""
     segments = [PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx), devices=s.devices,
                               mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))]
+    if lockstep(spec, segments) and not has_groups(segments):  # replica pipelines: the tie's all-reduce spans every copy
+        return []
     out = []
     for t in placed(segments, graph):
         bad = next((spec.placement[k] for k, _, _ in t.copies if len(spec.placement[k].devices) > 1), None)
@@ -84,9 +90,9 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
         out.append(Diagnostic(
             "P080", f"parameter {t.tie.name!r} is tied: layers {where} use it, and segment {bad.name!r} is "
             f"{bad.mode} over {len(bad.devices)} devices; placer keeps a tie across segments only between segments "
-            "on one device each", bad.loc,
-            "place the tied layers' segments on one device each (or the layers in one segment); untied, the "
-            "copies would train apart"))
+            "on one device each, or data groups of one size run in lockstep", bad.loc,
+            "place the tied layers' segments on one device each, or data parallel over groups of one size (sync "
+            "allreduce, no shard), or the layers in one segment; untied, the copies would train apart"))
     return out
 
 

@@ -75,7 +75,12 @@ def _mode_line(seg) -> str | None:
     opts = seg.options or {}
     extra = [f"{k} {opts[k]}" for k in ("sync", "server", "shard", "dim")
              if opts.get(k) not in (None, "none")]
-    return f"{seg.mode} x{len(seg.devices)}" + (f" ({', '.join(extra)})" if extra else "")
+    reps = opts.get("data", 1)  # a 2-D segment: its replicas, each split by the mode
+    if reps > 1:
+        t = len(seg.devices) // reps
+        runs = " | ".join(", ".join(seg.devices[i:i + t]) for i in range(0, len(seg.devices), t))
+        extra.append(f"data x{reps}: {runs}")
+    return f"{seg.mode} x{len(seg.devices) // reps}" + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _ends(op: Op, plan: Plan) -> tuple[tuple, tuple]:
@@ -241,13 +246,15 @@ def per_device_shapes(seg, info: dict, microbatches: int = 1) -> dict[str, tuple
     """Layer -> (the output shape one device holds, as strings per dim; the whole of it): a micro-batch's
     rows in a pipeline stage, then its rows, band, channels or features in a parallel group."""
     layers = [info[n] for n in seg.layers if n in info and info[n].out_shape]
-    d = len(seg.devices)
+    reps = (seg.options or {}).get("data", 1)  # a 2-D segment's replicas each take their rows
+    d = len(seg.devices) // reps
     out = {}
     for li, cut in zip(layers, MODES[seg.mode].sliced_dims(seg, layers)):
         shape: list = list(li.out_shape)
         if seg.stage is not None and microbatches > 1 and shape:
             shape[0] = -(-shape[0] // microbatches)
-        out[li.name] = (tuple(_split(x, d) if k == cut else str(x) for k, x in enumerate(shape)), tuple(shape))
+        held = [_split(x, d) if k == cut else _split(x, reps) if k == 0 else str(x) for k, x in enumerate(shape)]
+        out[li.name] = (tuple(held), tuple(shape))
     return out
 
 

@@ -10,7 +10,6 @@ import os
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, SpecError, closest, name_hint
 from placer.modes import MODES
-from placer.plan.crossings import lockstep
 from placer.plan.schedules import SCHEDULES
 from placer.spec import load, schema, select, shapes, torch_names
 from placer.spec.types import Spec, from_document
@@ -193,7 +192,7 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]], skip=frozenset()) -> 
 
 def data_degree(seg) -> int:
     """Into how many parts a segment's group cuts each (micro-)batch."""
-    return MODES[seg.parallel.mode].data_degree(len(seg.devices))
+    return MODES[seg.parallel.mode].data_degree(len(seg.devices), seg.parallel.data)
 
 
 def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
@@ -221,16 +220,16 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
 def own_loops_blocker(spec: Spec) -> tuple[int | None, str] | None:
     """Why placer's own micro-batch loops cannot run the spec's stages in its schedule's order,
     as torch_pipeline_blocker says it, or None when they can. GPipe's loops run any stages; the
-    other schedules' (codegen/loops.py) take stages that are one device or cut the batch by rows
-    over all their devices (data), so that every copy is a row-wise `redistribute` whose send and
-    receive halves run in different actions."""
+    other schedules' (codegen/loops.py) take stages whose group holds the activation as rows,
+    bands or whole on each rank (every mode over one dim of devices), so that every copy is a
+    `redistribute` or `relayout` whose send and receive halves run in different actions."""
     assert spec.pipeline is not None
     if spec.pipeline.schedule == "gpipe":
         return None
     for k, seg in enumerate(spec.placement):
         n = len(seg.devices)
-        if n > 1 and MODES[seg.parallel.mode].data_degree(n) != n:
-            return k, f"mode {seg.parallel.mode!r} beside stages of other modes or sizes"
+        if 1 < MODES[seg.parallel.mode].data_degree(n, seg.parallel.data) < n:
+            return k, f"a 2-D stage (mode {seg.parallel.mode!r} inside data replicas) beside other stages"
     return None
 
 
@@ -295,8 +294,8 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
     if own:
         diags.append(D("W005", f"{own[1]} cannot run under schedule {pl.schedule!r}: placer generates it "
                        "only as gpipe", stages[own[0]].loc if own[0] is not None else loc, "use schedule gpipe, "
-                       "or make every stage one device or data parallel (placer's own loops run those under "
-                       "every schedule)", severity="warning"))
+                       "or a one-dimensional split or data parallelism for that stage (placer's own loops run "
+                       "those under every schedule)", severity="warning"))
     problem = sched.microbatch_problem(m, n, p)
     if problem:
         diags.append(D("P049", f"schedule {pl.schedule!r} needs {problem[0]}", loc, problem[1]))
@@ -353,7 +352,8 @@ SPEC_LESS_SCHEDULERS = {
 def _check_training(spec: Spec) -> list[Diagnostic]:
     """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
     gradients of every segment before any step; P096: an option not run yet; P094 / P095: the
-    micro-steps of accumulate split the batch evenly, and not a pipeline's."""
+    micro-steps of accumulate split the batch evenly, and not a pipeline's. (Lockstep runs every
+    option: P097 retired.)"""
     t, diags = spec.training, []
     sched = t.lr_schedule
     if sched and sched.op not in torch_names.LR_SCHEDULERS:
@@ -388,15 +388,6 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                            f"placer yet: {why}, and recomputing would repeat that in backward",
                            spec.doc.loc(("placement", seg.index, "recompute")),
                            "recompute the one-device or data-parallel segments around it instead"))
-    if lockstep(spec, spec.placement):
-        unrun: list[tuple[str | None, str]] = [(k, what) for k, what, on in (
-            ("precision", f"precision {t.precision!r}", t.precision != "fp32"),
-            ("accumulate", f"accumulate {t.accumulate}", t.accumulate > 1)) if on]
-        unrun += [(None, f"recompute in segment {seg.name!r}") for seg in spec.placement if seg.recompute]
-        for key, what in unrun:
-            diags.append(D("P097", f"{what} with a module model placed one device per segment (run in lockstep) "
-                           "is not run by this placer yet", spec.doc.loc(("training", key)) if key else spec.model.loc,
-                           "leave it out here, or give the model as inline layers"))
     return diags
 
 

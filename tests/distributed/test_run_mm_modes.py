@@ -77,3 +77,17 @@ def test_tensor_blocks_under_bf16_match_the_bf16_reference(name, tmp_path):
     assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
     assert "torch.autocast(device.type, dtype=torch.bfloat16)" in (run_dir / "program.py").read_text()
     assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
+
+
+def test_a_tensor_group_beside_one_device_segments_runs_bf16_in_lockstep(tmp_path):
+    """Lockstep runs precision bf16 (autocast around the whole forward; a bfloat16 leaf crosses as
+    float32) and a tensor group beside one-device segments: both at once match the one-device
+    bf16 reference, each device sending what the plan says (the blocks' row sums in bfloat16)."""
+    name, sets = "tinygpt_tensor_sandwich", ["training.precision=bf16"]
+    spec, run_dir = MODELS / f"{name}.yaml", tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), "--set", sets[0]])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
+    program = (run_dir / "program.py").read_text()
+    assert "groups=GROUPS" in program and "torch.autocast(device.type, dtype=torch.bfloat16)" in program
+    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)

@@ -241,6 +241,28 @@ def test_every_example_runs_and_matches_one_device(example, tmp_path):
     assert check["ok"] and len(check["steps"]) == 2
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert_sends_what_the_plan_says(example, ROOT / "examples" / example / "spec.yaml", metrics)
+    if example == "training_options":
+        assert_every_option_takes_effect(run_dir)
+
+
+def assert_every_option_takes_effect(run_dir: Path) -> None:
+    """examples/training_options: each option is on in the program and does something. The clip
+    bites at every step (the one-device norm above the spec's 0.2, and the run's the same); the
+    cosine schedule lowers the learning rate after the first step; bf16, two micro-steps and the
+    two recomputed segments are in the program, and the check compared at bf16's tolerance."""
+    spec = yaml.safe_load((ROOT / "examples" / "training_options" / "spec.yaml").read_text())["training"]
+    rows = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (run_dir / "reference" / "progress.jsonl").read_text().splitlines()]
+    got, want = ([r["grad_norm"] for r in rr if "grad_norm" in r] for rr in (rows, ref))
+    assert len(got) == len(want) == 2 and all(n > 1.2 * spec["clip_grad_norm"] for n in want), want
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=0)
+    lrs = [float(r["lr"]) for r in csv.DictReader((run_dir / "metrics.csv").open())]
+    assert lrs[0] == spec["optimizer"]["lr"] and lrs[1] < lrs[0], lrs
+    program = (run_dir / "program.py").read_text()
+    assert program.count("torch.autocast(device.type, dtype=torch.bfloat16)") >= 4
+    assert f"for micro in range({spec['accumulate']}):" in program
+    assert "".join(program.split()).count("torch.utils.checkpoint.checkpoint(seg") == 2  # (formatted over lines)
+    assert json.loads((run_dir / "check.json").read_text())["rtol"] == 2e-2
 
 
 def test_a_spatial_last_stage_gathers_every_micro_batch_as_the_plan_says(tmp_path):

@@ -357,7 +357,7 @@ def test_report_counts_what_is_not_shown():
     assert text.splitlines()[-1] == "2 more errors, 1 more warning"
 
 
-def test_pipeline_stages_torch_schedules_do_not_take_warn_except_where_placers_loops_run_them():
+def test_pipeline_stages_torch_schedules_do_not_take_run_as_placers_loops_under_every_schedule():
     d = pipe("looped_bfs", [["cuda:0"], ["cuda:1"], ["cuda:0"], ["cuda:1"]])
     d["copies"] = {"route": "via_host"}
     assert codes(d) == []  # placer's loops run it in looped BFS's order
@@ -367,9 +367,17 @@ def test_pipeline_stages_torch_schedules_do_not_take_warn_except_where_placers_l
     assert codes(two) == []  # 1f1b runs as placer's loops in its order
     two["pipeline"]["schedule"] = "gpipe"  # gpipe runs as micro-batch loops on placer's copies
     assert codes(two) == []
-    tensor = pipe("1f1b", [["cuda:0"], ["cuda:1", "cuda:2"]])
-    tensor["placement"][1]["parallel"] = "tensor"  # a tensor stage beside one device: only GPipe's loops
-    assert "W005" in codes(tensor)
+    for schedule, groups, split in (("1f1b", [A, B + C], 1), ("interleaved_1f1b", [A, B + C, A, B + C], 3),
+                                    ("zbv_zero_bubble", [A, B + C, B + C, A], 2)):
+        spec = pipe(schedule, groups)  # a channel stage beside one device: placer's loops, in the order
+        spec["placement"][split]["parallel"] = "channel"
+        assert codes(spec) == [], schedule
+    # a stage whose devices are data replicas of a split (2-D): GPipe's loops only
+    wide = pipe("1f1b", [A, ["cuda:1", "cuda:2", "cuda:3", "cuda:4"]])
+    wide["placement"][1]["parallel"] = {"mode": "channel", "data": 2}
+    assert "W005" in codes(wide)
+    wide["pipeline"]["schedule"] = "gpipe"
+    assert "W005" not in codes(wide)
 
 
 def test_split_modes_of_a_module_model_warn_that_generate_cannot_write_them():

@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from placer.cli.main import main
 from placer.codegen.program import generate
-from placer.diagnostics import PlanError
 from placer.spec.check import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,15 +142,19 @@ def test_generate_cli_writes_the_program(tmp_path):
     assert "param_server_step(" in text and "DistributedDataParallel" not in text
 
 
-def test_generate_cli_reports_an_unsupported_mode_without_traceback(tmp_path):
+def test_generate_cli_reports_an_unsupported_stage_without_traceback(tmp_path):
     spec_file = tmp_path / "spec.yaml"
     text = (ROOT / "specs" / "mlp_pipeline_data_stages.yaml").read_text()
-    spec_file.write_text(text.replace("parallel: data\npipeline", "parallel: channel\npipeline"))
+    # a 2-D stage (data replicas of a split) in a pipeline: refused before any program is written
+    spec_file.write_text(text.replace("parallel: data\npipeline", "parallel: {mode: channel, data: 2}\npipeline").replace(
+        "devices: [cuda:2, cuda:3]", "devices: [cuda:2, cuda:3, cuda:4, cuda:5]").replace(
+        "devices: [cuda:0, cuda:1, cuda:2, cuda:3]", "devices: [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4, cuda:5]"))
     r = CliRunner().invoke(main, ["validate", str(spec_file)])
-    assert r.exit_code == 0 and "warning[W005]" in r.output, r.output
+    assert r.exit_code == 1 and "error[P032]" in r.output, r.output
     r = CliRunner().invoke(main, ["generate", str(spec_file), "-o", str(tmp_path / "p.py")])
     assert r.exit_code == 1
-    assert "error[G001]" in r.stderr and "mode 'channel'" in r.stderr and "Traceback" not in r.output
+    assert "error[P032]" in r.stderr and "channel with data replicas in a pipeline" in r.stderr
+    assert "Traceback" not in r.output
     assert not (tmp_path / "p.py").exists()
     # a data stage that syncs by broadcast: placer's own loops run it in 1F1B's order
     spec_file.write_text(text.replace("parallel: data\n  - name: stage1", "parallel: {mode: data, sync: broadcast}\n"
@@ -201,18 +204,24 @@ def test_each_mode_program_calls_its_pieces(name):
         assert "ddp_sum(" not in text.split("def train")[1]
 
 
-def test_schedules_other_than_gpipe_refuse_stages_torch_does_not_take(tmp_path):
+def test_split_stages_beside_others_run_as_placers_loops_in_the_schedules_order(tmp_path):
+    """A tensor stage between two single devices under 1F1B: no W005, and the program runs each
+    rank's actions with GPipe's copies (relayout) into and out of the split stage, the send halves
+    posted (`pending=sends`) and told apart by tag."""
     spec_file = tmp_path / "spec.yaml"
     text = (ROOT / "specs" / "mlp_pipeline_gpipe_mixed.yaml").read_text()
     for old, new in (("schedule: gpipe", "schedule: 1f1b"), ("cuda:0, cuda:1, cuda:2", "cuda:0, cuda:2"),
                      ("devices: [cuda:0, cuda:1], parallel: data", "device: cuda:0")):
         text = text.replace(old, new)
-    spec_file.write_text(text)  # one device, then a tensor stage over 2: equal data degrees, valid
-    r = CliRunner().invoke(main, ["validate", str(spec_file)])
-    assert r.exit_code == 0 and "warning[W005]" in r.output and "only as gpipe" in r.output, r.output
-    spec = load_spec(str(spec_file))
-    with pytest.raises(PlanError) as err:
-        generate(spec)
-    d = err.value.diagnostics[0]
-    assert d.code == "G001" and "mode 'tensor' beside stages" in d.message and "schedule '1f1b'" in d.message
-    assert "gpipe" in d.hint
+    spec_file.write_text(text)  # one device, a tensor stage over 2, one device
+    r = CliRunner().invoke(main, ["validate", "--strict", str(spec_file)])
+    assert r.exit_code == 0 and "W005" not in r.output, r.output
+    program = generate(load_spec(str(spec_file))).text
+    flat = re.sub(r",([\])])", r"\1", "".join(program.split()))
+    assert "for action in order:" in program and "make_pipeline_schedule" not in program
+    assert '1: "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3"' in program  # the tensor pair's ranks run one order
+    assert '2: "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3"' in program
+    for call in ("relayout(h,Replicate([0]),Replicate([1,2]),[4,64],", "pending=sends,tag=8+mb)",
+                 "a=relayout(None,Replicate([0]),Replicate([1,2]),[4,64],",
+                 "relayout_grad(a.grad,Replicate([0]),Replicate([1,2]),[4,64],", "tensor_parallelize("):
+        assert call in flat, call

@@ -128,8 +128,7 @@ def test_a_layer_returning_a_mapping_is_refused(tmp_path):
 
 
 def looped_llama(schedule: str = "looped_bfs") -> str:
-    """Llama in 4 stages on 2 ranks: a schedule where a rank holds several stages is not run in
-    lockstep (one forward holds them all), so torch.distributed.pipelining cuts it."""
+    """Llama in 4 stages on 2 ranks: a rank holds several stages."""
     text = LLAMA.read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
     head, tail = text.split("placement:")
     return head + """placement:
@@ -141,15 +140,35 @@ pipeline: {microbatches: 2, schedule: %s}
 training:""" % schedule + tail.split("training:")[1]
 
 
-def test_a_pipeline_cut_that_would_pass_several_tensors_is_refused_before_the_workers(tmp_path):
-    """torch's schedules cut a module model with torch.distributed.pipelining, which passes one
-    tensor into each stage: the workers died there ("takes 3 tensors"); now validate --deep and
-    generate name what crosses."""
+def uneven_llama() -> str:
+    """Llama whose second segment is data parallel beside a one-device first: groups of different
+    sizes are not run in lockstep, so torch.distributed.pipelining cuts the model."""
+    text = LLAMA.read_text().replace("hf_tiny.py", str(MODELS / "hf_tiny.py"))
+    return text.replace("devices: [cpu, cpu:1]", "devices: [cpu, cpu:1, cpu:2]").replace(
+        "device: cpu:1}", "devices: [cpu:1, cpu:2], parallel: data}")
+
+
+def test_a_rank_holding_several_stages_runs_in_lockstep(tmp_path):
+    """Looped, interleaved and V schedules: each micro-batch's forward waits, in a thread of its
+    own, for the action of its next stage on the rank; rotary cos / sin cross as in layer-wise."""
     path = tmp_path / "spec.yaml"
     path.write_text(looped_llama())
+    assert not [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
+    text = generate(load_spec(str(path)), out_dir=str(tmp_path)).text
+    assert "crossing.forward_stage(stage, mb, model, xs[mb].to(device))" in text
+    assert "crossing.backward_stage(stage, mb, loss)" in text and "cut_model" not in text
+
+
+def test_a_pipeline_cut_that_would_pass_several_tensors_is_refused_before_the_workers(tmp_path):
+    """A placement lockstep does not run is cut with torch.distributed.pipelining, which passes
+    one tensor into each stage: the workers died there ("takes 3 tensors"); now validate --deep and
+    generate name what crosses, and why the placement is cut."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(uneven_llama())
     result = CliRunner().invoke(main, ["validate", str(path), "--deep"])
     assert result.exit_code == 1 and "error[P083]: segment 'back' reads tensors made in earlier segments at " \
         "model.layers.0, model.rotary_emb" in result.output, result.output
+    assert "the segments' groups differ in size (1, 2 devices)" in result.output
     with pytest.raises(PlacerError) as e:  # validate --deep's errors, raised before planning
         generate(load_spec(str(path)))
     assert e.value.diagnostics[0].code == "P083"
@@ -169,9 +188,8 @@ def test_the_diagram_draws_each_crossing_tensor_from_the_layer_that_makes_it():
 
 def test_gpt2s_mask_made_before_the_cut_is_seen_under_a_pipeline(tmp_path):
     """GPT2Model builds its causal mask in its own forward (glue, before wpe runs) and hands it to
-    every block: cut by torch.distributed.pipelining for a V schedule (a rank holds two stages),
-    the second stage would take the mask too; GPipe and 1F1B run in lockstep, where each rank
-    builds the mask."""
+    every block: GPipe, 1F1B and V run in lockstep, where each rank builds the mask; cut by
+    torch.distributed.pipelining (groups of different sizes), the second stage would take it too."""
     graph = build_graph(load_spec(str(MODELS / "hf_gpt2_layerwise.yaml")))
     assert graph.layer("transformer.h.1").homes == ("transformer.h.0", "transformer.wpe")
     path = tmp_path / "spec.yaml"
@@ -187,18 +205,27 @@ def test_gpt2s_mask_made_before_the_cut_is_seen_under_a_pipeline(tmp_path):
   - {name: head, layers: lm_head, device: cpu}
 pipeline: {microbatches: 2, schedule: zbv_zero_bubble}
 training:""" + tail.split("training:")[1])
+    assert not [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]  # lockstep: built on each
+    path.write_text(text.replace("devices: [cpu, cpu:1]", "devices: [cpu, cpu:1, cpu:2]").replace(
+        "device: cpu:1}", "devices: [cpu:1, cpu:2], parallel: data}"))  # groups of two sizes: cut
     diags = [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
     assert [d.code for d in diags] == ["P083"]
     assert "at transformer.h.0, transformer.wpe" in diags[0].message and "transformer.h.0's output" in diags[0].message
 
 
-def test_training_options_lockstep_does_not_run_yet_are_refused_by_plain_validate(tmp_path):
-    path = spec_file(tmp_path, "SharedBias", "{d: 8}", "{shape: [B, 8]}", """\
-  - {layers: a, device: cpu, recompute: true}
-  - {layers: b, device: cpu:1}""")
+def test_training_options_in_lockstep_validate_and_are_written_into_the_program(tmp_path):
+    """bf16, accumulate and recompute with a module model one device per segment (P097 retired):
+    the program's lockstep step runs under autocast, once per micro-step, the recomputed
+    segment's layers under checkpoint on its rank."""
+    path = spec_file(tmp_path, "Skip", "{vocab: 32, d: 8}", "{shape: [B], dtype: int64, high: 32}", """\
+  - {layers: embed, device: cpu}
+  - {layers: [mid, head], device: cpu:1, recompute: true}""")
     text = path.read_text().replace("seed: 0}", "seed: 0, accumulate: 2, precision: bf16}")
     path.write_text(text)
-    result = CliRunner().invoke(main, ["validate", str(path)])
-    assert result.exit_code == 1
-    assert [line.split("]")[0][-4:] for line in result.output.splitlines() if "error[" in line] == ["P097"] * 3
-    assert "accumulate 2 with a module model placed one device per segment" in result.output
+    result = CliRunner().invoke(main, ["validate", "--strict", str(path)])
+    assert result.exit_code == 0, result.output
+    program = generate(load_spec(str(path))).text
+    assert "for micro in range(2):" in program and "crossing = Lockstep(" in program
+    assert program.count("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16") == 2
+    assert "if rank == 1:\n        # recompute: segment 1's layers" in program
+    assert 'recompute_layers(model, ["mid", "head"])' in program

@@ -372,3 +372,29 @@ def test_spatial_and_a_last_channel_segment_of_a_module_model_run_in_lockstep_on
         "devices: [cpu, cpu:1, cpu:2]", "devices: [cpu, cpu:1, cpu:2, cpu:3]"))
     fine = CliRunner().invoke(main, ["validate", "--deep", spec])  # on devices of its own: lockstep runs it
     assert fine.exit_code == 0, fine.output
+
+
+def test_a_split_group_is_refused_beside_replica_pipelines_or_with_replicas_of_its_own(tmp_path):
+    """Lockstep runs a split-mode group beside one-device segments (one pipeline, every rank of
+    the group on the whole batch), and data segments as replica pipelines (each on its rows):
+    not both at once, nor a 2-D tensor group beside others; P086 says so before planning."""
+    four = GPT.replace("devices: [cuda:0, cuda:1]\n", "devices: [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]\n")
+    beside_data = four.replace("{layers: [embed, blocks.0], device: cuda:0}",
+                               "{layers: [embed, blocks.0], devices: [cuda:0, cuda:1], parallel: data}").replace(
+        "{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
+        "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:2, cuda:3], parallel: tensor}")
+    (d,) = deep(write(tmp_path, beside_data))[1]
+    assert d.code == "P086" and "beside segment 's0' of mode 'data' over several devices" in d.message, d
+    two_d = four.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
+                         "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2, cuda:3, cuda:4], "
+                         "parallel: {mode: tensor, data: 2}}")
+    (d,) = deep(write(tmp_path, two_d))[1]
+    assert d.code == "P086" and "with data replicas beside other segments" in d.message, d
+    # the whole model as one 2-D tensor segment still runs, but not under bf16 (its plan counts float32)
+    whole = whole_tensor(four).replace("devices: [cuda:0, cuda:1], parallel: tensor",
+                                       "devices: [cuda:0, cuda:1, cuda:2, cuda:3], parallel: {mode: tensor, data: 2}")
+    whole = whole.replace("devices: [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "devices: [cuda:0, cuda:1, cuda:2, cuda:3]")
+    assert deep(write(tmp_path, whole))[1] == []
+    bf16 = whole.replace("optimizer: {op: SGD, lr: 0.1}}", "optimizer: {op: SGD, lr: 0.1}, precision: bf16}")
+    (d,) = deep(write(tmp_path, bf16))[1]
+    assert d.code == "P086" and "with data replicas and precision bf16" in d.message, d

@@ -127,9 +127,11 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
             for m in mode.get("enum", [mode.get("const")]):
                 by_mode[m] = _allowed(rule["then"])
     assert set(by_mode) == set(defs["parallel_mode"]["enum"])
-    assert by_mode["data"] == set(parallel["properties"]) - {"dim"}
+    assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
     assert by_mode["spatial"] == {"mode", "dim"}
-    assert by_mode["none"] == by_mode["channel"] == by_mode["tensor"] == {"mode"}
+    assert by_mode["tensor"] == {"mode", "data", "shard"}  # data replicas (a 2-D segment), FSDP2 over them
+    assert by_mode["channel"] == {"mode", "data"}
+    assert by_mode["none"] == {"mode"}
 
 
 def test_defaults_are_valid_values():
@@ -172,7 +174,7 @@ PY_DEFAULTS = {
     "#/$defs/layer/properties/kwargs": (types.Layer, "kwargs"),
     "#/$defs/layer/properties/repeat": None,  # no repeat is one layer named `name`, not `name.0`
     **{f"#/$defs/parallel/properties/{k}": (types.Parallel, k)
-       for k in ("sync", "bucket_mb", "overlap", "shard", "sync_batchnorm", "dim")},
+       for k in ("sync", "bucket_mb", "overlap", "shard", "sync_batchnorm", "dim", "data")},
     "#/$defs/segment/properties/parallel": (types.Parallel, "mode"),
     "#/$defs/pipeline/properties/schedule": (types.Pipeline, "schedule"),
     "#/$defs/training/properties/seed": (types.Training, "seed"),

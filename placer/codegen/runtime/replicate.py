@@ -16,11 +16,14 @@ from .transfer import Posted, even_slices, redistribute
 
 class Layout(NamedTuple):
     """How a group of ranks holds a tensor, in torch's words: Shard(dim, ranks) cuts dim into
-    even contiguous slices, one per rank in order; Replicate(ranks) is the whole tensor on each."""
+    even contiguous slices, one per rank in order; Replicate(ranks) is the whole tensor on each;
+    Replicas(ranks, n) is n data replicas of consecutive ranks, rows cut across them, each
+    replica's rows whole on each of its ranks (a 2-D segment)."""
 
     ranks: list
     dim: int
     replicated: bool
+    replicas: int = 1
 
 
 def Shard(dim, ranks):
@@ -31,7 +34,44 @@ def Replicate(ranks):
     return Layout(list(ranks), 0, True)
 
 
-def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device):
+def _settle(posted, receives, pending):
+    """Wait for `posted`, or (a rank that only sends, given a `pending` list) leave it there to be
+    waited on later: placer's loops in a schedule's order let no send hold a rank up."""
+    if not receives and pending is not None:
+        pending.append(posted)
+    else:
+        posted.wait()
+
+
+def Replicas(ranks, n):
+    return Layout(list(ranks), 0, True, n)
+
+
+def _leaders(layout):
+    """A 2-D layout's first rank of each replica, holding its replica's rows (else the layout)."""
+    if layout.replicas == 1:
+        return layout
+    return Shard(0, layout.ranks[:: len(layout.ranks) // layout.replicas])
+
+
+def _by_replicas(x, src, dst, full_shape, dtype, route, device):
+    """relayout where a side is 2-D: it sends from its replicas' first ranks and receives on
+    them, and each of those then copies its replica's rows to the rest of its replica."""
+    lead = _leaders(src)
+    mine = relayout(x if dist.get_rank() in lead.ranks else None, lead, _leaders(dst), full_shape,
+                    dtype, route, device)
+    if dst.replicas == 1:
+        return mine
+    t, rows = len(dst.ranks) // dst.replicas, full_shape[0] // dst.replicas
+    for i in range(0, len(dst.ranks), t):
+        run = dst.ranks[i : i + t]
+        got = _from_copies(mine, run[:1], run, [rows, *full_shape[1:]], 0, True, dtype, route,
+                           device)
+        mine = got if dist.get_rank() in run else mine
+    return mine
+
+
+def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, device, pending=None, tag=0):
     """x is the whole tensor on every rank of holders: each rank of dst_ranks gets its slice
     along dim (the whole tensor if `whole`) from its own copy if it holds one, else from a
     holder, the i-th destination from holders[i % len(holders)] (placer plan's choice).
@@ -43,7 +83,7 @@ def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, de
     with torch.no_grad():
         for peer, (a, b) in parts.items():
             if sender[peer] == rank and peer != rank:
-                posted.send(x.narrow(dim, a, b - a), peer)
+                posted.send(x.narrow(dim, a, b - a), peer, tag)
         if rank in parts:
             a, b = parts[rank]
             if rank in holders:
@@ -51,25 +91,25 @@ def _from_copies(x, holders, dst_ranks, full_shape, dim, whole, dtype, route, de
             else:
                 shape = list(full_shape)
                 shape[dim] = b - a
-                mine = posted.recv(shape, dtype, sender[rank], device)
-        posted.wait()
+                mine = posted.recv(shape, dtype, sender[rank], device, tag)
+        _settle(posted, rank in parts, pending)
     return None if mine is None else mine.to(device)
 
 
 def redistribute_replicated(x, src_ranks, dst_ranks, full_shape, dim=0, src_replicated=False,
                             dst_replicated=False, dtype=torch.float32, route="direct",
-                            device="cpu"):
+                            device="cpu", pending=None, tag=0):
     """redistribute, where either side may be replicated. Returns this rank's tensor for
     dst_ranks (the whole tensor when dst_replicated), None outside dst_ranks. Every rank of
-    the program calls it."""
+    the program calls it (or, with `pending`, each side in its own turn: see redistribute)."""
     if src_replicated:
         return _from_copies(x, src_ranks, dst_ranks, full_shape, dim, dst_replicated, dtype,
-                            route, device)
+                            route, device, pending, tag)
     if not dst_replicated:
-        return redistribute(x, src_ranks, dst_ranks, full_shape, dim, dtype, route, device)
+        return redistribute(x, src_ranks, dst_ranks, full_shape, dim, dtype, route, device, pending, tag)
     mine = None
     for r in dst_ranks:  # one whole copy per destination rank, gathered from the slices
-        got = redistribute(x, src_ranks, [r], full_shape, dim, dtype, route, device)
+        got = redistribute(x, src_ranks, [r], full_shape, dim, dtype, route, device, pending, tag)
         if got is not None:
             mine = got
     return mine
@@ -77,29 +117,29 @@ def redistribute_replicated(x, src_ranks, dst_ranks, full_shape, dim=0, src_repl
 
 def redistribute_replicated_grad(grad, src_ranks, dst_ranks, full_shape, dim=0,
                                  src_replicated=False, dst_replicated=False,
-                                 dtype=torch.float32, route="direct", device="cpu"):
+                                 dtype=torch.float32, route="direct", device="cpu", pending=None, tag=0):
     """Backward of redistribute_replicated with the same arguments: grad is this rank's
     gradient of what it received (the same whole gradient on every rank of a replicated
     destination). Returns the gradient of what this rank sent (the whole gradient on every
     rank of a replicated source), None outside src_ranks."""
     return redistribute_replicated(grad, dst_ranks, src_ranks, full_shape, dim, dst_replicated,
-                                   src_replicated, dtype, route, device)
+                                   src_replicated, dtype, route, device, pending, tag)
 
 
 def _via(src, dst):
     """How relayout moves between two Layouts: the dim both sides cut,
     or None when they cut different dims (rows on one side, bands on the other)."""
-    (sr, sd, srep), (dr, dd, drep) = src, dst
+    (sr, sd, srep, _), (dr, dd, drep, _) = src, dst
     src_whole, dst_whole = srep or len(sr) == 1, drep or len(dr) == 1
     if src_whole or dst_whole or sd == dd:
         return dd if src_whole else sd
     return None
 
 
-def _across(x, src, dst, full_shape, dtype, route, device):
+def _across(x, src, dst, full_shape, dtype, route, device, pending=None, tag=0):
     """src and dst cut different dims (rows and bands): each src rank sends every dst rank the
     block where their slices meet, and each dst rank joins its blocks along src's dim."""
-    (sr, sd, _), (dr, dd, _) = src, dst
+    (sr, sd, _, _), (dr, dd, _, _) = src, dst
     rank = dist.get_rank()
     rows, bands = even_slices(sr, full_shape[sd]), even_slices(dr, full_shape[dd])
     posted, blocks = Posted(route), {}  # blocks: start along sd -> tensor
@@ -110,15 +150,15 @@ def _across(x, src, dst, full_shape, dtype, route, device):
                 if peer == rank:
                     blocks[rows[rank][0]] = block
                 else:
-                    posted.send(block, peer)
+                    posted.send(block, peer, tag)
         if rank in bands:
             a, b = bands[rank]
             for peer, (lo, hi) in rows.items():
                 if peer != rank:
                     shape = list(full_shape)
                     shape[sd], shape[dd] = hi - lo, b - a
-                    blocks[lo] = posted.recv(shape, dtype, peer, device)
-        posted.wait()
+                    blocks[lo] = posted.recv(shape, dtype, peer, device, tag)
+        _settle(posted, rank in bands, pending)
         if rank not in bands:
             return None
         # inside no_grad: a view of x made under no_grad still requires grad, and the result
@@ -126,22 +166,31 @@ def _across(x, src, dst, full_shape, dtype, route, device):
         return torch.cat([blocks[k].to(device) for k in sorted(blocks)], dim=sd)
 
 
-def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
+def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu",
+             pending=None, tag=0):
     """Move an activation between two groups' Layouts: Shard (slices along dim over ranks: rows
     of a data group, bands of a spatial one) or Replicate (the whole tensor on every rank:
-    channel and tensor groups, or one rank). Every rank of the program calls."""
+    channel and tensor groups, or one rank) or Replicas (2-D segments). Every rank of the program
+    calls; with `pending` (placer's loops in a schedule's order) the senders call in their turn and
+    the receivers in theirs, a sender's messages left in `pending`, told from others by `tag`
+    (2-D stages do not run in those loops: spec.check.own_loops_blocker)."""
+    if src.replicas > 1 or dst.replicas > 1:
+        return _by_replicas(x, src, dst, full_shape, dtype, route, device)
     dim = _via(src, dst)
     if dim is None:
-        return _across(x, src, dst, full_shape, dtype, route, device)
+        return _across(x, src, dst, full_shape, dtype, route, device, pending, tag)
     return redistribute_replicated(x, src[0], dst[0], full_shape, dim, src[2], dst[2], dtype,
-                                   route, device)
+                                   route, device, pending, tag)
 
 
-def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu"):
+def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct", device="cpu",
+                  pending=None, tag=0):
     """Backward of relayout with the same arguments: grad is this rank's gradient of what it
     received; returns the gradient of what it sent (None outside src's ranks)."""
+    if src.replicas > 1 or dst.replicas > 1:  # every rank of a 2-D replica holds the same gradient
+        return _by_replicas(grad, dst, src, full_shape, dtype, route, device)
     dim = _via(src, dst)
     if dim is None:
-        return _across(grad, dst, src, full_shape, dtype, route, device)
+        return _across(grad, dst, src, full_shape, dtype, route, device, pending, tag)
     return redistribute_replicated_grad(grad, src[0], dst[0], full_shape, dim, src[2], dst[2],
-                                        dtype, route, device)
+                                        dtype, route, device, pending, tag)

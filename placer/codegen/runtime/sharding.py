@@ -61,8 +61,9 @@ def fully_shard_segment(module, group, device_type="cpu", reshard_after_forward=
     """FSDP2 over group, in place: one FSDP unit per block and per other child that has
     parameters (fsdp_units), then the segment itself; gradients SUMMED over group. Returns
     module (now an FSDPModule); make its optimizer afterwards, from module.parameters().
+    `group` may be a DeviceMesh: a 2-D one's dp dim, over tensor-parallel DTensors (FSDP2 x TP).
     Every rank of the group calls it."""
-    mesh = DeviceMesh.from_group(group, device_type)
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     for _, unit in fsdp_units(module):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -7,6 +7,8 @@
 # on every rank. Input and output are the whole tensor on every rank ("replicated", see
 # replicate.py). The mesh is made from the segment's own process group, so a tensor group
 # may be any subset of the world; this works on CPU with gloo.
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -31,9 +33,9 @@ class OnSlices(nn.Module):
 
 def tensor_parallelize(module, group, pairs, device_type="cpu"):
     """Split module's Linear pairs [(column child, row child)] over the ranks of group, in place
-    (the layers keep their names; their parameters become DTensors). Every rank of the group
-    calls it; ranks outside the group do not."""
-    mesh = DeviceMesh.from_group(group, device_type)
+    (the layers keep their names; their parameters become DTensors). `group` may be a DeviceMesh
+    (a 2-D one's tp dim). Every rank of the group calls it; ranks outside the group do not."""
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     plan = {}
     names = [name for name, _ in module.named_children()]
     for col, row in pairs:
@@ -54,7 +56,7 @@ def tensor_parallelize_blocks(model, group, groups, device_type="cpu"):
     each rank runs 1/d of the heads on the whole input) and its row half (split by input
     features; its partial sums all-reduced). The module holding a group runs 1/d of the heads:
     its head counts are divided (the model reads them to reshape). Every rank of the group calls it."""
-    mesh = DeviceMesh.from_group(group, device_type)
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     plan = {}
     for cols, row in groups:
         plan.update({col: ColwiseParallel() for col in cols})
@@ -77,3 +79,32 @@ def unsharded_state_dict(module):
     """module.state_dict() with every DTensor (tensor parallel or FSDP) gathered whole, under
     the same names. A collective over each DTensor's mesh: every rank of it calls."""
     return whole_params(module.state_dict())
+
+
+def replica_slice(x, replicas, rank):
+    """The rows of x that the data replica holding `rank` computes (replicas: lists of ranks,
+    rows cut evenly across them in order): a 2-D segment's."""
+    i = next(i for i, run in enumerate(replicas) if rank in run)
+    size = x.shape[0] // len(replicas)
+    return x.narrow(0, i * size, size)
+
+
+@torch.no_grad()
+def all_reduce_slices(module, group):
+    """SUM each parameter's gradient (a DTensor's local slice) over group, the ranks that hold
+    the same slices in every data replica of a 2-D segment, in one flat message."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(v.view_as(g))
+
+
+def norm_share_2d(module, tp_first):
+    """FSDP2 x TP: the parameters whose gradients this rank counts in the global norm. A piece
+    sharded on both mesh dims (FSDP2's _StridedShard over a column split included) is this rank's
+    alone; a piece replicated over tp (a row half's
+    bias, a layer tensor parallel leaves whole: sharded over dp only) is counted on the ranks
+    at tp position 0 (`tp_first`)."""
+    return [p for p in module.parameters() if tp_first or (
+        p.device_mesh.ndim == 2 and not any(placement.is_replicate() for placement in p.placements))]

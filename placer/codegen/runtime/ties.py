@@ -5,6 +5,7 @@
 # parameter of a one-device run, as Megatron does for its word embeddings.
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 
 def tied_copies(held):
@@ -24,3 +25,21 @@ def sum_tied_grads(copies, group=None):
         dist.all_reduce(grad, group=group)
     for p in copies:
         p.grad = grad.clone() if len(copies) > 1 else grad
+
+
+def untied(params, *ties):
+    """The parameters no tie holds: with data-parallel segments in lockstep, a tie's all-reduce
+    sums every copy of every replica, so the segments' own all-reduce leaves them out."""
+    held = {id(p) for copies in ties for p in copies.values()}
+    return [p for p in params if id(p) not in held]
+
+
+def untie(model, names):
+    """In lockstep (every rank builds the whole model), give the users of a tied parameter after
+    the first their own copy under each of `names`, as stages cut apart hold one: each segment's
+    optimizer steps its own copy once (two segments on one rank would step one shared tensor
+    twice), and the copies stay equal by summing their gradients."""
+    for name in names:
+        path, _, last = name.rpartition(".")
+        module = model.get_submodule(path)
+        setattr(module, last, nn.Parameter(module.get_parameter(last).detach().clone()))

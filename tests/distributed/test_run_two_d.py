@@ -1,0 +1,64 @@
+"""2-D segments under `placer run --check`: tensor x data (`parallel: {mode: tensor, data: D}`),
+FSDP2 x TP (`shard: full` with it) and channel x data train exactly as one device does (rtol 1e-5, atol 4e-5),
+and every device sends what the plan says, whether the 2-D segment sits between one-device
+segments (its input arrives through the replicas' first devices) or holds the whole model
+(each replica takes its rows of the batch and computes the loss on them), on inline layers and
+on the shipped TinyGPT's and Hugging Face Llama's blocks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from placer.cli.main import main
+from tests.distributed.test_run_modes import ATOL, ROOT, RTOL, STEPS
+
+pytestmark = pytest.mark.distributed
+
+FSDP = ["--set", "placement.1.parallel.shard=full"]
+CLIP = ["--set", "training.clip_grad_norm=0.05"]  # it bites: the norm is about 0.3
+# (spec, --set overrides, workers, what the program calls, bytes slack)
+RUNS = [
+    ("specs/mlp_tensor_data.yaml", [], 4, "all_reduce_slices(seg1, dp1)", 0),
+    ("tests/cases/valid/tensor_data_whole_model/spec.yaml", [], 6, "all_reduce_slices(seg0, dp0)", 0),
+    ("tests/models/tinygpt_tensor_data.yaml", [], 4, "all_reduce_slices(seg0, dp0)", 0),
+    ("specs/mlp_tensor_data.yaml", FSDP, 4, 'fully_shard_segment(stage, mesh1["dp"]', 0),
+    # FSDP2 pads a parameter's dim 0 to a multiple of the replicas (TinyGPT's pos is [1, seq, d]);
+    # the plan counts unpadded halves
+    ("tests/models/tinygpt_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0.02),
+    ("tests/models/hf_llama_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0),
+    ("specs/cnn_channel_data.yaml", [], 4, "all_reduce_slices(seg0, dp0)", 0),  # channel x data: Conv channels
+    # the global norm counts each slice once: on the first replica, or each (dp, tp) piece under FSDP2 x TP
+    ("specs/mlp_tensor_data.yaml", CLIP, 4, "if rank in (0, 1):  # counted on the first data replica", 0),
+    ("specs/mlp_tensor_data.yaml", FSDP + CLIP, 4, "norm_share_2d(seg1, tp_first=rank in (0, 2))", 0),
+    # two micro-steps a step (the replicas sum once, after the second) and the segment recomputed in backward
+    ("specs/mlp_tensor_data.yaml", ["--set", "training.accumulate=2", "--set", "placement.1.recompute=true"], 4,
+     "torch.utils.checkpoint.checkpoint(seg1", 0),
+]
+
+
+@pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
+                         ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
+                              "cnn_channel", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute"])
+def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", str(ROOT / spec), "--check", "--steps", str(STEPS), "--run-dir",
+                                       str(run_dir), *sets])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == workers and len(metrics["losses"]) == STEPS
+    run_p = torch.load(run_dir / "final_params.pt")
+    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
+    assert set(run_p) == set(ref_p)
+    for name, value in ref_p.items():
+        torch.testing.assert_close(run_p[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    # the replicas are combined (summed, or sharded by FSDP2), not left to train apart
+    assert call in (run_dir / "program.py").read_text()
+    planned = CliRunner().invoke(main, ["plan", str(ROOT / spec), "--format", "json", "--deep", *sets])
+    assert planned.exit_code == 0, planned.output
+    for d in json.loads(planned.stdout)["devices"]:
+        want = (d["payload_bytes"] + 4) * STEPS  # and the loss's all-reduce: 4 B a step
+        assert abs(metrics["bytes_sent"][d["device"]] - want) <= slack * want, (Path(spec).name, d)
