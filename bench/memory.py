@@ -98,6 +98,7 @@ def main() -> None:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("specs", nargs="*", type=Path, help="specs (default: bench/specs/*.yaml)")
     parser.add_argument("--steps", type=int, default=5, help="steps per run (default 5)")
+    parser.add_argument("--traces", type=Path, help="keep each worker's profiler trace here (<spec>-<rank>.json)")
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/memory-<time>.json)")
     args = parser.parse_args()
     specs = args.specs or sorted((BENCH / "specs").glob("*.yaml"))
@@ -107,34 +108,45 @@ def main() -> None:
     ratios = []
     with tempfile.TemporaryDirectory(prefix="placer-memory-") as tmp:
         for spec in specs:
-            report = plan(str(spec))
+            overrides = [f"training.steps={args.steps}", "training.prefetch=0"]
+            report = plan(str(spec), overrides=overrides)
             devices = report.as_dict()["devices"]
             world = len(devices)
             work = Path(tmp) / spec.stem
             work.mkdir()
             program = work / "program.py"
-            generate(str(spec), str(program), overrides=[f"training.steps={args.steps}"])
+            generate(str(spec), str(program), overrides=overrides)
             base_file = work / "baseline.py"
             base_file.write_text(baseline_of(program.read_text()))
             base, base_file = max(peaks(lambda r: [str(base_file)], world, work, work / "base.log"))
             measured = peaks(lambda r: [str(program), "--out", str(work / "out")], world, work, work / "run.log")
+            if args.traces:
+                args.traces.mkdir(parents=True, exist_ok=True)
+                os.environ["TENSOR_PEAK_TRACE"] = str(args.traces.resolve() / f"{spec.stem}-{{rank}}.json")
+            peaks(lambda r: [str(BENCH / "tensor_peak.py"), str(work / f"tensors{r}.json"), str(program),
+                             "--out", str(work / "out-tensors")], world, work, work / "tensors.log")
+            tensors = [json.loads((work / f"tensors{r}.json").read_text()) for r in range(world)]
             rows[str(spec)] = []
-            for d, (peak, file) in zip(devices, measured):
+            for d, (peak, file), t in zip(devices, measured, tensors):
                 held = peak - base
                 allocated = (peak - file) - (base - base_file)  # code pages left out on both sides
                 ratio = d["total_bytes"] / held if held > 0 else float("nan")
                 ratio_alloc = d["total_bytes"] / allocated if allocated > 0 else float("nan")
-                ratios.append(ratio_alloc)
+                ratio_t = d["total_bytes"] / t["peak_bytes"] if t["peak_bytes"] else float("nan")
+                ratios.append(ratio_t)
                 rows[str(spec)].append({"device": d["device"], "estimate_bytes": d["total_bytes"],
                                         "measured_bytes": held, "allocated_bytes": allocated, "peak_rss_bytes": peak,
                                         "rss_file_bytes": file, "baseline_bytes": base,
                                         "baseline_rss_file_bytes": base_file, "ratio": ratio,
-                                        "ratio_allocated": ratio_alloc})
+                                        "ratio_allocated": ratio_alloc, "tensor_peak_bytes": t["peak_bytes"],
+                                        "tensor_peak_at": t["peak_at"],
+                                        "run_tensor_peak_bytes": t["run_peak_bytes"], "run_tensor_peak_at": t["run_peak_at"], "ratio_tensors": ratio_t,
+                                        "estimate": {k: d[k] for k in d if k.endswith("_bytes")}})
                 print(f"{spec.stem:<16} {d['device']:<7} estimate {d['total_bytes'] / 2**20:6.1f} MiB  "
                       f"measured {held / 2**20:6.1f} MiB ({ratio:4.2f})  allocated {allocated / 2**20:6.1f} MiB "
-                      f"({ratio_alloc:4.2f})", flush=True)
+                      f"({ratio_alloc:4.2f})  tensors {t['peak_bytes'] / 2**20:6.1f} MiB ({ratio_t:4.2f})", flush=True)
     within = sum(0.9 <= r <= 1.1 for r in ratios)
-    print(f"\n{within} of {len(ratios)} devices estimated within 10% of the measured allocations")
+    print(f"\n{within} of {len(ratios)} devices estimated within 10% of the measured tensor peak")
     import torch
 
     out = args.out or BENCH / "results" / f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -157,6 +157,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
                         "buffer_bytes": e.buffer_bytes, "grad_bytes": e.grad_bytes,
                         "optimizer_bytes": e.optimizer_bytes, "activation_bytes": e.activation_bytes,
                         "step_bytes": e.step_bytes, "data_bytes": e.data_bytes, "comm_bytes": e.comm_bytes,
+                        "act_grad_bytes": e.act_grad_bytes, "boundary_bytes": e.boundary_bytes,
                         "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes, "payload_bytes": e.payload_bytes,
                         "recv_bytes": e.recv_bytes})
     ops = [{"kind": r.op.kind.value, "segment": r.op.segment, "phase": r.op.phase, "tensor": r.op.tensor,
@@ -165,7 +166,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
             "route": r.op.route, "bytes": r.op.bytes, "moved_bytes": r.bytes, "attrs": r.op.attrs,
             "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
     sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                "step_bytes", "data_bytes", "comm_bytes", "total_bytes", "flops")
+                "step_bytes", "data_bytes", "comm_bytes", "act_grad_bytes", "boundary_bytes", "total_bytes", "flops")
     doc = {
         "format": JSON_FORMAT,
         "name": plan.name,
@@ -201,7 +202,7 @@ def build_and_plan(spec, progress=None):
     from placer.model.build import checked_graph
     from placer.plan.crossings import lockstep
     from placer.plan.lower import lower
-    from placer.plan.place import place
+    from placer.plan.place import layer_geometry, place
     from placer.spec.check import torch_pipeline_blocker
 
     t0 = time.perf_counter()
@@ -212,7 +213,8 @@ def build_and_plan(spec, progress=None):
         progress(f"built {len(graph.layers)} layers, {graph.total_params:,} parameters "
                  f"({time.perf_counter() - t0:.1f}s); planning ...")
     plan = lower(place(spec, graph), spec, graph)
-    est = estimate(plan, graph, spec.training.optimizer, spec.training.prefetch)
+    est = estimate(plan, graph, spec.training.optimizer, spec.training.prefetch,
+                   lambda name: layer_geometry(spec, name))
     own = torch_pipeline_blocker(spec) or lockstep(spec, plan.segments)  # placer's loops, not torch's schedules
     if spec.pipeline and own and any(o.phase == "bwd_weight" for o in plan.unique_ops()):
         est = dataclasses.replace(est, notes=est.notes + (  # what codegen/loops.py runs, said plainly

@@ -92,12 +92,16 @@ def lockstep_stages_step(w: "TrainWriter") -> None:
     rank's next stage (runtime/lockstep.py `forward_stage`); F lets it run through the stage, B
     (zero bubble: I) backpropagates the stage's part (`backward_stage`), W does nothing."""
     c, last = w.c, w.segs[-1]
+    if w.bf16:  # autocast holds per thread: each micro-batch's forward thread enters it
+        c("", "def forward(x):", f"    {AUTOCAST}", "        return model(x)")
     head(w, "in lockstep (F: micro-batch mb's whole forward, run on through this stage's work; B: the stage's "
          "backward)", False)
     c('if kind == "F":').indent()
-    c("out = crossing.forward_stage(stage, mb, model, xs[mb].to(device))  # the model's output once it has run")
+    c(f"out = crossing.forward_stage(stage, mb, {'forward' if w.bf16 else 'model'}, xs[mb].to(device))"
+      "  # the model's output once it has run")
     w.when(last.ranks, f"if stage == {last.k}:",
-           "    saved[mb] = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)")
+           *("    " + line for line in w.autocast("saved[mb] = compute_loss(out, ys[mb].to(device)) * "
+                                                 "(out.shape[0] / BATCH_SIZE)")))
     c.dedent()
     c('elif kind in ("B", "I"):').indent()
     c(f"loss = saved.pop(mb) if stage == {last.k} else None", 'with timer("comm"):',

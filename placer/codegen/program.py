@@ -120,8 +120,10 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     per_node = Counter(Device.parse(d).node for d in devices)
     nproc = max(per_node.values())
     from placer.estimate.memory import memory
+    from placer.plan.place import layer_geometry
 
-    planned = {d: m.total_bytes for d, m in memory(plan, graph, spec.training.optimizer, spec.training.prefetch).items()}
+    planned = {d: m.total_bytes for d, m in memory(plan, graph, spec.training.optimizer, spec.training.prefetch,
+                                                   lambda name: layer_geometry(spec, name)).items()}
     program = Program("", devices, nproc, len(per_node), planned)
     used = set().union(*(MODES[s.mode].runtime(s, bool(pl)) for s in segs))
     used |= {"replicate"} if not pl and (segs[-1].loss_gather or any(

@@ -74,10 +74,11 @@ class Estimate:
         return self.per_device
 
 
-def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2) -> Estimate:
+def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2,
+             geometry=lambda name: None) -> Estimate:
     """Memory, communication and FLOPs of one step of the plan, per device and in total
-    (`prefetch`: training.prefetch, the batches made ahead)."""
-    mem = memory(plan, graph, optimizer, prefetch)
+    (`prefetch`: training.prefetch, the batches made ahead; `geometry`: as `memory` takes it)."""
+    mem = memory(plan, graph, optimizer, prefetch, geometry)
     fl = flops(plan, graph)
     comm = communication(plan)
     slots, known = state_slots(optimizer)

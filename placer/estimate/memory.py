@@ -19,9 +19,24 @@
   the one in use (targets left out).
 - Communication buffers (`comm_bytes`): DDP's gradient buckets (a copy of the gradients);
   FSDP2 gathers one unit's whole parameters and its whole gradients before reduce-scatter.
+- Activation gradients (`act_grad_bytes`): in backward, while a layer runs, the gradient of its
+  output (received from the next device where it is a segment's last) and the one of its input
+  that it makes are live beside the activations still kept for the layers before it.
+  A Conv's backward on CPU holds one more of each (oneDNN's reordered output gradient and its
+  input-gradient scratch: measured, bench/memory.py).
+- Copies a mode keeps (`Mode.saved_copies`): spatial's Conv/Pool save their halo-padded band.
+- Boundary tensors (`boundary_bytes`): the last micro-batch's activations and gradients that
+  crossed from or to another device stay referenced by the step's variables until the next step
+  makes new ones: held through the optimizer step and into the next step's backward.
+
+The peak (`total_bytes`): parameters, buffers, gradients, optimizer state, batches and
+communication buffers and boundary tensors are held throughout; on top of them either the backward
+peak (activations and activation gradients) or the optimizer step's temporaries, whichever is
+larger: the step runs after backward has freed the activations.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from placer.model.graph import ModelGraph
@@ -74,16 +89,23 @@ class DeviceMemory:
     """Batches made ahead and the one in use."""
     comm_bytes: int = 0
     """DDP's gradient buckets, FSDP2's gathered unit."""
-
-    @property
-    def working_bytes(self) -> int:
-        """What torch allocates besides the model, its gradients, state and activations."""
-        return self.step_bytes + self.data_bytes + self.comm_bytes
+    act_grad_bytes: int = 0
+    """Activation gradients live at the backward peak, beside the activations kept then."""
+    boundary_bytes: int = 0
+    """The last micro-batch's tensors that crossed devices, referenced until the next step's."""
 
     @property
     def total_bytes(self) -> int:
-        return (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes
-                + self.activation_bytes + self.working_bytes)
+        """The peak: what is held throughout, plus the backward peak or the step's temporaries."""
+        held = (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes
+                + self.data_bytes + self.comm_bytes + self.boundary_bytes)
+        return held + max(self.activation_bytes + self.act_grad_bytes, self.step_bytes)
+
+    @property
+    def working_bytes(self) -> int:
+        """What torch allocates at the peak besides the model, its gradients, state and activations."""
+        return (self.total_bytes - self.param_bytes - self.buffer_bytes - self.grad_bytes
+                - self.optimizer_bytes - self.activation_bytes)
 
 
 def _share(x: int, d: int, r: int) -> int:
@@ -129,8 +151,10 @@ def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int
     return n, b, buf
 
 
-def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2) -> dict[str, DeviceMemory]:
-    """Bytes per device for one step of the plan (`prefetch`: training.prefetch)."""
+def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2,
+           geometry: Callable[[str], dict | None] = lambda name: None) -> dict[str, DeviceMemory]:
+    """Bytes per device for one step of the plan (`prefetch`: training.prefetch; `geometry(name)`:
+    a Conv/Pool layer's kernel, stride, padding and dilation, `plan.place.layer_geometry`)."""
     slots, _ = state_slots(optimizer)
     batch = ITEMSIZE.get(graph.input_dtype, 4)
     for n in graph.input_shape:
@@ -158,43 +182,88 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
                 a["optimizer_bytes"] += _share(state, d, r) if shard == "optimizer" else state
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
                 a["step_bytes"] = max(a["step_bytes"], step)
-    act = activations(plan, graph)
-    return {dev: DeviceMemory(activation_bytes=act[dev], **acc[dev]) for dev in plan.devices}
+    act = activations(plan, graph, geometry)
+    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1],
+                              boundary_bytes=boundary(plan, graph, dev), **acc[dev]) for dev in plan.devices}
 
 
-def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> int:
-    """Activation bytes a chunk of a segment keeps for backward (global batch).
+def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:
+    """Bytes of one micro-batch's activations and gradients crossing the boundaries of the
+    segments `dev` runs, where the neighbour runs on other devices: the input received and the
+    gradient sent back for it, the output sent and the gradient received for it."""
+    total = 0
+    for seg in plan.segments:
+        if dev not in seg.devices:
+            continue
+        share = seg.degree * plan.microbatches * plan.accumulate
+        if seg.index > 0 and plan.segments[seg.index - 1].devices != seg.devices:
+            total += 2 * graph.layer(seg.layers[0]).in_bytes // share
+        if seg.index + 1 < len(plan.segments) and plan.segments[seg.index + 1].devices != seg.devices:
+            total += 2 * graph.layer(seg.layers[-1]).out_bytes // share
+    return total
+
+
+def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
+                 geometry: Callable[[str], dict | None] = lambda name: None) -> list[int]:
+    """Activation bytes each layer of a chunk of a segment keeps for backward (global batch).
 
     A segment whose input arrived from elsewhere also keeps that copy when its first layer
-    saves its input (the producer's saved storage stays on the producer)."""
-    total = sum(graph.layer(l).saved_bytes for l in layers)
+    saves its input (the producer's saved storage stays on the producer); a mode's own copies
+    (`Mode.saved_copies`) count for the layer that keeps them."""
+    info = [graph.layer(l) for l in layers]
+    extra = MODES[seg.mode].saved_copies(seg, info, len(seg.devices), geometry)
+    out = [l.saved_bytes + x for l, x in zip(info, extra)]
     first = graph.layer(seg.layers[0])
     if layers and layers[0] == seg.layers[0] and first.saves_input and seg.index > 0:
         prev = plan.segments[seg.index - 1]
         if in_layout(prev) != in_layout(seg):
-            total += first.in_bytes
-    return total
+            out[0] += first.in_bytes
+    return out
 
 
-def activations(plan: Plan, graph: ModelGraph) -> dict[str, int]:
-    """Peak activation bytes per device: walk its ops, forwards keep, backwards free."""
+def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> int:
+    """Activation bytes a chunk of a segment keeps for backward (global batch)."""
+    return sum(saved_layers(plan, graph, seg, layers))
+
+
+def grads_in_flight(saved: list[int], info, share: int) -> int:
+    """The most that a chunk's backward holds above the activations kept before it starts, minus
+    what it has freed: running layer i (last first), the layers after it have freed theirs and
+    the gradients of i's output and of its input are live (one micro-batch's: `share`)."""
+    freed, most = 0, 0
+    for s, l in zip(reversed(saved), reversed(info)):
+        scratch = 2 if l.op.startswith("Conv") else 1  # a Conv's backward: one more of each (above)
+        most = max(most, scratch * (l.out_bytes + l.in_bytes) // share - freed)
+        freed += s // share
+    return most
+
+
+def activations(plan: Plan, graph: ModelGraph,
+                geometry: Callable[[str], dict | None] = lambda name: None) -> dict[str, tuple[int, int]]:
+    """(peak activation bytes, activation gradients on top of them at the backward peak) per
+    device: walk its ops, forwards keep, backwards free."""
     out = {}
     m = plan.microbatches
     for dev in plan.devices:
-        live = peak = 0
+        live = peak = grad_peak = 0  # grad_peak: the peak of activations and their gradients
         for op in plan.ops.get(dev, ()):
             if op.kind != OpKind.COMPUTE or op.phase in ("bwd_weight",):
                 continue
             seg = plan.segments[op.segment]
             share = seg.degree * m * plan.accumulate  # one micro-batch's (a pipeline's, or a micro-step's)
             share *= 2 if plan.precision == "bf16" else 1  # autocast saves bfloat16 activations
-            b = saved_bytes(plan, graph, seg, plan.chunk_layers(op)) // share
+            layers = plan.chunk_layers(op)
+            saved = saved_layers(plan, graph, seg, layers, geometry)
+            b = sum(saved) // share
+            if op.phase != "fwd":
+                grads = grads_in_flight(saved, [graph.layer(l) for l in layers], share // (2 if plan.precision == "bf16" else 1))
+                grad_peak = max(grad_peak, live + (b if seg.recompute else 0) + grads)
             if seg.recompute:  # forward keeps the chunk's input; backward holds b again while it runs
-                kept = graph.layer(plan.chunk_layers(op)[0]).in_bytes // share
+                kept = graph.layer(layers[0]).in_bytes // share
                 if op.phase != "fwd":
                     peak = max(peak, live + b)
                 b = kept
             live += b if op.phase == "fwd" else -b
             peak = max(peak, live)
-        out[dev] = peak
+        out[dev] = (peak, max(0, grad_peak - peak))
     return out

@@ -112,6 +112,12 @@ class Mode:
         (`share(n, d, r)`: its part of n split d ways)."""
         return [(l.params, l.buffer_bytes) for l in info]
 
+    def saved_copies(self, seg, info, d: int, geometry) -> list[int]:
+        """Per layer (LayerInfo), bytes (global batch) that a device of the d keeps for backward
+        beyond what the one-device trace counted: copies the mode makes of a layer's input and the
+        layer saves (`geometry(name)`: a Conv/Pool's kernel, stride, padding, dilation, or None)."""
+        return [0] * len(info)
+
     def comm_buffers(self, seg, held: int, largest: int) -> int:
         """Bytes of communication buffers a device of the segment allocates in a step, given the
         parameter bytes it holds and those of its largest layer."""

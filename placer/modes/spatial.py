@@ -73,6 +73,24 @@ def halo_rows(geo: dict | None, l, axis: int) -> tuple[int, int, int] | None:
     return top, bottom, l.in_bytes // l.in_shape[axis]
 
 
+def band_copy(geo: dict | None, l, axis: int, d: int) -> int:
+    """Bytes (global batch, so d bands) of the input a Conv/Pool of a spatial segment reads and keeps
+    for backward: the runtime's halo exchange makes a fresh copy of each band with its halo rows, and
+    a Conv pads it on every spatial dim (its padding there, the image border's on the split dim)."""
+    if geo is None or not l.in_shape or axis >= len(l.in_shape):
+        return 0
+    rows = l.in_shape[axis]
+    halo = halo_rows(geo, l, axis)
+    size = l.in_bytes * (rows + (d * (halo[0] + halo[1]) if halo else 0)) // rows
+    if l.op.startswith("Conv"):
+        n = len(geo["kernel"])
+        for j, p in enumerate(geo["padding"]):
+            k = len(l.in_shape) - n + j
+            if k != axis:
+                size = size * (l.in_shape[k] + 2 * p) // l.in_shape[k]
+    return size
+
+
 def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int, geometry: Callable) -> None:
     """The plan's halo exchanges around each Conv/Pool over n devices (`geometry(name)`: its
     kernel, stride, padding, dilation); the weight-gradient all-reduce is lowering's bucketed one."""
@@ -181,6 +199,16 @@ class Spatial(Mode):
         # every device computes weight gradients from its own rows: sum them like data parallel
         bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
         a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, seg.devices, "bwd", "grads", bks)
+
+    def saved_copies(self, seg, info, d, geometry):
+        """Each Conv/Pool keeps its band copy (`band_copy`) instead of its input: where the trace
+        counted that input for this layer (it saved it first), only the difference is extra."""
+        axis, out = self.layout_dim(seg), []
+        for l in info:
+            copy = band_copy(geometry(l.name), l, axis, d) if l.op.startswith(("Conv", "MaxPool", "AvgPool")) else 0
+            counted = l.in_bytes if copy and l.saves_input and l.saved_bytes >= l.in_bytes else 0
+            out.append(max(0, copy - counted))
+        return out
 
     def describe(self, seg, devices):
         return f"spatial split, 1/{len(seg.ranks)} of dim {seg.dim} each, halo rows exchanged before every Conv/Pool"

@@ -45,6 +45,15 @@ RUNS = {  # name: (spec, {text: its replacement}, recomputed segments, micro-ste
         "seed: 0": "seed: 0\n  precision: bf16", "device: cpu}": "device: cpu, recompute: true}",
         "device: cpu:1}": "device: cpu:1, recompute: true}",
         "training:": "pipeline: {microbatches: 2, schedule: gpipe}\ntraining:"}, 2, 1),
+    "llama-interleaved": (MODELS / "hf_llama_layerwise.yaml", {  # stages on a rank: forwards in threads
+        "seed: 0": "seed: 0\n  precision: bf16", "device: cpu}": "device: cpu, recompute: true}",
+        "placement:\n  - {name: front, layers: [model.embed_tokens, model.rotary_emb, model.layers.0], device: cpu, "
+        "recompute: true}\n  - {name: back, layers: [model.layers.1, model.norm, lm_head], device: cpu:1}":
+        "placement:\n  - {name: embed, layers: [model.embed_tokens, model.rotary_emb], device: cpu}\n"
+        "  - {name: first, layers: model.layers.0, device: cpu:1}\n"
+        "  - {name: back, layers: model.layers.1, device: cpu, recompute: true}\n"
+        "  - {name: head, layers: [model.norm, lm_head], device: cpu:1}",
+        "training:": "pipeline: {microbatches: 4, schedule: interleaved_1f1b}\ntraining:"}, 1, 1),
     "llama-1f1b": (MODELS / "hf_llama_layerwise.yaml", {
         "seed: 0": "seed: 0\n  precision: bf16", "device: cpu}": "device: cpu, recompute: true}",
         "training:": "pipeline: {microbatches: 2, schedule: 1f1b}\ntraining:"}, 1, 1),
@@ -72,6 +81,8 @@ def test_lockstep_runs_the_training_options_as_one_device_does(name, tmp_path):
     run_p = torch.load(run_dir / "final_params.pt")
     ref_p = torch.load(run_dir / "reference" / "final_params.pt")
     assert set(run_p) == set(ref_p) and len(ref_p) >= 20
+    losses = [json.loads((d / "metrics.json").read_text())["losses"] for d in (run_dir, run_dir / "reference")]
+    assert abs(losses[0][0] - losses[1][0]) < 1e-6, losses  # the first forward is row by row: as in bf16 one device
     exact = "pipeline" not in text  # (a pipeline's micro-batches round in bfloat16 unlike the whole batch)
     for key, value in ref_p.items():
         torch.testing.assert_close(run_p[key], value, rtol=1e-5 if exact else 2e-2, atol=4e-5 if exact else 2e-3,

@@ -86,7 +86,10 @@ def test_data_parallel_allreduce(tmp_path):
         # Adam on CUDA steps all tensors at once: a sqrt of every exp_avg_sq, 848; the whole input
         # batch 16*8*4 = 512 made on every rank, 2 ahead and 1 in use; DDP's buckets, 848
         assert (e.step_bytes, e.data_bytes, e.comm_bytes) == (848, 3 * 512, 848)
-        assert e.total_bytes == 848 * 4 + 384 + 848 + 3 * 512 + 848
+        # backward's peak, activations 384 and gradients 512 (act's output and input, 2 * 1024 / 4),
+        # is above the step's 848: the peak holds it, not the step's temporaries
+        assert e.act_grad_bytes == 512
+        assert e.total_bytes == 848 * 4 + 3 * 512 + 848 + 384 + 512
         # forward 2*16*8*16 + 2*16*16*4 = 4096 + 2048 = 6144; x3 for the step, / 4 devices
         assert e.flops == 4608
     # one 848-byte bucket, ring of 4: each device sends 2*3/4*848 = 1272 to the next
@@ -293,3 +296,89 @@ def test_spatial_halo_and_split(tmp_path):
     assert rows[("split", "bwd")] == 16384
     # conv weights are replicated: 3*4*9 + 4 = 112 params, gradients all-reduced (448 B, ring of 2)
     assert rows[("all_reduce", "bwd")] == 2 * 448
+
+
+def test_activation_gradients_at_the_backward_peak(tmp_path):
+    """Backward, running fc2, then act, then fc1: the gradients of a layer's output and input are
+    live beside the activations that the layers before it still keep (batch 16)."""
+    one = """\
+        devices: [cpu]
+        placement:
+          - {layers: fc1..fc2, device: cpu}
+        """
+    _, est = plan_of(tmp_path, one)
+    e = est.per_device["cpu"]
+    # kept: fc1's input 16*8*4 = 512, act's output 16*16*4 = 1024 (fc2 saves the same tensor)
+    assert e.activation_bytes == 1536
+    # running fc2: its output's gradient 16*4*4 = 256 and its input's 1024, nothing freed yet: 1280;
+    # act: 1024 + 1024 = 2048, nothing freed yet (fc2 kept nothing of its own); fc1: 1024 + 512 with
+    # act's 1024 freed: 512. The most is 2048
+    assert e.act_grad_bytes == 2048
+    # SGD steps in place: the peak is backward's, on top of weights, gradients and 3 batches
+    assert e.total_bytes == 848 + 848 + 3 * 512 + 1536 + 2048
+    assert e.working_bytes == 3 * 512 + 2048
+
+
+def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
+    """The optimizer step runs after backward has freed the activations: the peak takes the
+    larger of the two (batch 1: activations 96 + gradients 128 < Adam's 2 x 576 on CPU)."""
+    one = """\
+        devices: [cpu]
+        placement:
+          - {layers: fc1..fc2, device: cpu}
+        """
+    _, est = plan_of(tmp_path, one, optimizer="{op: Adam, lr: 0.001}", batch=1)
+    e = est.per_device["cpu"]
+    assert (e.activation_bytes, e.act_grad_bytes, e.step_bytes) == (96, 128, 2 * 576)
+    assert e.total_bytes == 848 * 4 + 3 * 32 + 2 * 576
+    _, big = plan_of(tmp_path, one, optimizer="{op: Adam, lr: 0.001}", batch=64)
+    b = big.per_device["cpu"]
+    assert b.activation_bytes + b.act_grad_bytes > b.step_bytes
+    assert b.total_bytes == 848 * 4 + 3 * 64 * 32 + b.activation_bytes + b.act_grad_bytes
+
+
+def test_spatial_conv_keeps_its_padded_band(tmp_path):
+    """The halo exchange copies each band with its halo rows and the conv pads it on every
+    spatial dim; the conv keeps that copy for backward instead of the input the trace counted."""
+    split = """\
+        devices: [cpu:0, cpu:1]
+        placement:
+          - {layers: conv..act, devices: [cpu:0, cpu:1], parallel: {mode: spatial, dim: H}}
+          - {layers: flat..head, device: cpu:0}
+        """
+    _, est = plan_of(tmp_path, split, head=SPATIAL, batch=8)
+    whole = """\
+        devices: [cpu:0]
+        placement:
+          - {layers: conv..head, device: cpu:0}
+        """
+    _, ref = plan_of(tmp_path, whole, head=SPATIAL, batch=8)
+    e1 = est.per_device["cpu:1"]
+    # one device keeps conv's input 8*3*16*16*4 = 24576 and act's output 8*4*16*16*4 = 32768
+    assert ref.per_device["cpu:0"].activation_bytes == 24576 + 32768
+    # cpu:1's band: 8 rows of H plus a halo row and a padding row, W 16 plus 2 padding columns:
+    # 8*3*10*18*4 = 17280 instead of half the input (12288); half of act's output, 16384
+    assert e1.activation_bytes == 17280 + 16384
+
+
+def test_boundary_tensors_stay_referenced(tmp_path):
+    """The activation that crossed to the next device and the gradient that came back for it
+    (and on the receiver, the input and the gradient it sent) stay referenced until the next
+    step makes new ones: held on top of weights, gradients and state (batch 16)."""
+    plan, est = plan_of(tmp_path, """\
+        devices: [cpu, cpu:1]
+        placement:
+          - {layers: fc1..act, device: cpu}
+          - {layers: fc2, device: cpu:1}
+        """)
+    # act's output = fc2's input, 16*16*4 = 1024, and its gradient
+    assert est.per_device["cpu"].boundary_bytes == est.per_device["cpu:1"].boundary_bytes == 2 * 1024
+    e = est.per_device["cpu:1"]
+    assert e.total_bytes == 272 + 272 + 3 * 512 + 2 * 1024 + e.activation_bytes + e.act_grad_bytes
+    _, one = plan_of(tmp_path, """\
+        devices: [cpu]
+        placement:
+          - {layers: fc1..act, device: cpu}
+          - {layers: fc2, device: cpu}
+        """)
+    assert one.per_device["cpu"].boundary_bytes == 0  # nothing crosses

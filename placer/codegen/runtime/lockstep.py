@@ -249,7 +249,9 @@ class Lockstep:
         if mb not in self.go:
             self.go[mb], self.crossed[mb] = queue.Queue(), ([], [])
             self.sent, self.received = self.crossed[mb]
-            threading.Thread(target=self._forward, args=(model, x), daemon=True).start()
+            # autocast is per thread: the forward's thread takes the caller's (precision bf16)
+            cast = (x.device.type, torch.get_autocast_dtype(x.device.type), torch.is_autocast_enabled(x.device.type))
+            threading.Thread(target=self._forward, args=(model, x, cast), daemon=True).start()
         else:
             self.sent, self.received = self.crossed[mb]
             self.go[mb].put(None)
@@ -263,9 +265,11 @@ class Lockstep:
             return value
         return None
 
-    def _forward(self, model, x):
+    def _forward(self, model, x, cast):
         try:
-            self.reports.put(("done", model(x)))
+            with torch.autocast(cast[0], dtype=cast[1], enabled=cast[2]):
+                out = model(x)
+            self.reports.put(("done", out))
         except BaseException as e:  # raised again by the schedule's thread
             self.reports.put(("error", e))
 
@@ -299,6 +303,8 @@ class Lockstep:
 
     def settle(self):
         """Wait on every send left pending this step (their peers have received them all by now)."""
+        if self.go:  # a schedule lacking an F action of some stage here: never train on half a forward
+            raise RuntimeError(f"the forwards of micro-batches {sorted(self.go)} did not reach their end this step")
         for posted in self.pending:
             posted.wait()
         self.pending = []
