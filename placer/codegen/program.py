@@ -484,7 +484,9 @@ def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[in
     back = {(op.attrs["of"], op.attrs["leaf"], op.dst[0], op.src[0]) for op in ops if op.phase != "fwd"}
     rows = [(op.attrs["of"], op.attrs["leaf"], devices.index(op.src[0]), devices.index(op.dst[0]), op.route,
              (op.attrs["of"], op.attrs["leaf"], op.src[0], op.dst[0]) in back) for op in ops if op.phase == "fwd"]
-    pipes = [[s.ranks[r] for s in segs] for r in range(len(segs[0].ranks))]
+    # one pipeline (each segment's first rank) beside split-mode groups, else one per replica
+    beside = any(len(s.ranks) > 1 and MODES[s.mode].lockstep_group for s in segs)
+    pipes = [[s.ranks[r] for s in segs] for r in range(1 if beside else len(segs[0].ranks))]
     c = Code()
     c("# where each placed layer runs (segment) and what it returns (tensor / tuple / list of",
       "# (shape, dtype) or None): a rank without it rebuilds that from what it receives, or zeros",
@@ -494,6 +496,10 @@ def lockstep_source(plan, graph, segs: list[Seg], devices) -> tuple[str, dict[in
       f"CROSSINGS = {literal(rows)}",
       f"PIPELINES = {pipes!r}  # in pipeline p, segment k runs on rank PIPELINES[p][k]"
       + ("; each takes its slice of the batch" if len(pipes) > 1 else ""))
+    if beside:
+        c("# the ranks of each segment over several (a split mode beside the others): each runs the segment's",
+          "# layers, what enters is sent to each, what leaves is sent from the first and its gradient to each",
+          f"GROUPS = {[list(s.ranks) for s in segs if len(s.ranks) > 1]!r}")
     names = {s.k: list(s.layers) + [r.name for r in graph.root_params if r.trainable and r.consumer in s.layers]
              for s in segs}
     return c.text(), names
@@ -527,7 +533,7 @@ def stages_source(spec: Spec, segs: list[Seg], cut: bool, lockstep=None) -> str:
           "    return model, pipe")
     for seg in segs:
         c("", "")
-        if lockstep:
+        if lockstep and not MODES[seg.mode].chain:
             c(f"def {seg.func}(model):", f"    {_stage_doc(seg, devices)}",
               f"    return segment_module(model, {lockstep[1][seg.k]!r})")
         elif not spec.model.inline and MODES[seg.mode].chain:  # validate --deep found it a chain (P087)

@@ -16,6 +16,7 @@ from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
 from placer.modes import MODES, tensor
+from placer.plan import crossings
 from placer.plan.ir import TRANSFERS, OpKind, Plan
 from placer.plan.layout import in_layout
 from placer.plan.place import segment_params
@@ -76,6 +77,9 @@ class Seg:
     """tensor over a module model's blocks (placer.modes.tensor.groups)."""
     recompute: bool = False
     """Activation checkpointing: the forward runs again in backward (torch.utils.checkpoint)."""
+    chained: bool = False
+    """A module model's chain group (channel, spatial) in lockstep: the model's forward runs its
+    split (runtime/lockstep.py run_as_chain)."""
     replicas: int = 1
     """A 2-D segment's data replicas (its `data` option): runs of consecutive ranks, each split by the mode."""
 
@@ -214,6 +218,7 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             pairs=tuple(tensor.planned_pairs(plan, k) if opts.get("blocks") else  # () but in tensor
                         tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),
             recompute=placed.recompute, blocks=bool(opts.get("blocks")), replicas=opts.get("data", 1),
+            chained=MODES[mode].chain and len(ranks) > 1 and crossings.lockstep(spec, plan.segments),
         ))
         any_params |= n_params > 0
         # the plan moves what the program copies: a move exactly where the layouts differ

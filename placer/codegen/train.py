@@ -90,6 +90,12 @@ class TrainWriter(TrainingOptions):
         every rank, nor where torch's pipelining cuts it."""
         return not self.lockstep and not self.cut
 
+    @property
+    def beside(self) -> bool:
+        """Whether, in lockstep, split-mode groups run beside one-device segments (one pipeline,
+        `GROUPS`), not replica pipelines."""
+        return self.lockstep and any(len(s.ranks) > 1 and MODES[s.mode].lockstep_group for s in self.segs)
+
     def placed(self, stage: str) -> str:
         """The stage module `stage` on this rank's device, with its seed values."""
         return f"materialize({stage}, model, seed, device)" if self.seeded else f"{stage}.to(device)"
@@ -199,7 +205,8 @@ class TrainWriter(TrainingOptions):
         c(*ties.emit_setup(self.tied))
         if self.lockstep:
             c("", "# a placed layer elsewhere: its output arrives from its rank where a layer here reads it, else zeros",
-              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, PIPELINES, device, host, batch=BATCH_SIZE)")
+              "crossing = Lockstep(model, rank, LAYERS, CROSSINGS, PIPELINES, device, host, batch=BATCH_SIZE"
+              + (", groups=GROUPS)" if self.beside else ")"))
             for seg in self.segs:
                 if seg.recompute:
                     self.when(seg.ranks, f"# recompute: segment {seg.k}'s layers keep only their inputs; backward runs "
@@ -260,6 +267,9 @@ class TrainWriter(TrainingOptions):
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
         c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
+        if seg.chained:
+            c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
+              "calls the split chain")
         self.uses_device_ids |= data.uses_ddp(seg)
         if seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
@@ -283,7 +293,7 @@ class TrainWriter(TrainingOptions):
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")
-        if self.lockstep and len(segs[0].ranks) > 1:
+        if self.lockstep and len(segs[0].ranks) > 1 and not self.beside:
             c("# this rank's replica pipeline (its rank in every segment) takes its slice of the batch",
               "x, y = local_slice(x, PIPELINES, crossing.segments), local_slice(y, PIPELINES, crossing.segments)")
         if self.lockstep and self.orders and len({s.ranks for s in segs}) < len(segs):  # several stages a rank
@@ -331,9 +341,15 @@ class TrainWriter(TrainingOptions):
             c("mb_losses = []", "for loss, crossed in saved:").indent()
             c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
             c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
+            if self.beside and len(last.ranks) > 1:
+                c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
+                  "    loss = None  # it counts once, on the first")
             return
         c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
           'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
+        if self.beside and len(last.ranks) > 1:
+            c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
+              "    loss = None  # it counts once, on the first")
 
     def autocast(self, line: str) -> list[str]:
         """`line`, under autocast with precision bf16."""

@@ -49,8 +49,8 @@ def op_sent(op: Op) -> dict[str, int]:
         return {d: op.bytes for d in devs}
     if k == OpKind.BROADCAST:
         return {op.attrs.get("root", devs[0]): op.bytes}
-    if k == OpKind.ALL_GATHER:  # its own slice; uneven channel slices are padded to the largest
-        n, channels = len(devs), op.attrs.get("channels")
+    if k == OpKind.ALL_GATHER:  # its own slice; uneven channel slices (or bands) are padded to the largest
+        n, channels = len(devs), op.attrs.get("channels", op.attrs.get("rows"))
         piece = Fraction(-(-channels // n), channels) if channels else Fraction(1, n)
         return {d: round(op.bytes * piece) for d in devs}
     out: dict[str, int] = {}
@@ -70,8 +70,8 @@ def op_moves(op: Op) -> list[Move]:
         raw = [(op.src[0] if op.src else devs[0], op.dst[0] if op.dst else devs[-1], op.bytes)]
     elif k == OpKind.ALL_REDUCE:
         return _ring(devs, Fraction(2 * (n - 1), n), op.bytes)
-    elif k == OpKind.ALL_GATHER and "channels" in op.attrs:
-        return _ring_gather_uneven(devs, op.attrs["channels"], op.bytes)
+    elif k == OpKind.ALL_GATHER and ("channels" in op.attrs or "rows" in op.attrs):
+        return _ring_gather_uneven(devs, op.attrs.get("channels") or op.attrs["rows"], op.bytes)
     elif k in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER):
         return _ring(devs, Fraction(n - 1, n), op.bytes)
     elif k in (OpKind.BROADCAST, OpKind.REDUCE):

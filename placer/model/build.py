@@ -306,6 +306,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()), out_leaves=t.out_leaves,
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
             glue_before=name in tr.glue_before, **({} if spec.model.inline else _projections(m)),
+            window=() if spec.model.inline else _window(m),
         ))
     roots = tuple(
         RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,
@@ -322,6 +323,19 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         output_dtype=dtype_name(out.dtype) if out is not None else None, root_params=roots,
         ties=find_ties(module, names),
     )
+
+
+def _window(m: nn.Module) -> tuple:
+    """LayerInfo's `window` of a module model's Conv / Pool layer (() for others and for string
+    padding, 'same': no static halo)."""
+    pools = (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)
+    if not isinstance(m, (nn.modules.conv._ConvNd, *pools)) or isinstance(m.padding, str):
+        return ()
+    n = int(type(m).__name__[-2])  # Conv2d, MaxPool1d, AvgPool3d
+
+    def per_dim(v) -> tuple:
+        return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+    return tuple(per_dim(v) for v in (m.kernel_size, m.stride, m.padding, getattr(m, "dilation", 1)))
 
 
 def _projections(layer: nn.Module) -> dict:

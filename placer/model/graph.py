@@ -70,6 +70,9 @@ class LayerInfo:
     heads: tuple = ()
     """Module models: (path inside the layer, attribute, value) of the integer head counts its
     submodules (or their `config`) hold: `tensor` divides them by its degree."""
+    window: tuple = ()
+    """Module models: (kernel, stride, padding, dilation), each per spatial dim, of a Conv or Pool
+    layer with numeric padding: the halos `spatial` exchanges (inline layers: from the spec)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,11 +17,15 @@ from placer.plan.attach import Attached
 
 class Lowering(NamedTuple):
     """What a mode's lowering reads besides the segment: layer -> trainable parameter bytes,
-    DDP-like gradient buckets for a bucket size in MB, and a Conv/Pool layer's geometry."""
+    DDP-like gradient buckets for a bucket size in MB, a Conv/Pool layer's geometry, whether
+    a module model runs in lockstep (a group then takes and gives the whole activation), and
+    whether the forward runs under bf16 autocast (Linear outputs bfloat16)."""
 
     sizes: dict
     buckets: Callable[[float], list]
     geometry: Callable[[str], dict | None]
+    lockstep: bool = False
+    bf16: bool = False
 
 
 class Mode:
@@ -32,10 +36,15 @@ class Mode:
     whole_on_each = False
     """Every device of the group holds the whole input and output activation (channel, tensor)."""
     forward_sends_activations = False
+    """Whether the group's forward communicates activations (channel, tensor, spatial)."""
+    lockstep_group = False
+    """Whether a module model's segment of this mode over several devices runs in lockstep beside
+    other segments (codegen/runtime/lockstep.py): every device of the group runs the segment's
+    layers on the whole activation (tensor, channel), so what enters is sent to each, what leaves
+    is sent from the first, and its gradient to each."""
     chain = False
     """Whether the program runs the segment as a chain of its layers (nn.Sequential), not the
     model's own forward: a module model's segment must then be one (channel)."""
-    """Whether the group's forward communicates activations (channel, tensor, spatial)."""
 
     # -- validate -----------------------------------------------------------------------------------
     def module_model_blocker(self, spec, seg) -> str | None:
@@ -130,6 +139,11 @@ class Mode:
     def emit_sync(self, seg) -> tuple[tuple[int, ...], list[str]]:
         """(ranks that run them, lines): the gradient sync and optimizer step after backward."""
         return seg.ranks, [f"opt{seg.k}.step()"]
+
+    def chain_call(self, seg) -> str:
+        """In lockstep, what the model's forward calls for a chain group (`run_as_chain`): its
+        split, taking and giving the whole activation on each rank."""
+        return f"seg{seg.k}"
 
     def emit_gather(self, seg) -> list[str]:
         """Lines that set `whole` to the segment's whole parameters (by name) when they are split."""

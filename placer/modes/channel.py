@@ -15,6 +15,7 @@ from placer.diagnostics import Diagnostic
 from placer.modes import tensor
 from placer.modes.base import Mode
 from placer.plan.attach import Attached
+from placer.plan.crossings import group_blocker
 from placer.plan.ir import OpKind
 from placer.spec import shapes
 
@@ -109,18 +110,18 @@ def out_axis(layers, graph) -> int:
 
 def chain_check(seg, info, locs) -> list[Diagnostic]:
     """P087 unless a module model's segment is a chain: each layer called once, on the previous
-    one's output only, with no glue of the parent's before it, and each output read by the next
-    layer alone. The program runs the segment's layers as an nn.Sequential, as the model's forward
+    one's output only, with no glue of the parent's between them, and each output read by the
+    next layer alone (glue before the first: plan/crossings.check, in lockstep only). The program runs the segment's layers as an nn.Sequential, as the model's forward
     would (a ResNet stem: conv1, bn1, relu, maxpool)."""
     for i, (l, loc) in enumerate(zip(info, locs)):
         nxt = info[i + 1].name if i + 1 < len(info) else None
         why = ("is called more than once" if l.calls > 1 else
-               "reads the parent's glue (work owned by no layer) made right before it" if l.glue_before else
+               "reads the parent's glue (work owned by no layer) made right before it" if l.glue_before and i else
                "reads more than the previous layer's output" if i and l.inputs != (info[i - 1].name,) else
                f"has an output read by more than {nxt!r}" if nxt and l.consumers != ((0, (nxt,)),) else None)
         if why:
-            return [Diagnostic("P087", f"segment {seg.name!r}: layer {l.name!r} {why}: mode 'channel' runs a module "
-                               "model's segment as a chain of its layers, each on the output of the one before",
+            return [Diagnostic("P087", f"segment {seg.name!r}: layer {l.name!r} {why}: mode {seg.mode!r} runs a "
+                               "module model's segment as a chain of its layers, each on the output of the one before",
                                loc, "place the layers of a plain chain (conv, norm, activation, pool) in this "
                                "segment, or use mode data or none")]
     return []
@@ -133,14 +134,19 @@ class Channel(Mode):
     forward_sends_activations = True
 
     chain = True
+    lockstep_group = True
 
     def module_model_blocker(self, spec, seg):
-        if spec.pipeline:
-            return "in a pipeline"
+        if spec.pipeline and (spec.pipeline.schedule != "gpipe" or group_blocker(spec.placement, seg.index)):
+            return "in a pipeline" + ("" if spec.pipeline.schedule == "gpipe" else
+                                      f" under schedule {spec.pipeline.schedule!r}")
         if spec.training.precision != "fp32":
             return f"with precision {spec.training.precision}"
-        if seg.index == len(spec.placement) - 1:
-            return "as the last segment (the model's own forward may still work on its output)"
+        if len(spec.placement) == 1:
+            return "as the only segment (the model's own forward may still work on its output)"
+        why = group_blocker(spec.placement, seg.index)  # else cut by torch.distributed.pipelining
+        if why and seg.index == len(spec.placement) - 1:
+            return f"as the last segment {why} (the model's own forward may still work on its output)"
         return None
 
     def check_module(self, seg, info, locs, degree):

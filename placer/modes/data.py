@@ -72,13 +72,19 @@ def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: lis
     else:
         a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
     if o.get("sync_batchnorm"):
-        for i, l in enumerate(info):
-            if l.op.startswith("BatchNorm"):
-                c = channels(l)
-                a.cuts |= {i, i + 1}
-                # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
-                a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
-                a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
+        batchnorm_stats(a, info, op)
+
+
+def batchnorm_stats(a: Attached, info, op) -> None:
+    """The statistics' all-reduces of each BatchNorm run as SyncBatchNorm over the group (the
+    pasted CPU version's: data's sync_batchnorm, spatial's bands)."""
+    for i, l in enumerate(info):
+        if l.op.startswith("BatchNorm"):
+            c = channels(l)
+            a.cuts |= {i, i + 1}
+            # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
+            a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
+            a.add("pre_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "stats", 4 * 2 * c, l.name), scale=False)
 
 
 def uses_ddp(seg) -> bool:

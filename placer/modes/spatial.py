@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from placer.diagnostics import Diagnostic
+from placer.modes import data
 from placer.modes.base import Mode
 from placer.plan.attach import Attached, bucket_ops
+from placer.plan.crossings import group_blocker
 from placer.plan.ir import OpKind
 from placer.spec import shapes
 from placer.spec.types import DEFAULT_PARALLEL
 
-KINDS = {"conv", "pool", "elementwise"}
+KINDS = {"conv", "pool", "elementwise", "batchnorm"}
+"""Layer kinds a band runs (BatchNorm as SyncBatchNorm over the group: the statistics of every band)."""
 
 
 def check(seg, seg_layers, kinds: Sequence[str]) -> list[Diagnostic]:
@@ -26,7 +29,7 @@ def check(seg, seg_layers, kinds: Sequence[str]) -> list[Diagnostic]:
     option = next(((l, why) for l in seg_layers if (why := _option(l))), None)
     if bad:
         return [Diagnostic("P026", f"segment {seg.name!r}: layer {bad[0].name!r} ({bad[0].op}) cannot be split "
-                           "spatially", bad[0].loc, "spatial segments hold Conv, Pool and elementwise layers only")]
+                           "spatially", bad[0].loc, "spatial segments hold Conv, Pool, BatchNorm and elementwise layers only")]
     if option:
         return [Diagnostic("P026", f"segment {seg.name!r}: layer {option[0].name!r} ({option[0].op}) cannot be "
                            f"split spatially with {option[1]}", option[0].loc,
@@ -104,6 +107,19 @@ def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int,
             a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
 
 
+def lockstep_gathers(a: Attached, info, grads: Sequence[bool], op, axis: int) -> None:
+    """In lockstep (a module model) the group takes the whole input on each rank and gives the
+    whole output (runtime bands.py): the output's bands all-gathered forward, and the input's
+    gradient bands all-gathered backward when something before trains."""
+    last = info[-1]
+    assert last.out_shape is not None and info[0].in_shape is not None  # traced shapes
+    a.add("post_fwd", len(info) - 1, op(OpKind.ALL_GATHER, "fwd", "act", last.out_bytes, last.name, dim=axis,
+                                        attrs={"rows": last.out_shape[axis]}))
+    if grads[0]:
+        a.add("post_bwd", 0, op(OpKind.ALL_GATHER, "bwd", "grad", info[0].in_bytes, info[0].name, dim=axis,
+                                attrs={"rows": info[0].in_shape[axis]}))
+
+
 def emit_stage(k: int, ranks, axis: int, size: int) -> list[str]:
     """The program's line that cuts segment k's `stage` into bands of dim `axis` over group g{k}."""
     return [f"seg{k} = SpatialSplit(stage, g{k}, {list(ranks)}, dim={axis}, size={size})"]
@@ -127,9 +143,22 @@ class Spatial(Mode):
     name = "spatial"
     options_keys = ("dim",)
     forward_sends_activations = True
+    lockstep_group = True
+    chain = True
 
     def module_model_blocker(self, spec, seg):
-        return "on any segment"
+        if spec.pipeline:  # (lockstep's GPipe loops would run it; not tried: BatchNorm over micro-batches)
+            return "in a pipeline"
+        if spec.training.precision != "fp32":
+            return f"with precision {spec.training.precision}"
+        if len(spec.placement) == 1:
+            return "as the only segment (the model's own forward may still work on its output)"
+        return group_blocker(spec.placement, seg.index)  # lockstep only
+
+    def check_module(self, seg, info, locs, degree):
+        from placer.modes.channel import chain_check
+
+        return chain_check(seg, info, locs) or None  # a chain: the layer rules of inline models (P026)
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
@@ -164,6 +193,9 @@ class Spatial(Mode):
 
     def collectives(self, a, seg, info, grads, op, ctx):
         collectives(a, info, grads, op, self.layout_dim(seg), len(seg.devices), ctx.geometry)
+        data.batchnorm_stats(a, info, op)  # SpatialSplit runs each BatchNorm over every band
+        if ctx.lockstep:
+            lockstep_gathers(a, info, grads, op, self.layout_dim(seg))
         # every device computes weight gradients from its own rows: sum them like data parallel
         bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
         a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, seg.devices, "bwd", "grads", bks)
@@ -182,7 +214,10 @@ class Spatial(Mode):
         return f"spatial split, 1/{len(seg.ranks)} of dim {seg.dim} each, halo rows exchanged before every Conv/Pool"
 
     def runtime(self, seg, torch_pipeline):
-        return {"spatial", "buckets"}
+        return {"spatial", "buckets"} | ({"bands"} if seg.chained else set())
+
+    def chain_call(self, seg):
+        return f"SpatialWhole(seg{seg.k})"
 
     def emit_stage(self, seg, resumable):
         assert seg.dim is not None and seg.in_shape is not None  # set for every spatial segment

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from placer.diagnostics import Diagnostic
 from placer.modes.base import Mode
 from placer.plan.attach import Attached
+from placer.plan.crossings import group_blocker
 from placer.plan.ir import OpKind
 from placer.spec.shapes import op_kind
 
@@ -196,18 +197,22 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
     return []
 
 
-def module_collectives(a: Attached, info, grads: Sequence[bool], op, replicas: int = 1, **kw) -> None:
+def module_collectives(a: Attached, info, grads: Sequence[bool], op, replicas: int = 1, bf16: bool = False,
+                       **kw) -> None:
     """The plan's all-reduces of each block's groups: the row half's sum forward, and in
     backward, when something before trains, one per column half (DTensor all-reduces each
-    column Linear's input gradient)."""
+    column Linear's input gradient). Under bf16 autocast the row half's partial sums are
+    bfloat16; the input gradients stay float32 (autocast casts inside the Linear, after the
+    DTensor input whose backward all-reduces)."""
+    act = 2 if bf16 else 4
     for i, l in enumerate(info):
         sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
-        tokens = math.prod(l.in_shape[:-1]) if l.in_shape else 0  # rows x positions (float32 activations)
+        tokens = math.prod(l.in_shape[:-1]) if l.in_shape else 0  # rows x positions
         for cols, row in groups(l.projections):
             a.cuts |= {i, i + 1}
             pair = f"{'+'.join(f'{l.name}.{c}' for c in cols)}..{l.name}.{row}"
-            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * 4 // replicas, l.name,
-                                    attrs={"pair": pair}, **kw))
+            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * act // replicas,
+                                    l.name, attrs={"pair": pair}, **kw))
             if grads[i]:
                 for c in cols:
                     a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", tokens * sizes[c][0] * 4 // replicas,
@@ -309,12 +314,14 @@ class Tensor(Mode):
     whole_on_each = True
     forward_sends_activations = True
 
+    lockstep_group = True
+
     def module_model_blocker(self, spec, seg):
-        if len(spec.placement) > 1 or spec.pipeline:
-            return "beside other segments or in a pipeline (it must hold the whole model)"
-        if spec.training.precision != "fp32":  # the plan counts float32 all-reduces in each block
-            return f"with precision {spec.training.precision}"
-        return None
+        if spec.pipeline and spec.pipeline.schedule != "gpipe":  # lockstep's GPipe loops run groups
+            return f"in a pipeline under schedule {spec.pipeline.schedule!r}"
+        if seg.parallel.data > 1 and spec.training.precision != "fp32":  # the replicas' plan counts float32
+            return f"with data replicas and precision {spec.training.precision}"
+        return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
@@ -336,7 +343,7 @@ class Tensor(Mode):
         if seg.options.get("data", 1) > 1:
             replica_collectives(a, seg, info, grads, op, ctx.sizes)
         elif seg.options.get("blocks"):
-            module_collectives(a, info, grads, op)
+            module_collectives(a, info, grads, op, bf16=ctx.bf16)
         else:
             collectives(a, info, grads, op)
 

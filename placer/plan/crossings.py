@@ -10,13 +10,16 @@ and positions built from the batch are computed on every device and never cross.
 (`LayerInfo.consumers`) says which leaves reach which layers; `crossings` turns that into one
 transfer per tensor and receiving device, which the plan counts and the program sends. With
 data-parallel segments each replica pipeline (the r-th device of every segment) takes 1/D of the
-batch and sends to its own peers only.
+batch and sends to its own peers only. Without a pipeline or under GPipe, a group of a split mode
+(tensor, channel, spatial: `Mode.lockstep_group`) may sit beside one-device segments on devices of
+its own: each of its devices runs the segment on the whole input, so what enters is sent to each,
+what leaves is sent from its first, and the gradients go back alike (`group_blocker`).
 
 What lockstep cannot run is refused before any worker starts: a placed layer whose output is
 not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
 parent's own parameter whose glue feeds layers on several devices (P082: each would train its
-own copy). Other placements of module models (channel / tensor / spatial groups, groups of
-different sizes, data groups that shard or sync otherwise) are cut by torch.distributed.pipelining,
+own copy). Other placements of module models (groups of different sizes not as above, data
+groups that shard or sync otherwise) are cut by torch.distributed.pipelining,
 which passes one tensor between stages: a cut where the trace sees more is refused (P083), saying
 why lockstep does not run it.
 """
@@ -27,7 +30,6 @@ from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic
 from placer.model.graph import INPUT, OUTPUT, ModelGraph
-from placer.modes import MODES
 from placer.plan.ir import OpKind, PlacedSegment
 
 ITEMSIZE = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
@@ -51,8 +53,19 @@ class Crossing:
     """On the global batch."""
     dtype: str
     grad: bool
-    """Whether its gradient goes back (it requires grad where it is made)."""
+    """Whether it requires grad where it is made (then its gradient goes back, see `back`)."""
     calls: int = 1
+    back: bool = True
+    """Whether this receiver sends the gradient back: of a replicated group (tensor), which all
+    hold the same gradient, only its first device does."""
+    src_group: tuple = ()
+    """The producing segment's devices when several (a tensor group): each runs its backward, so
+    the gradient goes to each."""
+
+    @property
+    def grad_to(self) -> tuple:
+        """The devices this receiver sends the gradient to (none unless `grad` and `back`)."""
+        return (self.src_group or (self.src_device,)) if self.grad and self.back else ()
 
     @property
     def bytes(self) -> int:
@@ -64,10 +77,56 @@ def lockstep(spec, segments) -> bool:
     """Whether a module model runs in lockstep: several segments, one device each or each data
     parallel over the same number of devices (`replica_blocker` says which), without a pipeline
     or under any schedule (placer's micro-batch loops; a rank holding several stages runs each
-    micro-batch's forward in a thread that waits for the schedule's action of its next stage)."""
-    if spec.model.inline or len(segments) < 2 or len({len(s.devices) for s in segments}) != 1:
+    micro-batch's forward in a thread that waits for the schedule's action of its next stage);
+    or, without a pipeline or under GPipe, split-mode groups that `group_blocker` lets run beside
+    one-device segments (tensor, channel, spatial)."""
+    if spec.model.inline or len(segments) < 2:
+        return False
+    if has_groups(segments):
+        return (spec.pipeline is None or spec.pipeline.schedule == "gpipe") and all(
+            len(s.devices) == 1 or group_blocker(segments, s.index) is None for s in segments)
+    if len({len(s.devices) for s in segments}) != 1:
         return False
     return len(segments[0].devices) == 1 or replica_blocker(spec, segments) is None
+
+
+def has_groups(segments) -> bool:
+    """Whether some segment (spec or plan segments) is a split-mode group over several devices
+    (`Mode.lockstep_group`): lockstep then runs one pipeline, the groups beside it."""
+    from placer.modes import MODES
+
+    return any(len(s.devices) > 1 and MODES[s.mode].lockstep_group for s in segments)
+
+
+def group_blocker(segments, k: int) -> str | None:
+    """Why segment k (spec or plan segments), over several devices, cannot run in lockstep beside
+    the others, as words after its mode; None if it can. Each rank of a group runs the segment's
+    layers on the whole activation (`Mode.lockstep_group`), the others must be one device each or
+    such groups, on devices no other segment uses: not data replicas (replica pipelines), which
+    cut the batch, nor a 2-D group's."""
+    from placer.modes import MODES
+
+    seg = segments[k]
+    if not MODES[seg.mode].lockstep_group:
+        return "beside other segments"
+    if _data(seg) > 1:
+        return "with data replicas beside other segments"
+    for other in segments:
+        if other.index == k:
+            continue
+        if len(other.devices) > 1 and not MODES[other.mode].lockstep_group:
+            return f"beside segment {other.name!r} of mode {other.mode!r} over several devices"
+        if len(other.devices) > 1 and _data(other) > 1:
+            return f"beside segment {other.name!r} with data replicas"
+        shared = [d for d in other.devices if d in seg.devices]
+        if shared:
+            return f"beside segment {other.name!r} on its device {shared[0]!r} (give the group devices of its own)"
+    return None
+
+
+def _data(seg) -> int:
+    """A segment's data replicas (`data: D` of a 2-D one), of a spec or a plan segment."""
+    return seg.parallel.data if hasattr(seg, "parallel") else seg.options.get("data", 1)
 
 
 def replica_blocker(spec, segments) -> str | None:
@@ -76,6 +135,8 @@ def replica_blocker(spec, segments) -> str | None:
     all-reduce of whole gradients after the lockstep backward (placer's buckets, no DDP: the
     segment's layers run inside the whole model's forward), as a stage torch's schedules run
     replicated; and a device keeps one place in every group (its pipeline)."""
+    from placer.modes import MODES
+
     for s in segments:
         seg = spec.placement[s.index]
         mode = MODES[seg.mode]
@@ -93,7 +154,10 @@ def replica_blocker(spec, segments) -> str | None:
 
 
 def pipelines(segments) -> list[tuple[str, ...]]:
-    """The replica pipelines of a lockstep placement: the r-th device of every segment."""
+    """The replica pipelines of a lockstep placement: the r-th device of every segment (one, of
+    each segment's first device, beside split-mode groups)."""
+    if has_groups(segments):
+        return [tuple(s.devices[0] for s in segments)]
     return [tuple(s.devices[r] for s in segments) for r in range(len(segments[0].devices))]
 
 
@@ -106,9 +170,16 @@ def per_microbatch(c: "Crossing", batch_size: int, m: int) -> int:
 def crossings(segments, graph: ModelGraph, batch_size: int = 0) -> list[Crossing]:
     """Every output leaf that reaches a layer (or the loss) on another device, per replica
     pipeline and receiving device, producers in model order. With D replicas, a leaf whose dim 0
-    is the batch (`batch_size`) carries a replica's 1/D of it."""
+    is the batch (`batch_size`) carries a replica's 1/D of it. A split-mode group (every device
+    holds the whole activation) sends from its first device, receives on each, and sends the
+    gradient back from its first to each of the producer's."""
     seg_of = {layer: s for s in segments for layer in s.layers}
-    n = len(segments[0].devices)
+    groups = has_groups(segments)
+    n = 1 if groups else len(segments[0].devices)
+
+    def devices(seg, r: int) -> tuple:  # segment seg's devices in replica pipeline r
+        return seg.devices if groups else (seg.devices[r],)
+
     held: dict[str, list] = {}  # device -> its segments, in order
     for s in segments:
         for d in s.devices:
@@ -126,15 +197,16 @@ def crossings(segments, graph: ModelGraph, batch_size: int = 0) -> list[Crossing
                 if n > 1 and shape and shape[0] == batch_size:
                     shape = (batch_size // n, *shape[1:])
                 for r in range(n):
+                    src = devices(s, r)
                     dsts: dict[str, PlacedSegment] = {}
                     for u in users:
-                        t = segments[-1] if u == OUTPUT else seg_of[u]
-                        d = t.devices[r]
-                        if d != s.devices[r]:
-                            dsts.setdefault(d, next(x for x in held[d] if x.index > s.index))
-                    out += [Crossing(layer, leaf, s.index, t.index, s.devices[r], d, shape, dtype,
+                        for d in devices(segments[-1] if u == OUTPUT else seg_of[u], r):
+                            if d not in src:
+                                dsts.setdefault(d, next(x for x in held[d] if x.index > s.index))
+                    out += [Crossing(layer, leaf, s.index, t.index, src[0], d, shape, dtype,
                                      bool(grad) and dtype in ("float16", "bfloat16", "float32", "float64"),
-                                     info.calls) for d, t in dsts.items()]
+                                     info.calls, back=d == devices(t, r)[0], src_group=src if len(src) > 1 else ())
+                            for d, t in dsts.items()]
     return out
 
 
@@ -155,6 +227,8 @@ def multi_tensor_boundaries(plan) -> list[str]:
 def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
     """P081 / P082 where lockstep cannot run the placement; P083 where the pipelining cut that
     runs it instead would have to pass more than one tensor into a stage."""
+    from placer.modes import MODES
+
     if spec.model.inline or len(segments) < 2:
         return []
     seg_of = {layer: s for s in segments for layer in s.layers}
@@ -178,6 +252,15 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                     spec.placement[0].loc, "move it into a submodule and place that, or place its users on one device"))
         return out
     out = []
+    for s in segments:  # a chain group (channel) cut out of the model runs without the parent's glue
+        first = graph.layer(s.layers[0])
+        if len(s.devices) > 1 and MODES[s.mode].chain and first.glue_before:
+            out.append(Diagnostic(
+                "P087", f"segment {s.name!r}: layer {first.name!r} reads the parent's glue (work owned by no layer) "
+                f"made right before it: mode {s.mode!r} runs the segment as a chain of its layers, which reads only "
+                f"the previous segment's output where the model is cut by torch.distributed.pipelining",
+                spec.placement[s.index].loc, "give every other segment one device (lockstep runs the glue), or "
+                "start the segment after the glue"))
     why = _why_cut(spec, segments)
     for k, seg in enumerate(segments[1:], 1):
         made = [h for layer in seg.layers for h in graph.layer(layer).homes
@@ -199,6 +282,10 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
 
 def _why_cut(spec, segments) -> str:
     """Why a module model's placement does not run in lockstep, in words."""
+    if has_groups(segments):
+        why = next((f"segment {s.name!r} is {s.mode} {w}" for s in segments if len(s.devices) > 1
+                    for w in [group_blocker(segments, s.index)] if w), None)
+        return why or "split-mode groups run in lockstep only without a pipeline or under schedule gpipe"
     sizes = {len(s.devices) for s in segments}
     if len(sizes) > 1:
         return f"the segments' groups differ in size ({', '.join(map(str, sorted(sizes)))} devices)"

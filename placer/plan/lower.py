@@ -26,7 +26,7 @@ from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
 from placer.modes import MODES, Lowering
 from placer.plan.attach import Attached
-from placer.plan.crossings import crossings, lockstep, per_microbatch
+from placer.plan.crossings import crossings, lockstep, per_microbatch, pipelines
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, layer_range, transfer_kind, union
 from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
@@ -150,14 +150,15 @@ def _crossing_copies(plan: Plan, graph: ModelGraph) -> Plan:
         lst.insert(_found(_last(lst, lambda o: _is_compute(o, c.src, ("fwd",)) or xing(o, "fwd", c.src))) + 1, fwd)
         lst = ops[c.dst_device]
         lst.insert(_found(_first(lst, lambda o: _is_compute(o, c.dst, ("fwd",)))), fwd)
-    for c in sorted((c for c in found if c.grad), key=lambda c: -c.src):
-        attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}
-        bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, c.src_device), segment=c.dst, phase="bwd", tensor="grad",
-                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.dst_device,), dst=(c.src_device,), attrs=attrs)
+    for c, to in sorted(((c, to) for c in found for to in c.grad_to), key=lambda ct: -ct[0].src):
+        attrs = {"of": c.layer, "leaf": c.leaf, "from": c.src}  # to each device of a producing group
+        bwd = Op(kind=OpKind.COPY, devices=(c.dst_device, to), segment=c.dst, phase="bwd", tensor="grad",
+                 bytes=per_microbatch(c, plan.batch_size, n) * n, route=segs[c.dst].route, src=(c.dst_device,),
+                 dst=(to,), attrs=attrs)
         lst = ops[c.dst_device]
         lst.insert(_found(_last(lst, lambda o: (o.kind == OpKind.COMPUTE and o.segment > c.src and o.phase in BWD)
                                 or (o.phase == "bwd" and "from" in o.attrs))) + 1, bwd)
-        lst = ops[c.src_device]
+        lst = ops[to]
         lst.insert(_found(_first(lst, lambda o: _is_compute(o, c.src, BWD))), bwd)
     return plan.with_ops(ops)
 
@@ -236,9 +237,15 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     tied = {t.tie.layers[0]: t.tie.bytes for t in placed_ties(plan.segments, graph)
             if len(seg.devices) > 1 and t.tie.layers[0] in seg.layers}
     ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb, tied),
-                   geometry=lambda name: layer_geometry(spec, name))
+                   geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
+                   lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16")
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
+
+
+def _window(info) -> dict | None:
+    """A module model's Conv / Pool geometry, as layer_geometry gives an inline layer's."""
+    return dict(zip(("kernel", "stride", "padding", "dilation"), info.window)) if info.window else None
 
 
 def _input_grads(plan: Plan, seg: PlacedSegment, graph: ModelGraph) -> list[bool]:
@@ -354,11 +361,11 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     m, segs = plan.microbatches, plan.segments
     out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV, its segment)] after that work
     need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
-    rows = plan.batch_size // len(segs[0].devices)  # a replica pipeline's (lockstep: groups of one size)
+    rows = plan.batch_size // len(pipelines(segs))  # a replica pipeline's (lockstep: groups of one size)
     for c in crossings(segs, graph, plan.batch_size) if lockstep(spec, segs) else ():  # a module model in lockstep
         n, attrs = per_microbatch(c, rows, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
         flows = [("fwd", c.src, c.dst, c.src_device, c.dst_device, "act")]
-        flows += [("bwd", c.dst, c.src, c.dst_device, c.src_device, "grad")] if c.grad else []
+        flows += [("bwd", c.dst, c.src, c.dst_device, to, "grad") for to in c.grad_to]  # each of a group's
         for flow, a_k, b_k, a, b, what in flows:
             for mb in range(m):
                 kw: dict = dict(devices=(a, b), segment=c.dst, phase=flow, tensor=what, bytes=n, microbatch=mb,

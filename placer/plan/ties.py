@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from placer.diagnostics import Diagnostic
 from placer.model.graph import ModelGraph, Tie
-from placer.plan.crossings import lockstep
+from placer.plan.crossings import has_groups, lockstep
 from placer.plan.ir import Op, OpKind, PlacedSegment, Plan, union
 
 
@@ -79,7 +79,7 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
     """P080 for a tie across segments that placer cannot keep (`groups`: layer indices per segment)."""
     segments = [PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx), devices=s.devices,
                               mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))]
-    if lockstep(spec, segments):  # replica pipelines: the tie's all-reduce spans every copy
+    if lockstep(spec, segments) and not has_groups(segments):  # replica pipelines: the tie's all-reduce spans every copy
         return []
     out = []
     for t in placed(segments, graph):

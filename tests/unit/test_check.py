@@ -393,4 +393,9 @@ def test_split_modes_of_a_module_model_warn_that_generate_cannot_write_them():
     three = [*two, "cuda:2"]
     beside = spec_with(model=model, devices=three, placement=segs(
         {"layers": "embed", "device": "cuda:2"}, {"layers": "blocks.0..lm_head", "devices": two, "parallel": "tensor"}))
+    assert "W007" not in codes(beside)  # in lockstep, on devices of its own
+    beside["placement"][0]["device"] = "cuda:0"  # a device of the group: not generated
+    assert "W007" in codes(beside)
+    beside["placement"][0]["device"] = "cuda:2"
+    beside["pipeline"] = {"microbatches": 2, "schedule": "1f1b"}  # GPipe runs it in lockstep
     assert "W007" in codes(beside)

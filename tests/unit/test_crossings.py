@@ -72,6 +72,25 @@ def test_llama_layerwise_plans_one_copy_per_crossing_tensor():
     assert parse_plan(format_plan(plan)) == plan
 
 
+def test_a_tensor_group_beside_one_device_segments_receives_on_each_and_sends_from_its_first():
+    """tests/models/tinygpt_tensor_sandwich.yaml: embed on cpu, the blocks tensor parallel over
+    cpu:1 and cpu:2, the head back on cpu. The hidden state crosses to both tensor ranks and its
+    gradient comes back from the first only (both hold it whole); the blocks' output crosses from
+    the first, and its gradient goes to both (each runs the blocks' backward). The program reads
+    its CROSSINGS and GROUPS from those ops."""
+    spec, _, plan = lowered(MODELS / "tinygpt_tensor_sandwich.yaml")
+    hidden = 4 * 8 * 16 * 4
+    assert crossing_copies(plan, "fwd") == [("blocks.1", 0, "cpu:1", "cpu", hidden),
+                                            ("embed", 0, "cpu", "cpu:1", hidden), ("embed", 0, "cpu", "cpu:2", hidden)]
+    assert crossing_copies(plan, "bwd") == [("blocks.1", 0, "cpu", "cpu:1", hidden),
+                                            ("blocks.1", 0, "cpu", "cpu:2", hidden), ("embed", 0, "cpu:1", "cpu", hidden)]
+    assert parse_plan(format_plan(plan)) == plan
+    program = generate(spec).text
+    assert "GROUPS = [[1, 2]]" in program and "groups=GROUPS" in program
+    assert '("embed", 0, 0, 2, "direct", False)' in program and '("embed", 0, 0, 1, "direct", True)' in program
+    assert "tensor_parallelize_blocks(\n            stage,\n            g1,\n" in program
+
+
 def test_a_skip_connection_crosses_only_to_devices_that_lack_it(tmp_path):
     """embed's output reaches mid (cpu:1) and, through the parent's `+ x`, head (back on cpu):
     it crosses to cpu:1 only; mid's output crosses back for head."""

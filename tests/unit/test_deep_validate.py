@@ -152,10 +152,14 @@ def test_sibling_import_and_package_ref(tmp_path):
 def test_a_split_mode_the_program_cannot_run_on_a_module_model_is_an_error(tmp_path):
     """Plain validate's W007 becomes P086 once the model is built: plan --deep must not show it."""
     text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
-                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
-    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:0], parallel: tensor}")
+    path = write(tmp_path, text)
     (d,) = deep(path)[1]
-    assert d.code == "P086" and "beside other segments" in d.message and d.loc.line == line_of(path, "parallel: tensor")
+    assert d.code == "P086" and "beside segment 's0' on its device 'cuda:0'" in d.message
+    assert d.loc.line == line_of(path, "parallel: tensor")
+    # on devices of its own, beside one-device segments, it runs in lockstep
+    assert deep(write(tmp_path, text.replace("[cuda:1, cuda:0]", "[cuda:1, cuda:2]").replace(
+        "[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]")))[1] == []
 
 
 WHOLE_TENSOR = "  - {layers: [embed, blocks.*, ln_f, lm_head], devices: [cuda:0, cuda:1], parallel: tensor}\n"
@@ -275,8 +279,8 @@ def test_a_factory_function_is_a_model(tmp_path):
 @pytest.mark.parametrize("command", [["plan", "--deep"], ["generate", "-o", "{tmp}/program.py"]])
 def test_plan_and_generate_refuse_what_validate_deep_refuses(tmp_path, command):
     text = GPT.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
-                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2], parallel: tensor}")
-    path = write(tmp_path, text.replace("[cuda:0, cuda:1]", "[cuda:0, cuda:1, cuda:2]"))
+                       "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:0], parallel: tensor}")
+    path = write(tmp_path, text)
     validated = CliRunner().invoke(main, ["validate", "--deep", path])
     assert validated.exit_code == 1 and "error[P086]" in validated.output
     out = CliRunner().invoke(main, [c.format(tmp=tmp_path) for c in command] + [path])
@@ -314,8 +318,10 @@ def test_channel_runs_a_resnet_stem_as_the_chain_it_is(tmp_path):
     r = CliRunner().invoke(main, ["validate", "--deep", spec])
     assert r.exit_code == 0, r.output
     program = build_program(spec, tmp_path)
+    # in lockstep: the model's forward runs the split chain (conv1's call), the others hand it on
     assert 'nn.Sequential(*(model.get_submodule(name) for name in ["conv1", "bn1", "relu", "maxpool"]))' in program
     assert "ChannelSplit(stage, g0, [0, 1])" in program
+    assert 'run_as_chain(model, ["conv1", "bn1", "relu", "maxpool"], seg0)' in program
 
 
 def build_program(spec: str, tmp_path) -> str:
@@ -335,18 +341,60 @@ def test_channel_refuses_a_module_segment_that_is_not_a_chain(tmp_path):
     assert d.loc.line == line_of(path, "blocks.0], devices")
 
 
-def test_spatial_and_a_last_channel_segment_of_a_module_model_are_refused_before_a_plan(tmp_path):
-    """Not generated yet for module models: validate --deep and plan --deep say so (P086), once."""
+def test_spatial_and_a_last_channel_segment_of_a_module_model_run_in_lockstep_only(tmp_path):
+    """On devices of their own beside one-device segments, the model's forward runs the split
+    chain; where that cannot be (a device shared), validate --deep and plan --deep say so (P086)."""
     spec = resnet_spec(tmp_path, "spatial")
     r = CliRunner().invoke(main, ["validate", "--deep", spec])
+    assert r.exit_code == 0, r.output
+    program = build_program(spec, tmp_path)
+    assert "SpatialSplit(stage, g0, [0, 1], dim=2, size=32)" in program
+    assert 'run_as_chain(model, ["conv1", "bn1", "relu", "maxpool"], SpatialWhole(seg0))' in program
+    text = open(spec).read()
+    open(spec, "w").write(text.replace("device: cpu:2}", "device: cpu}"))
+    r = CliRunner().invoke(main, ["validate", "--deep", spec])
     assert r.exit_code == 1 and r.output.count("error[P086]") == 1 and "W007" not in r.output, r.output
-    assert "mode 'spatial' of a module model on any segment" in r.output
+    assert "mode 'spatial' of a module model beside segment 'body' on its device 'cpu'" in r.output
     assert f"{spec}:{line_of(spec, 'name: stem')}" in r.output
     planned = CliRunner().invoke(main, ["plan", "--deep", spec])
     assert planned.exit_code == 1 and "error[P086]" in planned.output and "plan resnet_stem" not in planned.output
     fine = CliRunner().invoke(main, ["validate", "--deep", spec, "--set", "placement.0.parallel=data"])
     assert fine.exit_code == 0, fine.output  # the torchvision layout's names place as print(model) shows them
+    open(spec, "w").write(text)
     text = open(spec).read().replace("devices: [cpu, cpu:1], parallel: spatial", "device: cpu")
-    open(spec, "w").write(text.replace("device: cpu:2}", "devices: [cpu:1, cpu:2], parallel: channel}"))
+    text = text.replace("avgpool, fc], device: cpu:2}", "avgpool], device: cpu:2}\n  - {name: head, layers: fc, "
+                        "devices: [cpu, cpu:1], parallel: channel}")
+    open(spec, "w").write(text)  # last, on the stem's device: not in lockstep, the model's glue lost
     last = CliRunner().invoke(main, ["validate", "--deep", spec])
-    assert last.exit_code == 1 and "error[P086]" in last.output and "as the last segment" in last.output, last.output
+    assert last.exit_code == 1 and "error[P086]" in last.output, last.output
+    assert "as the last segment beside segment 'stem' on its device 'cpu'" in last.output, last.output
+    open(spec, "w").write(text.replace("[cpu, cpu:1], parallel: channel", "[cpu:1, cpu:3], parallel: channel").replace(
+        "devices: [cpu, cpu:1, cpu:2]", "devices: [cpu, cpu:1, cpu:2, cpu:3]"))
+    fine = CliRunner().invoke(main, ["validate", "--deep", spec])  # on devices of its own: lockstep runs it
+    assert fine.exit_code == 0, fine.output
+
+
+def test_a_split_group_is_refused_beside_replica_pipelines_or_with_replicas_of_its_own(tmp_path):
+    """Lockstep runs a split-mode group beside one-device segments (one pipeline, every rank of
+    the group on the whole batch), and data segments as replica pipelines (each on its rows):
+    not both at once, nor a 2-D tensor group beside others; P086 says so before planning."""
+    four = GPT.replace("devices: [cuda:0, cuda:1]\n", "devices: [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]\n")
+    beside_data = four.replace("{layers: [embed, blocks.0], device: cuda:0}",
+                               "{layers: [embed, blocks.0], devices: [cuda:0, cuda:1], parallel: data}").replace(
+        "{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
+        "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:2, cuda:3], parallel: tensor}")
+    (d,) = deep(write(tmp_path, beside_data))[1]
+    assert d.code == "P086" and "beside segment 's0' of mode 'data' over several devices" in d.message, d
+    two_d = four.replace("{layers: [blocks.1, ln_f, lm_head], device: cuda:1}",
+                         "{layers: [blocks.1, ln_f, lm_head], devices: [cuda:1, cuda:2, cuda:3, cuda:4], "
+                         "parallel: {mode: tensor, data: 2}}")
+    (d,) = deep(write(tmp_path, two_d))[1]
+    assert d.code == "P086" and "with data replicas beside other segments" in d.message, d
+    # the whole model as one 2-D tensor segment still runs, but not under bf16 (its plan counts float32)
+    whole = whole_tensor(four).replace("devices: [cuda:0, cuda:1], parallel: tensor",
+                                       "devices: [cuda:0, cuda:1, cuda:2, cuda:3], parallel: {mode: tensor, data: 2}")
+    whole = whole.replace("devices: [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "devices: [cuda:0, cuda:1, cuda:2, cuda:3]")
+    assert deep(write(tmp_path, whole))[1] == []
+    bf16 = whole.replace("optimizer: {op: SGD, lr: 0.1}}", "optimizer: {op: SGD, lr: 0.1}, precision: bf16}")
+    (d,) = deep(write(tmp_path, bf16))[1]
+    assert d.code == "P086" and "with data replicas and precision bf16" in d.message, d

@@ -6,6 +6,10 @@
 # in reverse, the receivers sending each leaf's gradient back to the rank that made it. With
 # data-parallel segments, each replica pipeline (the r-th rank of every segment) runs this on its
 # slice of the batch, talking to its own peers only; the groups all-reduce gradients after it.
+# A group of a split mode (tensor, channel, spatial) beside one-device segments runs its segment's
+# layers on each of its ranks, each on the whole input: what enters is sent to each, what leaves
+# from the first, and its gradient to each; of what enters, all hold the same gradient and the
+# first sends it back.
 # A rank holding several stages (interleaved, looped, V schedules) runs each micro-batch's forward
 # in a thread of its own that stops before its next stage's work until the schedule's action for
 # that stage lets it go on (`forward_stage`); one thread runs at a time, so every message is
@@ -39,27 +43,46 @@ def segment_module(model, names):
     return stage
 
 
+def run_as_chain(model, names, chain):
+    """The model's forward runs a group's chain of layers (each reads only the one before it,
+    P087) as `chain`, their split (ChannelSplit): the first layer's call runs the whole chain and
+    the others hand their input on. A layer without parameters or buffers runs inside the chain
+    itself, so the model gets an nn.Identity of its own in its place."""
+    for i, name in enumerate(names):
+        layer = model.get_submodule(name)
+        if next(layer.parameters(), None) is None and next(layer.buffers(), None) is None:
+            parent, _, attr = name.rpartition(".")
+            layer = nn.Identity()
+            setattr(model.get_submodule(parent), attr, layer)
+        layer.forward = (lambda x: chain(x)) if i == 0 else (lambda x: x)  # functions, not submodules
+
+
 class Lockstep:
     """`layers`: name -> (segment, kind, leaves): where each placed layer runs and what its
     output is (kind tensor / tuple / list; leaves (shape, dtype) or None). `crossings`: (layer,
     leaf, from rank, to rank, route, gradient back), one per tensor and receiving rank, as the
-    plan has them. `pipelines`: each replica pipeline's rank per segment; this rank's is run."""
+    plan has them. `pipelines`: each replica pipeline's rank per segment (a group's first); this
+    rank's is run. `groups`: the ranks of each segment of a split mode over several, which run its
+    layers alike (beside one-device segments: one pipeline)."""
 
-    def __init__(self, model, rank, layers, crossings, pipelines, device, host=False, batch=None):
-        self.segments = next(p for p in pipelines if rank in p)  # this pipeline's rank per segment
+    def __init__(self, model, rank, layers, crossings, pipelines, device, host=False, batch=None, groups=()):
+        self.group = {r: tuple(g) for g in groups for r in g}  # rank -> the ranks of its group
+        # this pipeline's rank per segment (a group's first)
+        self.segments = next(p for p in pipelines if any(rank in self.ranks(r) for r in p))
         self.rank, self.device, self.layers = rank, device, layers
         self.batch = batch  # leaves traced with dim 0 == batch carry the rows of the call (micro-batches)
         self.out, self.into = collections.defaultdict(list), {}
+        needs = {(name, leaf, r) for name, leaf, _, dst, _, grad in crossings if grad for r in self.ranks(dst)}
         for i, (name, leaf, src, dst, route, grad) in enumerate(crossings):
             route = "via_host" if host else route  # gloo moves host tensors only
-            if src == rank:
-                self.out[name, leaf].append((dst, route, grad, i))
-            if dst == rank:
-                self.into[name, leaf] = (src, route, grad, i)
-        self.held = [k for k, r in enumerate(self.segments) if r == rank]
+            if rank in self.ranks(src):  # a group's first sends; each gets the gradient back
+                self.out[name, leaf].append((dst, route, grad, i, src == rank))
+            if dst == rank:  # needs: a group's other ranks too, whose backward runs the same collectives
+                self.into[name, leaf] = (src, route, grad, i, (name, leaf, rank) in needs)
+        self.held = [k for k, r in enumerate(self.segments) if rank in self.ranks(r)]
         for name, (segment, _, _) in layers.items():
             module = model.get_submodule(name)
-            if self.segments[segment] == rank:
+            if rank in self.ranks(self.segments[segment]):
                 module.register_forward_pre_hook(lambda m, args, k=segment: self._gate(k))
                 module.register_forward_hook(self._send(name))
             else:  # an instance attribute: nn.Module.__call__ calls it instead of the class's forward
@@ -71,6 +94,10 @@ class Lockstep:
         # several stages on this rank: micro-batch -> the last stage its forward may run, its
         # thread's go-ahead, what it sent and received; the threads' reports (paused, done, error)
         self.mb, self.allowed, self.go, self.crossed, self.reports = 0, None, {}, {}, queue.Queue()
+
+    def ranks(self, rank):
+        """The ranks of `rank`'s group (itself alone, outside a group)."""
+        return self.group.get(rank, (rank,))
 
     def _rows(self, model, args):
         self.rows = args[0].shape[0]  # the rows of this forward's batch (a micro-batch's in GPipe)
@@ -108,10 +135,11 @@ class Lockstep:
                     # exact, autocast rounds it again where a layer wants bfloat16
                     t = leaves[i] = t.to(dtype)
                     cast = True
-                for dst, route, grad, x in self.out.get((name, i), ()):
-                    posted = Posted(route)
-                    posted.send(t.detach(), dst, tag=self._tag(x, False))
-                    self.posted.append(posted)  # waited on after the forward: sends never block it
+                for dst, route, grad, x, sends in self.out.get((name, i), ()):
+                    if sends:
+                        posted = Posted(route)
+                        posted.send(t.detach(), dst, tag=self._tag(x, False))
+                        self.posted.append(posted)  # waited on after the forward: sends never block it
                     if grad and t.requires_grad:
                         self.sent.append((name, t, dst, route, x))
             if cast:
@@ -133,15 +161,16 @@ class Lockstep:
                 if (name, i) not in self.into:  # nothing on this rank reads it
                     out.append(torch.zeros(shape, dtype=dtype, device=self.device))
                     continue
-                src, route, grad, x = self.into[name, i]
+                src, route, grad, x, needs = self.into[name, i]
                 if self.allowed is not None:
                     self._gate(self._stage(name))
                 posted = Posted(route)
                 t = posted.recv(shape, dtype, src, self.device, tag=self._tag(x, False))
                 posted.wait()
                 t = t.to(self.device)
-                if grad:
+                if needs:  # a group's other ranks too: their backward runs the same collectives
                     t.requires_grad_()
+                if grad:
                     self.received.append((name, t, src, route, x))
                 out.append(t)
             return out[0] if kind == "tensor" else tuple(out) if kind == "tuple" else out
@@ -166,15 +195,16 @@ class Lockstep:
             posted, pairs = [], []
             for name, t, src, route, _ in received:
                 if self.layers[name][0] == k:
-                    posted.append(Posted(route))
-                    posted[-1].send(t.grad if t.grad is not None else torch.zeros_like(t), src)
+                    for to in self.ranks(src):
+                        posted.append(Posted(route))
+                        posted[-1].send(t.grad if t.grad is not None else torch.zeros_like(t), to)
             for name, t, dst, route, _ in sent:
                 if self.layers[name][0] == k:
                     posted.append(Posted(route))
                     pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device)))
             for p in posted:
                 p.wait()
-            if self.segments[k] != self.rank:
+            if self.rank not in self.ranks(self.segments[k]):
                 continue
             grads = {}  # one gradient per tensor: the sum over the ranks that read it
             for t, g in pairs:
@@ -202,9 +232,10 @@ class Lockstep:
         if roots:
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         for name, t, src, route, _ in received:
-            p = Posted(route)
-            p.send(t.grad if t.grad is not None else torch.zeros_like(t), src)
-            self.pending.append(p)
+            for to in self.ranks(src):
+                p = Posted(route)
+                p.send(t.grad if t.grad is not None else torch.zeros_like(t), to)
+                self.pending.append(p)
         self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
 
     def forward_stage(self, stage, mb, model, x):
@@ -262,9 +293,9 @@ class Lockstep:
         if roots:  # graphs stay until the micro-batch's last stage here: stages may share glue
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=True)
         for name, t, src, route, x in received:
-            if self._stage(name) == stage:
+            for to in self.ranks(src) if self._stage(name) == stage else ():
                 p = Posted(route)
-                p.send(t.grad if t.grad is not None else torch.zeros_like(t), src, tag=self._tag(x, True))
+                p.send(t.grad if t.grad is not None else torch.zeros_like(t), to, tag=self._tag(x, True))
                 self.pending.append(p)
         if stage == self.held[0]:
             del self.crossed[mb]

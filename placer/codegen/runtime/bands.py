@@ -1,0 +1,40 @@
+# bands: a spatial group in lockstep (a module model: lockstep.py) takes the whole activation on
+# each of its ranks and gives the whole output on each, as a tensor or channel group does. Each
+# rank cuts its band of the input (in backward the bands' gradients are all-gathered, so every
+# rank holds the whole input gradient and the first sends it back), runs SpatialSplit on it, and
+# the output bands are all-gathered (in backward each keeps its band of the whole gradient, which
+# every rank holds alike).
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .channel import _all_gather_uneven
+from .channel import gather_channels
+from .spatial import band_ranges
+
+
+class _Band(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, ranks, dim):
+        bands = band_ranges(x.shape[dim], len(ranks))
+        start, stop = bands[ranks.index(dist.get_rank())]
+        ctx.group, ctx.ranks, ctx.dim, ctx.sizes = group, ranks, dim, [b - a for a, b in bands]
+        return x.narrow(dim, start, stop - start).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_uneven(grad.contiguous(), ctx.group, ctx.sizes, ctx.dim, ctx.ranks), None, None, None
+
+
+class SpatialWhole(nn.Module):
+    """A SpatialSplit that takes and gives whole tensors on every rank of its group."""
+
+    def __init__(self, split):
+        super().__init__()
+        self.split = split
+
+    def forward(self, x):
+        s = self.split
+        band = _Band.apply(x, s.group, s.ranks, s.dim)
+        sizes = [b - a for a, b in band_ranges(s.out_size, len(s.ranks))]
+        return gather_channels(s(band), s.group, sizes, s.dim, s.ranks)

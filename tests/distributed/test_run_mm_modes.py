@@ -1,0 +1,93 @@
+"""Split modes on module models beside other segments, in lockstep (codegen/runtime/lockstep.py):
+the shipped TinyGPT and Hugging Face Llama (tiny config, random init) with their transformer
+blocks tensor parallel over two ranks between one-device segments, and a torchvision-layout
+ResNet-18 whose classifier is split by channels as the last segment (the stem's channel split,
+now in lockstep too, runs in test_hf_models.py) or whose stem is split spatially (bands of H with
+halos, the bands gathered whole on each rank); tensor and channel stages under placer's GPipe
+loops. What enters a group is sent to each of its
+ranks, what leaves it is sent from its first, and its gradient to each. And the tensor block
+plan under precision bf16.
+Each `placer run --check` matches the one-device reference (losses, every parameter, first-step
+gradients; rtol 1e-5, atol 4e-5), and each device sends, per step, what its plan says."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from placer.cli.main import main
+
+try:
+    from .test_run_modes import assert_sends_what_the_plan_says
+except ImportError:  # run as a top-level module
+    from test_run_modes import assert_sends_what_the_plan_says
+
+pytestmark = pytest.mark.distributed
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+RTOL, ATOL = 1e-5, 4e-5
+RUNS = {  # spec under tests/models: what it shows
+    "tinygpt_tensor_sandwich": "TinyGPT: embed on cpu, blocks tensor over cpu:1, cpu:2, the head back on cpu",
+    "hf_llama_tensor_beside": "Llama: embeddings and rotary on cpu, decoder layers tensor over 2, head on cpu:3",
+    "resnet_channel_last": "ResNet-18: fc split by channels over 2 as the last segment, after the model's flatten",
+    "resnet_spatial_stem": "ResNet-18: the stem split along H over 2 (halos, SyncBatchNorm), the rest on cpu:2",
+    "tinygpt_tensor_gpipe": "TinyGPT under GPipe (2 micro-batches): a tensor stage between one-device stages",
+    "tinygpt_channel_head_gpipe": "TinyGPT under GPipe: the LM head split by channels over 2 as the last stage",
+}
+
+
+def run_checked(spec: Path, run_dir: Path, *extra: str) -> dict:
+    """`placer run --check`: passed, every final parameter close to the reference's; the metrics."""
+    if "hf_tiny" in spec.read_text():
+        pytest.importorskip("transformers")
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), *extra])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout
+    run_p = torch.load(run_dir / "final_params.pt")
+    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
+    assert set(run_p) == set(ref_p) and len(ref_p) >= 10
+    for key, value in ref_p.items():
+        torch.testing.assert_close(run_p[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_module_model_split_segment_beside_others_matches_one_device(name, tmp_path):
+    spec = MODELS / f"{name}.yaml"
+    metrics = run_checked(spec, tmp_path / "run")
+    program = (tmp_path / "run" / "program.py").read_text()
+    assert "import SplitPoint, pipeline" not in program and "groups=GROUPS" in program
+    assert_sends_what_the_plan_says(name, spec, metrics)
+
+
+@pytest.mark.parametrize("name", ["tinygpt_tensor", "hf_llama_tensor"])
+def test_tensor_blocks_under_bf16_match_the_bf16_reference(name, tmp_path):
+    """precision bf16 on a block plan (one tensor segment): autocast in every block; --check
+    compares with a one-device bf16 reference at its stated tolerance, and each device sends
+    what the plan says: the row halves' sums in bfloat16, the input gradients in float32."""
+    spec, sets = MODELS / f"{name}.yaml", ["training.precision=bf16"]
+    run_dir = tmp_path / "run"
+    if "hf_tiny" in spec.read_text():
+        pytest.importorskip("transformers")
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), "--set", sets[0]])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
+    assert "torch.autocast(device.type, dtype=torch.bfloat16)" in (run_dir / "program.py").read_text()
+    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
+
+
+def test_a_tensor_group_beside_one_device_segments_runs_bf16_in_lockstep(tmp_path):
+    """Lockstep runs precision bf16 (autocast around the whole forward; a bfloat16 leaf crosses as
+    float32) and a tensor group beside one-device segments: both at once match the one-device
+    bf16 reference, each device sending what the plan says (the blocks' row sums in bfloat16)."""
+    name, sets = "tinygpt_tensor_sandwich", ["training.precision=bf16"]
+    spec, run_dir = MODELS / f"{name}.yaml", tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), "--set", sets[0]])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
+    program = (run_dir / "program.py").read_text()
+    assert "groups=GROUPS" in program and "torch.autocast(device.type, dtype=torch.bfloat16)" in program
+    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
