@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -473,3 +474,64 @@ def worker(program: Path, rank: int) -> int | None:
             except OSError:
                 pass
     return None
+
+
+# -- `placer run --check` in this process, and what it must show ------------------------------------
+# ZeRO partitions whole parameters, the plan an even share of the bytes: within 1% there.
+SENT_TOLERANCE = {"mlp_data_shard_optimizer": 0.01, "zero_optimizer": 0.01}
+
+
+class Checked(NamedTuple):
+    program: str  # the generated program's text
+    params: dict  # the run's final parameters
+    metrics: dict  # its metrics.json
+    output: str  # what `placer run` printed
+
+
+def checked_run(spec: Path, run_dir: Path, *extra: str, rtol: float = RTOL, atol: float = ATOL,
+                min_params: int = 10) -> Checked:
+    """`placer run SPEC --check`: it passed, and every final parameter is close to the reference's,
+    compared here independently of placer.launch.check."""
+    import json
+
+    from click.testing import CliRunner
+
+    from placer.cli.main import main
+
+    if "hf_tiny" in spec.read_text():
+        pytest.importorskip("transformers")
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), *extra])
+    log = run_dir / "run.log"
+    assert result.exit_code == 0, result.output + (log.read_text() if log.exists() else "")
+    assert "check passed" in result.stdout
+    run_p = torch.load(run_dir / "final_params.pt")
+    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
+    assert set(run_p) == set(ref_p) and len(ref_p) >= min_params
+    for key, value in ref_p.items():
+        torch.testing.assert_close(run_p[key], value, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+    return Checked((run_dir / "program.py").read_text(), run_p, json.loads((run_dir / "metrics.json").read_text()),
+                   result.output)
+
+
+def assert_sends_what_the_plan_says(name: str, spec: Path, metrics: dict, sets=(), slack: float | None = None) -> None:
+    """Each device's bytes per step in the run equal the plan's `payload_bytes`: one definition of
+    bytes (the payload handed to torch.distributed, docs/plan-json.md), on groups of any size.
+    `sets`: the run's `--set` overrides; `slack`: the share of its bytes a device may be off by
+    (default: `name`'s SENT_TOLERANCE, else none)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from placer.cli.main import main
+
+    overrides = [a for s in sets for a in ("--set", s)]
+    planned = CliRunner().invoke(main, ["plan", str(spec), "--format", "json", "--deep", *overrides])
+    assert planned.exit_code == 0, planned.output
+    steps, doc = len(metrics["losses"]), json.loads(planned.stdout)
+    # torch's pipeline stages also exchange two 4-byte handshakes per stage, once, at the first step
+    handshakes = 8 * len(doc["segments"]) if doc["pipeline"] else 0
+    for d in doc["devices"]:
+        sent = metrics["bytes_sent"][d["device"]]  # over the run, in whole bytes
+        want = (d["payload_bytes"] + 4) * steps  # and the loss's all-reduce: 4 B a step
+        allowed = max(handshakes, (SENT_TOLERANCE.get(name, 0) if slack is None else slack) * want)
+        assert abs(sent - want) <= allowed, (name, d["device"], sent / steps - 4, d["payload_bytes"])

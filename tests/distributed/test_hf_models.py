@@ -16,10 +16,14 @@ from click.testing import CliRunner
 
 from placer.cli.main import main
 
+try:
+    from . import _harness as h
+except ImportError:  # run as a top-level module
+    import _harness as h
+
 pytestmark = pytest.mark.distributed
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
-RTOL, ATOL = 1e-5, 4e-5
 
 # (spec under tests/models, shard option or None to keep the spec's, what it shows)
 RUNS = [
@@ -40,39 +44,21 @@ RUNS = [
 ]
 
 
-def plan_payloads(spec: Path, overrides: list[str]) -> dict[str, int]:
-    planned = CliRunner().invoke(main, ["plan", str(spec), "--format", "json", "--deep", *overrides])
-    assert planned.exit_code == 0, planned.output
-    return {d["device"]: d["payload_bytes"] for d in json.loads(planned.stdout)["devices"]}
-
-
 @pytest.mark.parametrize("name,shard,what", RUNS, ids=[f"{n}-{s}" if s else n for n, s, _ in RUNS])
 def test_real_model_matches_the_one_device_reference(name, shard, what, tmp_path):
     tied = name.endswith("_tied")  # the same spec, GPT2Config(tie_word_embeddings=True)
     spec, run_dir = MODELS / f"{name.removesuffix('_tied')}.yaml", tmp_path / "run"
-    overrides = ["--set", f"placement.0.parallel.shard={shard}"] if shard else []
-    overrides += ["--set", "model.kwargs.tied=true"] if tied else []
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), *overrides])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and len(ref_p) >= 10
+    sets = [f"placement.0.parallel.shard={shard}"] if shard else []
+    sets += ["model.kwargs.tied=true"] if tied else []
+    _, run_p, metrics, _ = h.checked_run(spec, run_dir, *(a for s in sets for a in ("--set", s)))
     if tied:  # both names compared, and one value
         assert json.loads((run_dir / "check.json").read_text())["tied"] == [["transformer.wte.weight",
                                                                              "lm_head.weight"]]
         torch.testing.assert_close(run_p["lm_head.weight"], run_p["transformer.wte.weight"], rtol=0, atol=0)
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    steps = len(metrics["losses"])
-    handshakes = 0  # layer-wise runs in lockstep: no torch pipeline stages, no handshakes
     # ZeRO partitions whole parameters, the plan counts even shares; FSDP2 pads a parameter's dim 0
     # to a multiple of the group (TinyGPT's pos is [1, seq, d]), the plan counts unpadded halves
     slack = {"optimizer": 0.01, None: 0.02 if name == "tinygpt_fsdp" else 0}.get(shard, 0)
-    for device, payload in plan_payloads(spec, overrides).items():
-        want = (payload + 4) * steps  # and the loss's all-reduce
-        assert abs(metrics["bytes_sent"][device] - want) <= max(handshakes, slack * want), (device, payload)
+    h.assert_sends_what_the_plan_says(name, spec, metrics, sets, slack=slack)
 
 
 def test_tensor_refuses_kv_heads_the_degree_does_not_divide():

@@ -62,10 +62,9 @@ def interrupted_copy(run: Path, to: Path, keep_upto: int) -> Path:
 
 # ---------------------------------------------------------------------------- --resume
 
-MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2
+MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2 (FSDP2's: the restart test's)
     "data_overlap": "specs/mlp_data_allreduce.yaml",  # 4 ranks: DDP's bucket layout changes the sums' order
     "zero": "specs/mlp_data_shard_optimizer.yaml",
-    "fsdp": "specs/mlp_data_shard_full.yaml",
     "1f1b": "specs/mlp_pipeline_1f1b.yaml",
     "layerwise": "specs/mlp_layerwise_direct.yaml",
     "param_server": "specs/mlp_data_param_server_cpu.yaml",
@@ -149,10 +148,12 @@ def make_batches(seconds=0.4):
 '''
 
 
-def tiny_spec(two_cpu_spec, shard: str, timeout_s: int = 30) -> Path:
+def tiny_spec(two_cpu_spec, shard: str, timeout_s: int = 30, seconds: float = 0.4) -> Path:
+    """`seconds`: each batch's delay (the same batches at any delay)."""
     group = f'  - {{layers: fc1..head, devices: [cpu, "cpu:1"], parallel: {{mode: data, overlap: true, shard: {shard}}}}}'
     return two_cpu_spec("tiny_restart", SLOW_DATA, steps=8, timeout_s=timeout_s, relu=True, placement=group,
-                        optimizer="{op: Adam, lr: 0.01}", training="  prefetch: 0\n  checkpoint: {every: 2}\n")
+                        optimizer="{op: Adam, lr: 0.01}", training="  prefetch: 0\n  checkpoint: {every: 2}\n",
+                        data_kwargs={"seconds": seconds})
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -160,10 +161,10 @@ def tiny_spec(two_cpu_spec, shard: str, timeout_s: int = 30) -> Path:
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_never_killed(shard, fault, tmp_path, two_cpu_spec):
     """`kill`: SIGKILL rank 1. `stop`: SIGSTOP it; rank 0 times out after timeout_s, the report
     names rank 1, and the stopped process is killed at once so the restart need not wait."""
-    spec = tiny_spec(two_cpu_spec, shard, timeout_s=8 if fault == "stop" else 30)
-    whole = tmp_path / "whole"
-    r = placer_run(str(spec), "--run-dir", str(whole), cwd=tmp_path)
+    whole = tmp_path / "whole"  # uninterrupted, and not slowed down
+    r = placer_run(str(tiny_spec(two_cpu_spec, shard, seconds=0)), "--run-dir", str(whole), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    spec = tiny_spec(two_cpu_spec, shard, timeout_s=8 if fault == "stop" else 30)
 
     run = tmp_path / "run"
     proc = h.placer_run_popen(str(spec), "--run-dir", str(run), "--max-restarts", "1",

@@ -12,15 +12,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from placer.cli.main import main
 
 try:
-    from .test_run_modes import assert_sends_what_the_plan_says
+    from . import _harness as h
 except ImportError:  # run as a top-level module
-    from test_run_modes import assert_sends_what_the_plan_says
+    import _harness as h
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -68,14 +67,6 @@ def test_layerwise_module_model_matches_one_device(name, tmp_path):
     fwd = {(o["attrs"]["of"], o["attrs"]["leaf"], o["dst"][0]) for o in copies if o["phase"] == "fwd"}
     bwd = {(o["attrs"]["of"], o["attrs"]["leaf"], o["src"][0]) for o in copies if o["phase"] == "bwd"}
     assert (len(fwd), len(bwd)) == RUNS[name][2], (fwd, bwd)
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    program = (run_dir / "program.py").read_text()
+    program, run_p, metrics, _ = h.checked_run(spec, run_dir)
     assert "import SplitPoint, pipeline" not in program and "crossing.backward(loss, " in program
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and len(ref_p) >= 10
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=1e-5, atol=4e-5, msg=lambda m: f"{key}: {m}")
-    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()))
+    h.assert_sends_what_the_plan_says(name, spec, metrics)

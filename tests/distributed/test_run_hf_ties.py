@@ -22,9 +22,9 @@ from placer.launch.check import ATOL, compare
 from placer.spec.check import load_spec
 
 try:
-    from .test_run_modes import assert_sends_what_the_plan_says
+    from ._harness import assert_sends_what_the_plan_says
 except ImportError:  # run as a top-level module
-    from test_run_modes import assert_sends_what_the_plan_says
+    from _harness import assert_sends_what_the_plan_says
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed

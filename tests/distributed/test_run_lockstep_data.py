@@ -15,20 +15,16 @@ device sends per step what its plan says."""
 from __future__ import annotations
 
 import ast
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-
-from placer.cli.main import main
 
 try:
-    from .test_run_modes import assert_sends_what_the_plan_says
+    from . import _harness as h
 except ImportError:  # run as a top-level module
-    from test_run_modes import assert_sends_what_the_plan_says
+    import _harness as h
 
 pytestmark = pytest.mark.distributed
 
@@ -65,21 +61,13 @@ def spec_for(name: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", RUNS)
 def test_pipeline_of_data_segments_matches_one_device(name, tmp_path):
     spec, run_dir = spec_for(name, tmp_path), tmp_path / "run"
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    program = (run_dir / "program.py").read_text()
+    program, run_p, metrics, _ = h.checked_run(spec, run_dir)
     assert "PIPELINES = [[0, 2], [1, 3]]" in program and "Lockstep(" in program
     assert "ddp_sum(" not in program  # the groups all-reduce after the lockstep backward
     crossings = ast.literal_eval(re.search(r"CROSSINGS = (\[.*?\])\n", program, re.S).group(1))
     assert crossings and {(src, dst) for _, _, src, dst, _, _ in crossings} == {(0, 2), (1, 3)}
     if name.startswith("llama"):  # the hidden state and rotary cos, sin cross in each pipeline
         assert len(crossings) == 6
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and len(ref_p) >= 10
     if RUNS[name][4]:
         torch.testing.assert_close(run_p["lm_head.weight"], run_p["transformer.wte.weight"], rtol=0, atol=0)
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=1e-5, atol=4e-5, msg=lambda m: f"{key}: {m}")
-    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()))
+    h.assert_sends_what_the_plan_says(name, spec, metrics)

@@ -15,20 +15,18 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from placer.cli.main import main
 
 try:
-    from .test_run_modes import assert_sends_what_the_plan_says
+    from . import _harness as h
 except ImportError:  # run as a top-level module
-    from test_run_modes import assert_sends_what_the_plan_says
+    import _harness as h
 
 pytestmark = pytest.mark.distributed
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
-RTOL, ATOL = 1e-5, 4e-5
 RUNS = {  # spec under tests/models: what it shows
     "tinygpt_tensor_sandwich": "TinyGPT: embed on cpu, blocks tensor over cpu:1, cpu:2, the head back on cpu",
     "hf_llama_tensor_beside": "Llama: embeddings and rotary on cpu, decoder layers tensor over 2, head on cpu:3",
@@ -39,28 +37,12 @@ RUNS = {  # spec under tests/models: what it shows
 }
 
 
-def run_checked(spec: Path, run_dir: Path, *extra: str) -> dict:
-    """`placer run --check`: passed, every final parameter close to the reference's; the metrics."""
-    if "hf_tiny" in spec.read_text():
-        pytest.importorskip("transformers")
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), *extra])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and len(ref_p) >= 10
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_module_model_split_segment_beside_others_matches_one_device(name, tmp_path):
     spec = MODELS / f"{name}.yaml"
-    metrics = run_checked(spec, tmp_path / "run")
-    program = (tmp_path / "run" / "program.py").read_text()
+    program, _, metrics, _ = h.checked_run(spec, tmp_path / "run")
     assert "import SplitPoint, pipeline" not in program and "groups=GROUPS" in program
-    assert_sends_what_the_plan_says(name, spec, metrics)
+    h.assert_sends_what_the_plan_says(name, spec, metrics)
 
 
 @pytest.mark.parametrize("name", ["tinygpt_tensor", "hf_llama_tensor"])
@@ -76,7 +58,7 @@ def test_tensor_blocks_under_bf16_match_the_bf16_reference(name, tmp_path):
     assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
     assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
     assert "torch.autocast(device.type, dtype=torch.bfloat16)" in (run_dir / "program.py").read_text()
-    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
+    h.assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
 
 
 def test_a_tensor_group_beside_one_device_segments_runs_bf16_in_lockstep(tmp_path):
@@ -90,4 +72,4 @@ def test_a_tensor_group_beside_one_device_segments_runs_bf16_in_lockstep(tmp_pat
     assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
     program = (run_dir / "program.py").read_text()
     assert "groups=GROUPS" in program and "torch.autocast(device.type, dtype=torch.bfloat16)" in program
-    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
+    h.assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)

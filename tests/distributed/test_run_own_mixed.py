@@ -13,20 +13,15 @@ matches the one-device reference under `run --check` (rtol 1e-5, atol 4e-5; bf16
 tolerance), runs the plan's order, and every device sends per step what its plan says."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-import torch
-from click.testing import CliRunner
-
-from placer.cli.main import main
 
 try:
-    from .test_run_modes import assert_sends_what_the_plan_says
+    from . import _harness as h
 except ImportError:  # run as a top-level module
-    from test_run_modes import assert_sends_what_the_plan_says
+    import _harness as h
 
 pytestmark = pytest.mark.distributed
 
@@ -56,13 +51,10 @@ RUNS = {  # name: (spec, --set overrides, the order rank 1 runs, what its progra
 @pytest.mark.parametrize("name", RUNS)
 def test_split_stages_beside_others_match_one_device_under_every_schedule(name, tmp_path):
     spec, sets, order, calls = RUNS[name]
-    run_dir = tmp_path / "run"
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir),
-                                       *(a for s in sets for a in ("--set", s))])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    assert "W005" not in result.output
-    program = (run_dir / "program.py").read_text()
+    bf16 = "bf16" in name  # (run --check states and applies its looser tolerance)
+    program, _, metrics, output = h.checked_run(spec, tmp_path / "run", *(a for s in sets for a in ("--set", s)),
+                                        rtol=2e-2 if bf16 else 1e-5, atol=2e-3 if bf16 else 4e-5, min_params=6)
+    assert "W005" not in output
     flat = re.sub(r",([\])])", r"\1", "".join(program.split()))  # the formatter's line breaks undone
     assert "make_pipeline_schedule" not in program and "for action in order:" in program
     assert "for mb in range" not in program  # not GPipe's loops
@@ -70,11 +62,4 @@ def test_split_stages_beside_others_match_one_device_under_every_schedule(name, 
     assert got and got.group(1) == order, got
     for call in calls:
         assert "".join(call.split()) in flat, call
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and len(ref_p) >= 6
-    bf16 = "bf16" in name  # (run --check states and applies its looser tolerance)
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=2e-2 if bf16 else 1e-5, atol=2e-3 if bf16 else 4e-5,
-                                   msg=lambda m: f"{key}: {m}")
-    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
+    h.assert_sends_what_the_plan_says(name, spec, metrics, sets)

@@ -6,15 +6,14 @@ segments (its input arrives through the replicas' first devices) or holds the wh
 on the shipped TinyGPT's and Hugging Face Llama's blocks."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
-from click.testing import CliRunner
 
-from placer.cli.main import main
-from tests.distributed.test_run_modes import ATOL, ROOT, RTOL, STEPS
+try:
+    from . import _harness as h
+except ImportError:  # run as a top-level module
+    import _harness as h
+
+ROOT, STEPS = h.ROOT, 3
 
 pytestmark = pytest.mark.distributed
 
@@ -44,21 +43,7 @@ RUNS = [
                          ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
                               "cnn_channel", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
-    run_dir = tmp_path / "run"
-    result = CliRunner().invoke(main, ["run", str(ROOT / spec), "--check", "--steps", str(STEPS), "--run-dir",
-                                       str(run_dir), *sets])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    program, _, metrics, _ = h.checked_run(ROOT / spec, tmp_path / "run", "--steps", str(STEPS), *sets, min_params=1)
     assert metrics["world_size"] == workers and len(metrics["losses"]) == STEPS
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p)
-    for name, value in ref_p.items():
-        torch.testing.assert_close(run_p[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    # the replicas are combined (summed, or sharded by FSDP2), not left to train apart
-    assert call in (run_dir / "program.py").read_text()
-    planned = CliRunner().invoke(main, ["plan", str(ROOT / spec), "--format", "json", "--deep", *sets])
-    assert planned.exit_code == 0, planned.output
-    for d in json.loads(planned.stdout)["devices"]:
-        want = (d["payload_bytes"] + 4) * STEPS  # and the loss's all-reduce: 4 B a step
-        assert abs(metrics["bytes_sent"][d["device"]] - want) <= slack * want, (Path(spec).name, d)
+    assert call in program  # the replicas are combined (summed, or sharded by FSDP2), not left to train apart
+    h.assert_sends_what_the_plan_says(spec, ROOT / spec, metrics, sets[1::2], slack=slack)

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 from placer.cli.main import main
 
 try:
-    from .test_run_modes import assert_sends_what_the_plan_says
+    from ._harness import assert_sends_what_the_plan_says
 except ImportError:  # run as a top-level module
-    from test_run_modes import assert_sends_what_the_plan_says
+    from _harness import assert_sends_what_the_plan_says
 
 pytestmark = pytest.mark.distributed
 
