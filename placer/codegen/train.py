@@ -488,13 +488,13 @@ class TrainWriter(TrainingOptions):
     @staticmethod
     def call(seg: Seg, arg: str) -> str:
         """Segment k's forward on `arg`: recomputed in backward where the spec says `recompute`."""
-        if seg.recompute and MODES[seg.mode].forward_sends_activations:
-            # the whole forward again, collectives included (early stop would skip the last
-            # ones once every saved tensor is back): what the plan counts, on every rank alike
-            return f"torch.utils.checkpoint.checkpoint(seg{seg.k}, {arg}, use_reentrant=False, early_stop=False)"
-        if seg.recompute:
-            return f"torch.utils.checkpoint.checkpoint(seg{seg.k}, {arg}, use_reentrant=False)"
-        return f"seg{seg.k}({arg})"
+        if not seg.recompute:
+            return f"seg{seg.k}({arg})"
+        # a mode whose forward communicates runs it all again, collectives included (early stop
+        # would skip the last ones once every saved tensor is back): what the plan counts, on
+        # every rank alike
+        whole = ", early_stop=False" if MODES[seg.mode].forward_sends_activations else ""
+        return f"torch.utils.checkpoint.checkpoint(seg{seg.k}, {arg}, use_reentrant=False{whole})"
 
     @staticmethod
     def recompute_note(seg: Seg) -> list[str]:

@@ -215,14 +215,20 @@ class Lockstep:
 
     def backward_own(self, loss, crossed):
         """1F1B, one segment per rank: this rank's backward of one forward (`crossed`, from take)
-        alone. It receives the gradients of what it sent (summed per tensor), backpropagates from
-        them and the loss, and posts the gradients of what it received to their makers without
-        waiting (settle waits): a send never holds up this rank's next action."""
+        alone; a send never holds up this rank's next action."""
+        self._backward(crossed, loss)
+        self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
+
+    def _backward(self, crossed, loss, stage=None, retain_graph=False):
+        """Receive the gradients of what was sent (by `stage`, or by any), summed per tensor;
+        backpropagate them and the loss; post the gradients of what was received (by `stage`)
+        to their makers without waiting (settle waits)."""
         sent, received = crossed
         posted, pairs = [], []
-        for name, t, dst, route, _ in sent:
-            posted.append(Posted(route))
-            pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device)))
+        for name, t, dst, route, x in sent:
+            if stage is None or self.layers[name][0] == stage:
+                posted.append(Posted(route))
+                pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device, tag=self._tag(x, True))))
         for p in posted:
             p.wait()
         grads = {}  # one gradient per tensor: the sum over the ranks that read it
@@ -230,13 +236,12 @@ class Lockstep:
             grads[id(t)] = (t, grads[id(t)][1] + g.to(self.device) if id(t) in grads else g.to(self.device))
         roots = list(grads.values()) + ([(loss, None)] if loss is not None else [])
         if roots:
-            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
-        for name, t, src, route, _ in received:
-            for to in self.ranks(src):
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=retain_graph)
+        for name, t, src, route, x in received:
+            for to in self.ranks(src) if stage is None or self._stage(name) == stage else ():
                 p = Posted(route)
-                p.send(t.grad if t.grad is not None else torch.zeros_like(t), to)
+                p.send(t.grad if t.grad is not None else torch.zeros_like(t), to, tag=self._tag(x, True))
                 self.pending.append(p)
-        self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
 
     def forward_stage(self, stage, mb, model, x):
         """Several stages on this rank: the action F of `stage` on micro-batch mb. The micro-batch's
@@ -278,25 +283,8 @@ class Lockstep:
         the gradients of what the stage sent, backpropagates them (and the loss, on the last
         stage), and posts the gradients of what the stage received to their makers."""
         self.mb = mb
-        sent, received = self.crossed[mb]
-        posted, pairs = [], []
-        for name, t, dst, route, x in sent:
-            if self.layers[name][0] == stage:
-                posted.append(Posted(route))
-                pairs.append((t, posted[-1].recv(t.shape, t.dtype, dst, self.device, tag=self._tag(x, True))))
-        for p in posted:
-            p.wait()
-        grads = {}  # one gradient per tensor: the sum over the ranks that read it
-        for t, g in pairs:
-            grads[id(t)] = (t, grads[id(t)][1] + g.to(self.device) if id(t) in grads else g.to(self.device))
-        roots = list(grads.values()) + ([(loss, None)] if loss is not None else [])
-        if roots:  # graphs stay until the micro-batch's last stage here: stages may share glue
-            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=True)
-        for name, t, src, route, x in received:
-            for to in self.ranks(src) if self._stage(name) == stage else ():
-                p = Posted(route)
-                p.send(t.grad if t.grad is not None else torch.zeros_like(t), to, tag=self._tag(x, True))
-                self.pending.append(p)
+        # graphs stay until the micro-batch's last stage here: stages may share glue
+        self._backward(self.crossed[mb], loss, stage, retain_graph=True)
         if stage == self.held[0]:
             del self.crossed[mb]
         self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
