@@ -271,7 +271,9 @@ class TrainWriter(TrainingOptions):
             c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
               "calls the split chain")
         self.uses_device_ids |= data.uses_ddp(seg)
-        if seg.has_params and seg.shard == "optimizer":
+        if seg.has_params and seg.shard == "optimizer" and seg.replicas > 1:
+            c(*tensor.emit_zero_slices(k, seg.replicas, self.zero_args))
+        elif seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
         elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
