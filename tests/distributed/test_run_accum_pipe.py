@@ -54,3 +54,21 @@ def test_accumulate_in_a_pipeline_matches_one_device_and_sends_the_plans_bytes(n
     program = (run / "program.py").read_text()
     assert "for micro in range(2):" in program and "ACCUMULATE = 2" in program
     assert_sends_what_the_plan_says(name, spec, json.loads((run / "metrics.json").read_text()), sets)
+
+
+ZERO = ["placement.1.parallel={mode: tensor, data: 2, shard: optimizer}", "training.optimizer={op: Adam, lr: 0.01}",
+        "training.clip_grad_norm=0.05", "training.lr_schedule={op: StepLR, kwargs: {step_size: 1, gamma: 0.5}}"]
+
+
+def test_tensor_x_data_with_a_sharded_optimizer_matches_one_device_and_sends_the_plans_bytes(tmp_path):
+    """ZeRO-1 over the replicas of a 2-D tensor segment (runtime ZeroSlices): each device keeps
+    Adam's state for 1/2 of its slices, steps them (after the global-norm clip, at the scheduled
+    lr) and broadcasts them to the device at its position in the other replica."""
+    spec, run = SPECS / "mlp_tensor_data.yaml", tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--steps", "3", "--run-dir", str(run),
+                                       *[a for s in ZERO for a in ("--set", s)]])
+    assert result.exit_code == 0, result.output + ((run / "run.log").read_text() if (run / "run.log").exists() else "")
+    assert "check passed" in result.stdout
+    program = (run / "program.py").read_text()
+    assert "opt1 = ZeroSlices(seg1.parameters(), dp1, torch.optim.Adam, lr=0.01)" in program
+    assert_sends_what_the_plan_says("tensor_zero", spec, json.loads((run / "metrics.json").read_text()), ZERO)
