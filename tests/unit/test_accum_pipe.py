@@ -72,3 +72,32 @@ def test_the_plan_keeps_one_micro_steps_micro_batch_and_sends_the_same_rows():
         a1, a2 = one.estimate.per_device[d].activation_bytes, two.estimate.per_device[d].activation_bytes
         assert a1 > 0 and a2 == a1 // 2
         assert sum(o.bytes for o in two.plan.ops[d]) == sum(o.bytes for o in one.plan.ops[d])
+
+
+# tensor x data with shard: optimizer (ZeRO-1 over each position's group: runtime ZeroSlices)
+TENSOR_DATA = str(SPECS / "mlp_tensor_data.yaml")
+ADAM = ["training.optimizer={op: Adam, lr: 0.01}"]
+ZERO = ["placement.1.parallel={mode: tensor, data: 2, shard: optimizer}"]
+
+
+def test_a_2d_segments_sharded_optimizer_keeps_1_over_d_of_the_state_and_broadcasts_each_part():
+    from placer.plan.ir import OpKind
+
+    plain, zero = api.plan(TENSOR_DATA, ADAM), api.plan(TENSOR_DATA, [*ADAM, *ZERO])
+    for d in ("cuda:2", "cuda:3"):  # the mlp segment's only (the others hold one-device segments too)
+        assert zero.estimate.per_device[d].optimizer_bytes * 2 == plain.estimate.per_device[d].optimizer_bytes > 0
+    ops = [o for o in zero.plan.unique_ops() if o.kind == OpKind.BROADCAST]
+    sums = {o.devices: o.bytes for o in zero.plan.unique_ops() if o.kind == OpKind.ALL_REDUCE and o.tensor == "grads"}
+    assert set(sums) == {("cuda:0", "cuda:2"), ("cuda:1", "cuda:3")}  # each position's gradients, then its parts
+    for group, nbytes in sums.items():
+        parts = [o for o in ops if o.devices == group]
+        assert sorted(o.attrs["root"] for o in parts) == sorted(group)
+        assert sum(o.bytes for o in parts) == nbytes
+    assert not [o for o in api.plan(TENSOR_DATA, ADAM).plan.unique_ops() if o.kind == OpKind.BROADCAST]
+
+
+def test_a_2d_segments_sharded_optimizer_is_zero_slices_over_its_position():
+    program = api.generate(TENSOR_DATA, overrides=[*ADAM, *ZERO])
+    assert "opt1 = ZeroSlices(seg1.parameters(), dp1, torch.optim.Adam, lr=0.01)" in program
+    assert "class ZeroSlices(torch.optim.Optimizer):" in program
+    assert "ZeroSlices" not in api.generate(TENSOR_DATA, overrides=ADAM)
