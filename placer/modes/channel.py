@@ -197,8 +197,7 @@ class Channel(Mode):
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
     def runtime(self, seg, torch_pipeline):
-        zero = {"zero_slices"} if seg.shard == "optimizer" else set()
-        return {"channel", "tensor"} | zero if seg.replicas > 1 else {"channel"}  # (replica_slice, all_reduce_slices)
+        return {"channel", "tensor"} if seg.replicas > 1 else {"channel"}  # (replica_slice, all_reduce_slices)
 
     def emit_stage(self, seg, resumable):
         return emit_stage(seg.k, seg.ranks, seg.replicas)

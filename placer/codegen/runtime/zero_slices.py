@@ -1,6 +1,6 @@
-# zero_slices: ZeRO-1 over the data replicas of a 2-D segment (`tensor` or `channel` with
+# zero_slices: ZeRO-1 over the data replicas of a 2-D segment (`tensor` with
 # `data: D, shard: optimizer`). The devices at one position of every replica hold the same
-# slices (DTensor local tensors, or channel slices); once their gradients are summed over the
+# slices (DTensor local tensors, or plain tensors); once their gradients are summed over the
 # position's group (all_reduce_slices), each steps the optimizer on its contiguous 1/D of the
 # slices' elements, so it keeps 1/D of the optimizer state, and broadcasts that part to the
 # others. torch's ZeroRedundancyOptimizer shards whole parameters and broadcasts the Python
