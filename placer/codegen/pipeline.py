@@ -110,6 +110,12 @@ class PipelineWriter(TrainWriter):
         c('STATUS.at(step, "data")  # what this rank is doing, for placer run\'s report if a rank hangs',
           'with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
           "for m in modules:", "    m.zero_grad(set_to_none=True)")
+        n = self.accumulate
+        if n > 1:  # the schedule never zeroes .grad: its steps add up there
+            c("", f"# accumulate: {n} micro-steps, each a whole schedule step over {self.microbatches} micro-batches, "
+                  "their gradients added up",
+              f"micro_x, micro_y, micro_losses = x.chunk({n}), y.chunk({n}), []", f"for micro in range({n}):").indent()
+            c("x, y = micro_x[micro], micro_y[micro]")
         if self.degree > 1 and not self.replicated:
             c(f"# pipeline j's rows: slice j (of {self.degree}) of every micro-batch",
               f"x = pipeline_local_batch(x, {self.microbatches}, {self.degree}, j)",
@@ -119,6 +125,9 @@ class PipelineWriter(TrainWriter):
           "# losses (0 unless it holds the last stage).",
           'STATUS.at(step, "forward and backward (pipeline schedule)")',
           f"loss = pipeline_step(schedule, x.to(device) if 0 in mine else None, y.to(device) if {last} in mine else None)")
+        if n > 1:
+            c("micro_losses.append(loss)").dedent()
+            c("loss = sum(micro_losses)  # this rank's share of the batch's loss")
         c('STATUS.at(step, "gradient sync and optimizer step")')
         if self.degree > 1 and not self.replicated:
             c("", "# every stage's gradients summed over its data group")

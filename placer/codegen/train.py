@@ -65,7 +65,7 @@ class TrainWriter(TrainingOptions):
         self.clip = training.clip_grad_norm if training is not None else None
         """training.clip_grad_norm: the global norm is clipped between the gradient syncs and the steps."""
         self.accumulate = training.accumulate if training is not None else 1
-        """training.accumulate: micro-steps per step (not with a pipeline: P095)."""
+        """training.accumulate: micro-steps per step (with a pipeline, each a whole pipeline step)."""
         self.bf16 = training is not None and training.precision == "bf16"
         """precision bf16: every segment's forward and the loss under autocast."""
         self.tied = list(tied)
@@ -271,7 +271,9 @@ class TrainWriter(TrainingOptions):
             c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
               "calls the split chain")
         self.uses_device_ids |= data.uses_ddp(seg)
-        if seg.has_params and seg.shard == "optimizer":
+        if seg.has_params and seg.shard == "optimizer" and seg.replicas > 1:
+            c(*tensor.emit_zero_slices(k, seg.replicas, self.zero_args))
+        elif seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
         elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
@@ -296,20 +298,10 @@ class TrainWriter(TrainingOptions):
         if self.lockstep and len(segs[0].ranks) > 1 and not self.beside:
             c("# this rank's replica pipeline (its rank in every segment) takes its slice of the batch",
               "x, y = local_slice(x, PIPELINES, crossing.segments), local_slice(y, PIPELINES, crossing.segments)")
-        if self.lockstep and self.orders and len({s.ranks for s in segs}) < len(segs):  # several stages a rank
-            loops.lockstep_stages_step(self)
-        elif self.lockstep and self.orders:
-            loops.lockstep_step(self)
-        elif self.lockstep and self.accumulate == 1:
-            self.lockstep_step()
-        elif self.orders:
-            loops.stage_step(self)
-        elif self.microbatches:
-            self.gpipe_step()
-        elif self.accumulate > 1:
+        if self.accumulate > 1:
             self.accumulate_step()
         else:
-            self.forward_backward()
+            self.micro_step()
         c(*ties.emit_sync(self.tied))
         c("", 'STATUS.at(step, "gradient sync and optimizer step")')
         at = len(c.lines)
@@ -323,6 +315,23 @@ class TrainWriter(TrainingOptions):
         c("", "# the loss of the whole batch: ranks without it add 0",
           "total = (loss.detach() if loss is not None else torch.zeros(())).float().cpu()")
         self.add_loss()
+
+    def micro_step(self) -> None:
+        """Every forward and backward of one micro-step (the whole step without accumulate): a
+        pipeline's schedule over its micro-batches, or the segments' forward and backward."""
+        segs = self.segs
+        if self.lockstep and self.orders and len({s.ranks for s in segs}) < len(segs):  # several stages a rank
+            loops.lockstep_stages_step(self)
+        elif self.lockstep and self.orders:
+            loops.lockstep_step(self)
+        elif self.lockstep:
+            self.lockstep_step()
+        elif self.orders:
+            loops.stage_step(self)
+        elif self.microbatches:
+            self.gpipe_step()
+        else:
+            self.forward_backward()
 
     def lockstep_step(self) -> None:
         """The whole forward on every rank, the loss on the last segment's, backward segment by
@@ -357,9 +366,6 @@ class TrainWriter(TrainingOptions):
             if self.bf16 else [line]
 
     def forward_backward(self) -> None:
-        if self.lockstep:  # (accumulate's micro-steps)
-            self.lockstep_step()
-            return
         c, segs = self.c, self.segs
         c("", "# forward, segment by segment", 'STATUS.at(step, "forward")')
         for seg in segs:

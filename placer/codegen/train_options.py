@@ -13,15 +13,16 @@ if TYPE_CHECKING:
 
 
 class TrainingOptions:
-    """Mixed into TrainWriter: uses its `c`, `segs`, `clip`, `scheduled`, `accumulate` and
-    `forward_backward`."""
+    """Mixed into TrainWriter: uses its `c`, `segs`, `clip`, `scheduled`, `accumulate`,
+    `microbatches` and `micro_step`."""
     c: Code
     segs: list[Seg]
     clip: Any
     scheduled: bool
     accumulate: int
+    microbatches: int
 
-    def forward_backward(self) -> None: ...
+    def micro_step(self) -> None: ...
 
     def norm_share(self, seg: Seg) -> None:
         """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
@@ -62,14 +63,17 @@ class TrainingOptions:
     def accumulate_step(self) -> None:
         """training.accumulate: the step's batch in N micro-steps whose gradients add up in
         .grad (each loss is its rows' share of the whole batch's mean); DDP and FSDP2 sum
-        over their group in the last micro-step's backward only, the other syncs follow it."""
+        over their group in the last micro-step's backward only, the other syncs follow it. With a
+        pipeline each micro-step is a whole pipeline step over its micro-batches."""
         c, n = self.c, self.accumulate
-        c("", f"# accumulate: {n} micro-steps of {self.segs[0].in_shape[0]} rows, their gradients added up",
-          f"xs, ys, micro_losses = x.chunk({n}), y.chunk({n}), []", f"for micro in range({n}):").indent()
-        c("x, y = xs[micro], ys[micro]")
+        rows = f"{self.segs[0].in_shape[0]} rows" if not self.microbatches else \
+            f"{self.microbatches} micro-batches each (a whole pipeline step)"
+        c("", f"# accumulate: {n} micro-steps of {rows}, their gradients added up",
+          f"micro_x, micro_y, micro_losses = x.chunk({n}), y.chunk({n}), []", f"for micro in range({n}):").indent()
+        c("x, y = micro_x[micro], micro_y[micro]")
         if self.syncs_in_backward:
             c(f"with gradient_sync(modules, micro == {n - 1}):  # DDP / FSDP2 sum over their group: on the last").indent()
-        self.forward_backward()
+        self.micro_step()
         if self.syncs_in_backward:
             c.dedent()
         c("micro_losses.append(loss)").dedent()

@@ -179,7 +179,8 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
             if dev in stepping:
                 r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
                 state = slots * b
-                a["optimizer_bytes"] += _share(state, d, r) if shard == "optimizer" else state
+                reps = seg.options.get("data", d)  # a 2-D segment shards over its replicas (ZeroSlices)
+                a["optimizer_bytes"] += _share(state, reps, r // (d // reps)) if shard == "optimizer" else state
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
                 a["step_bytes"] = max(a["step_bytes"], step)
     act = activations(plan, graph, geometry)

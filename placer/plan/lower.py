@@ -363,7 +363,9 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
     rows = plan.batch_size // len(pipelines(segs))  # a replica pipeline's (lockstep: groups of one size)
     for c in crossings(segs, graph, plan.batch_size) if lockstep(spec, segs) else ():  # a module model in lockstep
-        n, attrs = per_microbatch(c, rows, m), {"of": c.layer, "leaf": c.leaf, "from": c.src}
+        # per micro-batch of each of accumulate's micro-steps (the schedule runs once per micro-step):
+        # a leaf not cut by rows crosses that many times more, one cut by rows in pieces adding up alike
+        n, attrs = per_microbatch(c, rows, m * plan.accumulate) * plan.accumulate, {"of": c.layer, "leaf": c.leaf, "from": c.src}
         flows = [("fwd", c.src, c.dst, c.src_device, c.dst_device, "act")]
         flows += [("bwd", c.dst, c.src, c.dst_device, to, "grad") for to in c.grad_to]  # each of a group's
         for flow, a_k, b_k, a, b, what in flows:

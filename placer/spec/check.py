@@ -240,12 +240,15 @@ def _check_pipeline(spec: Spec) -> list[Diagnostic]:
     diags = []
     stages = spec.placement
     loc = pl.loc
-    B, m = spec.training.batch_size, pl.microbatches
+    t, m = spec.training, pl.microbatches
+    n = t.accumulate if t.batch_size % t.accumulate == 0 else 1  # (P094 otherwise)
+    B = t.batch_size // n  # the rows of one schedule step: accumulate's micro-step
     if len(stages) < 2:
         return [D("P040", "a pipeline needs at least 2 segments (stages)", loc, "split the model into segments")]
     if B % m:
-        diags.append(D("P041", f"batch_size {B} is not divisible by microbatches {m}",
-                       spec.doc.loc(("training", "batch_size")), f"use a multiple of {m}"))
+        what = f"batch_size {t.batch_size}" + (f" / accumulate {n} = {B}" if n > 1 else "")
+        diags.append(D("P041", f"{what} is not divisible by microbatches {m}",
+                       spec.doc.loc(("training", "batch_size")), f"use a multiple of {m * n}"))
     else:
         for seg in stages:
             d = data_degree(seg)
@@ -351,9 +354,9 @@ SPEC_LESS_SCHEDULERS = {
 
 def _check_training(spec: Spec) -> list[Diagnostic]:
     """P090 / P091: lr_schedule names a scheduler a spec can build; P092: clipping needs the
-    gradients of every segment before any step; P096: an option not run yet; P094 / P095: the
-    micro-steps of accumulate split the batch evenly, and not a pipeline's. (Lockstep runs every
-    option: P097 retired.)"""
+    gradients of every segment before any step; P096: an option not run yet; P094: the
+    micro-steps of accumulate split the batch evenly (P095 retired: a pipeline runs one schedule
+    step per micro-step). (Lockstep runs every option: P097 retired.)"""
     t, diags = spec.training, []
     sched = t.lr_schedule
     if sched and sched.op not in torch_names.LR_SCHEDULERS:
@@ -375,12 +378,6 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                        spec.doc.loc(("training", "accumulate")),
                        f"each micro-step takes batch_size / accumulate rows: use a batch_size that is a multiple of "
                        f"{t.accumulate}"))
-    if t.accumulate > 1 and spec.pipeline:
-        diags.append(D("P095", f"accumulate {t.accumulate} with a pipeline: a pipeline already accumulates the "
-                       "gradients of its micro-batches", spec.doc.loc(("training", "accumulate")),
-                       f"leave accumulate out and set pipeline.microbatches to {t.accumulate} x "
-                       f"{spec.pipeline.microbatches} = {t.accumulate * spec.pipeline.microbatches}: the same step, "
-                       "in micro-batches of the same rows"))
     for seg in spec.placement:
         why = MODES[seg.mode].recompute_blocker(seg.parallel) if seg.recompute and len(seg.devices) > 1 else None
         if why:

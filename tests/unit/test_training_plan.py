@@ -94,7 +94,8 @@ EXTRA
 @pytest.mark.parametrize("parallel, extra, code, words", [
     ("data", "  accumulate: 5", "P094", "batch_size 12 is not divisible by accumulate 5"),
     ("data", "  accumulate: 4", "P030", "batch_size 12 / accumulate 4 = 3 is not divisible by the 2 devices"),
-    ("data", "  accumulate: 2\npipeline: {microbatches: 2, schedule: gpipe}", "P095", "pipeline.microbatches to 2 x 2"),
+    ("data", "  accumulate: 2\npipeline: {microbatches: 4, schedule: gpipe}", "P041",
+     "batch_size 12 / accumulate 2 = 6 is not divisible by microbatches 4"),
     ("{mode: data, sync: broadcast}", "  clip_grad_norm: 1.0", "P092", "sync 'broadcast' steps as it syncs"),
     ("data", "  lr_schedule: {op: ReduceLROnPlateau}", "P091", "steps on a validation metric"),
 ])
