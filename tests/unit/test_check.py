@@ -397,5 +397,14 @@ def test_split_modes_of_a_module_model_warn_that_generate_cannot_write_them():
     beside["placement"][0]["device"] = "cuda:0"  # a device of the group: not generated
     assert "W007" in codes(beside)
     beside["placement"][0]["device"] = "cuda:2"
-    beside["pipeline"] = {"microbatches": 2, "schedule": "1f1b"}  # GPipe runs it in lockstep
-    assert "W007" in codes(beside)
+    beside["pipeline"] = {"microbatches": 2, "schedule": "1f1b"}  # lockstep's loops in the schedule's order
+    assert "W007" not in codes(beside)
+    # under interleaved 1F1B, two groups on the same devices (each rank holds two stages alike)
+    inter = spec_with(model=model, devices=three, pipeline={"microbatches": 2, "schedule": "interleaved_1f1b"},
+                      placement=segs({"layers": "embed", "device": "cuda:2"},
+                                     {"layers": "blocks.0", "devices": two, "parallel": "tensor"},
+                                     {"layers": ["blocks.1", "ln_f"], "device": "cuda:2"},
+                                     {"layers": "lm_head", "devices": two, "parallel": "channel"}))
+    assert "W007" not in codes(inter)
+    inter["placement"][3]["devices"] = ["cuda:1", "cuda:0"]  # a group overlapping another, not the same
+    assert "W007" in codes(inter)
