@@ -482,7 +482,7 @@ def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[
                                     devices=s.devices, mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))]
             diags += crossings.check(spec, graph, placed)
             if not any(d.severity == "error" for d in diags) and crossings.lockstep(spec, placed):
-                diags += _check_batch_dims(spec, module, graph, placed)
+                diags += _check_batch_dims(spec, module, graph, placed) + _check_stage_order(spec, module, graph, placed)
         dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                         and m.p > 0), None)
         if dropout and len(spec.devices) > 1:
@@ -525,6 +525,34 @@ def _check_batch_dims(spec: Spec, module: nn.Module, graph: ModelGraph, placed) 
                                   "batch where it equals the batch size, and no other dim", spec.placement[seg.index].loc,
                                   "use a batch size that no other dim of what crosses equals, keep the batch in dim 0 "
                                   "(batch_first), or do without micro-batches and replica pipelines")]
+    return []
+
+
+def _check_stage_order(spec: Spec, module: nn.Module, graph: ModelGraph, placed) -> list[Diagnostic]:
+    """P089: where a rank holds several stages, lockstep runs each micro-batch's forward in a
+    thread that stops before the work of the rank's next stage until the schedule's action lets
+    it go on, and receives what crosses in the action of its first stage after the producer's: that
+    takes the layers to be called in segment order. Their first calls are (segments follow model
+    order); a layer called again after a later segment's layers is refused."""
+    if not spec.pipeline or len({s.devices for s in placed}) == len(placed):
+        return []
+    if all(graph.layer(name).calls == 1 for s in placed for name in s.layers):
+        return []
+    x, _ = meta_batch(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = trace_module(module, list(graph.names), (x,), use_fx=False)
+    seg_of = {name: s.index for s in placed for name in s.layers}
+    top = 0
+    for name in tr.calls:
+        k = seg_of.get(name, top)
+        if k < top:
+            return [_diag("P089", f"layer {name!r} of segment {placed[k].name!r} is called again after the layers of "
+                          f"segment {placed[top].name!r}: where a rank holds several stages ({spec.pipeline.schedule}), "
+                          "lockstep runs each stage's work in the schedule's action for it, in segment order",
+                          spec.placement[k].loc, "place the layers its later calls sit between in its segment, or "
+                          "use a schedule with one stage per device (gpipe, 1f1b)")]
+        top = k
     return []
 
 
