@@ -84,6 +84,7 @@ def lockstep_step(w: "TrainWriter") -> None:
     w.when(last.ranks, "mb_losses.append(loss)")
     c.dedent()
     tail(w, "crossing.settle()  # every send of the step")
+    _count_once(w)
 
 
 def lockstep_stages_step(w: "TrainWriter") -> None:
@@ -112,6 +113,16 @@ def lockstep_stages_step(w: "TrainWriter") -> None:
     if any("W" in order for order in (w.orders or {}).values()):
         c('# kind "W": nothing; the I before it ran the whole backward')
     tail(w, "crossing.settle()  # every send of the step")
+    _count_once(w)
+
+
+def _count_once(w: "TrainWriter") -> None:
+    """A split-mode group as the last stage (channel): each of its ranks backpropagated the whole
+    loss; it counts once, on the first."""
+    last = w.segs[-1]
+    if w.beside and len(last.ranks) > 1:
+        w.c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
+            "    loss = None  # it counts once, on the first")
 
 
 def stage_step(w: "TrainWriter") -> None:

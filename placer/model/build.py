@@ -478,9 +478,11 @@ def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[
         if not sel:
             diags += _check_module_modes(spec, module, graph, groups)
             diags += ties.check(spec, graph, groups)
-            diags += crossings.check(spec, graph, [
-                PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx), devices=s.devices,
-                              mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))])
+            placed = [PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx),
+                                    devices=s.devices, mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))]
+            diags += crossings.check(spec, graph, placed)
+            if not any(d.severity == "error" for d in diags) and crossings.lockstep(spec, placed):
+                diags += _check_batch_dims(spec, module, graph, placed) + _check_stage_order(spec, module, graph, placed)
         dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                         and m.p > 0), None)
         if dropout and len(spec.devices) > 1:
@@ -489,6 +491,69 @@ def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[
                                "set its p to 0 to check equivalence, or accept a mismatch in --check",
                                severity="warning"))
     return sorted(diags, key=lambda d: (d.severity != "error", d.loc.line, d.loc.col))
+
+
+def _check_batch_dims(spec: Spec, module: nn.Module, graph: ModelGraph, placed) -> list[Diagnostic]:
+    """P088: lockstep's stand-ins (and the plan's micro-batch copies) take a placed layer's output
+    leaf whose traced dim 0 is the batch size to have the batch there, and cut only that dim when
+    a forward sees fewer rows (micro-batches, accumulate's micro-steps, replica pipelines). Traced
+    again on those rows, every leaf must have the shape that rule gives it, or the ranks would
+    exchange tensors of other shapes."""
+    b = spec.training.batch_size
+    cut = (spec.pipeline.microbatches if spec.pipeline else 1) * spec.training.accumulate
+    rows = b // cut // len(crossings.pipelines(placed))
+    if rows == b or b % cut:
+        return []
+    x, _ = meta_batch(spec, rows)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tr = trace_module(module, list(graph.names), (x,), use_fx=False)
+    except ForwardFailed as e:
+        return [_diag("P088", f"the model does not run on {rows} rows, what one forward of each rank sees in lockstep "
+                      f"({type(e.__cause__ or e).__name__})", _module_loc(spec), "use a batch whose cut runs")]
+    for seg in placed:
+        for name in seg.layers:
+            now = tr.layers[name].out_leaves if name in tr.layers else ()
+            for i, (whole, got) in enumerate(zip(graph.layer(name).out_leaves, now)):
+                if whole is None or got is None:
+                    continue
+                want = (rows, *whole[0][1:]) if whole[0] and whole[0][0] == b else tuple(whole[0])
+                if tuple(got[0]) != want:
+                    return [_diag("P088", f"output {i} of layer {name!r} is {list(whole[0])} on the batch of {b} "
+                                  f"and {list(got[0])} on {rows} rows, not {list(want)}: lockstep takes dim 0 for the "
+                                  "batch where it equals the batch size, and no other dim", spec.placement[seg.index].loc,
+                                  "use a batch size that no other dim of what crosses equals, keep the batch in dim 0 "
+                                  "(batch_first), or do without micro-batches and replica pipelines")]
+    return []
+
+
+def _check_stage_order(spec: Spec, module: nn.Module, graph: ModelGraph, placed) -> list[Diagnostic]:
+    """P089: where a rank holds several stages, lockstep runs each micro-batch's forward in a
+    thread that stops before the work of the rank's next stage until the schedule's action lets
+    it go on, and receives what crosses in the action of its first stage after the producer's: that
+    takes the layers to be called in segment order. Their first calls are (segments follow model
+    order); a layer called again after a later segment's layers is refused."""
+    if not spec.pipeline or len({s.devices for s in placed}) == len(placed):
+        return []
+    if all(graph.layer(name).calls == 1 for s in placed for name in s.layers):
+        return []
+    x, _ = meta_batch(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = trace_module(module, list(graph.names), (x,), use_fx=False)
+    seg_of = {name: s.index for s in placed for name in s.layers}
+    top = 0
+    for name in tr.calls:
+        k = seg_of.get(name, top)
+        if k < top:
+            return [_diag("P089", f"layer {name!r} of segment {placed[k].name!r} is called again after the layers of "
+                          f"segment {placed[top].name!r}: where a rank holds several stages ({spec.pipeline.schedule}), "
+                          "lockstep runs each stage's work in the schedule's action for it, in segment order",
+                          spec.placement[k].loc, "place the layers its later calls sit between in its segment, or "
+                          "use a schedule with one stage per device (gpipe, 1f1b)")]
+        top = k
+    return []
 
 
 def _check_loss(spec: Spec, graph: ModelGraph) -> list[Diagnostic]:

@@ -70,6 +70,8 @@ class TraceResult:
     """Layer -> where its inputs are made, cut at layer boundaries (`_Recorder.input_homes`)."""
     glue_before: frozenset = frozenset()
     """Layers right before whose call the parent's glue made a tensor (work owned by no layer)."""
+    calls: tuple = ()
+    """Every call of a layer (not inside another), in order: a layer called twice is there twice."""
 
 
 class ForwardFailed(Exception):
@@ -396,7 +398,8 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
                        traced_with="fx" if gm is not None else "hooks",
                        inputs=layer_inputs(gm, set(layers)) if gm is not None else {},
                        root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes(),
-                       glue_before=frozenset(rec.calls[n] for n in rec.glue_reads if n < len(rec.calls)))
+                       glue_before=frozenset(rec.calls[n] for n in rec.glue_reads if n < len(rec.calls)),
+                       calls=tuple(rec.calls))
 
 
 def _run(rec: _Recorder, mods: dict, forward, inputs=()):

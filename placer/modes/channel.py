@@ -137,11 +137,8 @@ class Channel(Mode):
     lockstep_group = True
 
     def module_model_blocker(self, spec, seg):
-        if spec.pipeline and (spec.pipeline.schedule != "gpipe" or group_blocker(spec.placement, seg.index)):
-            return "in a pipeline" + ("" if spec.pipeline.schedule == "gpipe" else
-                                      f" under schedule {spec.pipeline.schedule!r}")
-        if spec.training.precision != "fp32":
-            return f"with precision {spec.training.precision}"
+        if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
+            return "in a pipeline"
         if len(spec.placement) == 1:
             return "as the only segment (the model's own forward may still work on its output)"
         why = group_blocker(spec.placement, seg.index)  # else cut by torch.distributed.pipelining

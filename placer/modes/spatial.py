@@ -147,10 +147,8 @@ class Spatial(Mode):
     chain = True
 
     def module_model_blocker(self, spec, seg):
-        if spec.pipeline:  # (lockstep's GPipe loops would run it; not tried: BatchNorm over micro-batches)
+        if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
-        if spec.training.precision != "fp32":
-            return f"with precision {spec.training.precision}"
         if len(spec.placement) == 1:
             return "as the only segment (the model's own forward may still work on its output)"
         return group_blocker(spec.placement, seg.index)  # lockstep only

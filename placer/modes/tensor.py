@@ -325,8 +325,6 @@ class Tensor(Mode):
     lockstep_group = True
 
     def module_model_blocker(self, spec, seg):
-        if spec.pipeline and spec.pipeline.schedule != "gpipe":  # lockstep's GPipe loops run groups
-            return f"in a pipeline under schedule {spec.pipeline.schedule!r}"
         if seg.parallel.data > 1 and spec.training.precision != "fp32":  # the replicas' plan counts float32
             return f"with data replicas and precision {spec.training.precision}"
         return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None

@@ -10,7 +10,7 @@ and positions built from the batch are computed on every device and never cross.
 (`LayerInfo.consumers`) says which leaves reach which layers; `crossings` turns that into one
 transfer per tensor and receiving device, which the plan counts and the program sends. With
 data-parallel segments each replica pipeline (the r-th device of every segment) takes 1/D of the
-batch and sends to its own peers only. Without a pipeline or under GPipe, a group of a split mode
+batch and sends to its own peers only. Under any schedule or none, a group of a split mode
 (tensor, channel, spatial: `Mode.lockstep_group`) may sit beside one-device segments on devices of
 its own: each of its devices runs the segment on the whole input, so what enters is sent to each,
 what leaves is sent from its first, and the gradients go back alike (`group_blocker`).
@@ -78,13 +78,12 @@ def lockstep(spec, segments) -> bool:
     parallel over the same number of devices (`replica_blocker` says which), without a pipeline
     or under any schedule (placer's micro-batch loops; a rank holding several stages runs each
     micro-batch's forward in a thread that waits for the schedule's action of its next stage);
-    or, without a pipeline or under GPipe, split-mode groups that `group_blocker` lets run beside
-    one-device segments (tensor, channel, spatial)."""
+    or split-mode groups that `group_blocker` lets run beside one-device segments (tensor,
+    channel, spatial), likewise."""
     if spec.model.inline or len(segments) < 2:
         return False
     if has_groups(segments):
-        return (spec.pipeline is None or spec.pipeline.schedule == "gpipe") and all(
-            len(s.devices) == 1 or group_blocker(segments, s.index) is None for s in segments)
+        return all(len(s.devices) == 1 or group_blocker(segments, s.index) is None for s in segments)
     if len({len(s.devices) for s in segments}) != 1:
         return False
     return len(segments[0].devices) == 1 or replica_blocker(spec, segments) is None
@@ -102,8 +101,9 @@ def group_blocker(segments, k: int) -> str | None:
     """Why segment k (spec or plan segments), over several devices, cannot run in lockstep beside
     the others, as words after its mode; None if it can. Each rank of a group runs the segment's
     layers on the whole activation (`Mode.lockstep_group`), the others must be one device each or
-    such groups, on devices no other segment uses: not data replicas (replica pipelines), which
-    cut the batch, nor a 2-D group's."""
+    such groups, on devices no other segment uses (but a group of the same devices: its ranks
+    hold several stages alike, as interleaved and V schedules place them): not data replicas
+    (replica pipelines), which cut the batch, nor a 2-D group's."""
     from placer.modes import MODES
 
     seg = segments[k]
@@ -119,7 +119,7 @@ def group_blocker(segments, k: int) -> str | None:
         if len(other.devices) > 1 and _data(other) > 1:
             return f"beside segment {other.name!r} with data replicas"
         shared = [d for d in other.devices if d in seg.devices]
-        if shared:
+        if shared and tuple(other.devices) != tuple(seg.devices):  # one group may hold several segments
             return f"beside segment {other.name!r} on its device {shared[0]!r} (give the group devices of its own)"
     return None
 

@@ -397,5 +397,24 @@ def test_split_modes_of_a_module_model_warn_that_generate_cannot_write_them():
     beside["placement"][0]["device"] = "cuda:0"  # a device of the group: not generated
     assert "W007" in codes(beside)
     beside["placement"][0]["device"] = "cuda:2"
-    beside["pipeline"] = {"microbatches": 2, "schedule": "1f1b"}  # GPipe runs it in lockstep
-    assert "W007" in codes(beside)
+    beside["pipeline"] = {"microbatches": 2, "schedule": "1f1b"}  # lockstep's loops in the schedule's order
+    assert "W007" not in codes(beside)
+    # under interleaved 1F1B, two groups on the same devices (each rank holds two stages alike)
+    inter = spec_with(model=model, devices=three, pipeline={"microbatches": 2, "schedule": "interleaved_1f1b"},
+                      placement=segs({"layers": "embed", "device": "cuda:2"},
+                                     {"layers": "blocks.0", "devices": two, "parallel": "tensor"},
+                                     {"layers": ["blocks.1", "ln_f"], "device": "cuda:2"},
+                                     {"layers": "lm_head", "devices": two, "parallel": "channel"}))
+    assert "W007" not in codes(inter)
+    inter["training"]["precision"] = "bf16"  # channel and tensor groups in lockstep take bf16
+    assert "W007" not in codes(inter)
+    inter["placement"][3]["devices"] = ["cuda:1", "cuda:0"]  # a group overlapping another, not the same
+    assert "W007" in codes(inter)
+    stem = spec_with(model=model, devices=three, pipeline={"microbatches": 2, "schedule": "zbv_zero_bubble"},
+                     placement=segs({"layers": "embed", "devices": two, "parallel": "spatial"},
+                                    {"layers": "blocks.0", "device": "cuda:2"},
+                                    {"layers": ["blocks.1", "ln_f"], "device": "cuda:2"},
+                                    {"layers": "lm_head", "devices": two, "parallel": "channel"}))
+    assert "W007" not in codes(stem)  # spatial in a pipeline, beside one-device stages (the layers are not checked here)
+    stem["placement"][1]["device"] = "cuda:1"
+    assert "W007" in codes(stem)

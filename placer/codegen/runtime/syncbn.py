@@ -12,6 +12,9 @@ import torch.nn.functional as F
 class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+        # a bfloat16 input (autocast) is normalized in float32 and the output rounded back, as
+        # BatchNorm does on one device: a float32 output would round differently downstream
+        ctx.dtype, x = x.dtype, x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         dims = [d for d in range(x.dim()) if d != 1]  # every dim but the channel dim
         shape = [1, -1] + [1] * (x.dim() - 2)  # per-channel values broadcast over x
         c = x.shape[1]
@@ -32,11 +35,12 @@ class _SyncBatchNormFn(torch.autograd.Function):
         ctx.save_for_backward(xhat, weight, invstd)
         ctx.group, ctx.n, ctx.has_bias = group, n, bias is not None
         y = xhat if weight is None else xhat * weight.view(shape)
-        return y if bias is None else y + bias.view(shape)
+        return (y if bias is None else y + bias.view(shape)).to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         xhat, weight, invstd = ctx.saved_tensors
+        dy = dy.to(xhat.dtype)
         dims = [d for d in range(dy.dim()) if d != 1]
         shape = [1, -1] + [1] * (dy.dim() - 2)
         c = dy.shape[1]
@@ -50,7 +54,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         mean_dy, mean_dy_xhat = sums[:c] / ctx.n, sums[c:] / ctx.n
         scale = invstd if weight is None else invstd * weight
         dx = (dy - mean_dy.view(shape) - xhat * mean_dy_xhat.view(shape)) * scale.view(shape)
-        return dx, grad_weight, grad_bias, None, None, None, None, None
+        return dx.to(ctx.dtype), grad_weight, grad_bias, None, None, None, None, None
 
 
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):

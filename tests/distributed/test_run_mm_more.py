@@ -1,0 +1,73 @@
+"""Split modes on module models in lockstep in pipelines under every schedule, and under
+precision bf16 (codegen/loops.py, runtime/lockstep.py): the shipped TinyGPT with a tensor stage
+under 1F1B (both ranks of the group walk the same actions, so their all-reduces match), and under
+interleaved 1F1B with a tensor stage and a channel head on the same two ranks (each rank holds two
+stages: each micro-batch's forward runs in a thread that waits for the schedule's action of its
+next stage); a ResNet-style stem (stem_net.py) split spatially as a GPipe stage, and with a
+channel classifier on the same ranks under a V schedule with bf16. Each `placer run --check`
+matches the one-device reference (losses, every parameter, first-step gradients; rtol 1e-5,
+atol 4e-5, bf16's stated tolerance under bf16), and each device sends, per step, what its plan
+says."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from placer.cli.main import main
+
+try:
+    from .test_run_mm_modes import ATOL, MODELS, RTOL
+    from .test_run_modes import assert_sends_what_the_plan_says
+except ImportError:  # run as a top-level module
+    from test_run_mm_modes import ATOL, MODELS, RTOL
+    from test_run_modes import assert_sends_what_the_plan_says
+
+pytestmark = pytest.mark.distributed
+
+RUNS = {  # spec under tests/models: what its program must run
+    "tinygpt_tensor_1f1b": ("order = ", "crossing.backward_own(loss, crossed)"),
+    "tinygpt_split_interleaved": ("order = ", "crossing.forward_stage(stage, mb, model, xs[mb].to(device))"),
+    "stem_spatial_gpipe": ("GPipe in lockstep", "SpatialWhole(seg0)"),
+}
+
+
+def run_checked(spec: Path, run_dir: Path) -> dict:
+    """`placer run --check`: passed, every final parameter (7 or more) close to the reference's;
+    the metrics."""
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout
+    run_p = torch.load(run_dir / "final_params.pt")
+    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
+    assert set(run_p) == set(ref_p) and len(ref_p) >= 7
+    for key, value in ref_p.items():
+        torch.testing.assert_close(run_p[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_split_stages_of_a_module_model_in_pipelines_match_one_device(name, tmp_path):
+    spec = MODELS / f"{name}.yaml"
+    metrics = run_checked(spec, tmp_path / "run")
+    program = (tmp_path / "run" / "program.py").read_text()
+    assert "groups=GROUPS" in program and all(line in program for line in RUNS[name])
+    assert_sends_what_the_plan_says(name, spec, metrics)
+
+
+def test_spatial_and_channel_groups_under_a_v_schedule_run_bf16(tmp_path):
+    """A spatial stem and a channel classifier on the same two ranks under zero-bubble V, precision
+    bf16: autocast in each micro-batch's forward thread, bfloat16 bands and logits halves gathered
+    as bfloat16; --check against the one-device bf16 reference at its stated tolerance, and each
+    device sends what the plan says."""
+    spec, run_dir = MODELS / "stem_split_v.yaml", tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
+    program = (run_dir / "program.py").read_text()
+    assert "crossing.forward_stage(stage, mb, forward, xs[mb].to(device))" in program
+    assert "SpatialWhole(seg0)" in program and "ChannelSplit" in program
+    assert_sends_what_the_plan_says("stem_split_v", spec, json.loads((run_dir / "metrics.json").read_text()))
