@@ -11,22 +11,20 @@ says."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from placer.cli.main import main
 
 try:
-    from .test_run_mm_modes import ATOL, MODELS, RTOL
-    from .test_run_modes import assert_sends_what_the_plan_says
+    from . import _harness as h
 except ImportError:  # run as a top-level module
-    from test_run_mm_modes import ATOL, MODELS, RTOL
-    from test_run_modes import assert_sends_what_the_plan_says
+    import _harness as h
 
 pytestmark = pytest.mark.distributed
+
+MODELS = h.ROOT / "tests" / "models"
 
 RUNS = {  # spec under tests/models: what its program must run
     "tinygpt_tensor_1f1b": ("order = ", "crossing.backward_own(loss, crossed)"),
@@ -35,27 +33,12 @@ RUNS = {  # spec under tests/models: what its program must run
 }
 
 
-def run_checked(spec: Path, run_dir: Path) -> dict:
-    """`placer run --check`: passed, every final parameter (7 or more) close to the reference's;
-    the metrics."""
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and len(ref_p) >= 7
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_split_stages_of_a_module_model_in_pipelines_match_one_device(name, tmp_path):
     spec = MODELS / f"{name}.yaml"
-    metrics = run_checked(spec, tmp_path / "run")
-    program = (tmp_path / "run" / "program.py").read_text()
+    program, _, metrics, _ = h.checked_run(spec, tmp_path / "run", min_params=7)
     assert "groups=GROUPS" in program and all(line in program for line in RUNS[name])
-    assert_sends_what_the_plan_says(name, spec, metrics)
+    h.assert_sends_what_the_plan_says(name, spec, metrics)
 
 
 def test_spatial_and_channel_groups_under_a_v_schedule_run_bf16(tmp_path):
@@ -70,4 +53,4 @@ def test_spatial_and_channel_groups_under_a_v_schedule_run_bf16(tmp_path):
     program = (run_dir / "program.py").read_text()
     assert "crossing.forward_stage(stage, mb, forward, xs[mb].to(device))" in program
     assert "SpatialWhole(seg0)" in program and "ChannelSplit" in program
-    assert_sends_what_the_plan_says("stem_split_v", spec, json.loads((run_dir / "metrics.json").read_text()))
+    h.assert_sends_what_the_plan_says("stem_split_v", spec, json.loads((run_dir / "metrics.json").read_text()))
