@@ -131,10 +131,11 @@ def _data(seg) -> int:
 
 def replica_blocker(spec, segments) -> str | None:
     """Why multi-device segments of a module model cannot run as replica pipelines in lockstep,
-    or None. Each group must hold whole replicas that cut the batch (data) and sync by an
-    all-reduce of whole gradients after the lockstep backward (placer's buckets, no DDP: the
-    segment's layers run inside the whole model's forward), as a stage torch's schedules run
-    replicated; and a device keeps one place in every group (its pipeline)."""
+    or None. Each group must hold whole replicas that cut the batch (data) and sync whole
+    gradients after the lockstep backward (`Mode.replica_blocker`: placer's all-reduce buckets,
+    ZeRO-1, a parameter server on a device of the placement, a broadcast from the first; no DDP:
+    the segment's layers run inside the whole model's forward); and a device keeps one place in
+    every group (its pipeline)."""
     from placer.modes import MODES
 
     for s in segments:
@@ -142,9 +143,12 @@ def replica_blocker(spec, segments) -> str | None:
         mode = MODES[seg.mode]
         if mode.data_degree(len(s.devices)) != len(s.devices):
             return f"segment {s.name!r} is {seg.mode} over {len(s.devices)} devices"
-        why = mode.torch_pipeline_blocker(seg.parallel)
+        why = mode.replica_blocker(seg.parallel)
         if why:
             return f"segment {s.name!r} is {why}"
+        server = getattr(seg.parallel, "server", None)
+        if server and not any(server in x.devices for x in segments):  # every rank runs a pipeline
+            return f"segment {s.name!r}'s parameter server {server!r} holds no segment"
     place: dict[str, int] = {}
     for s in segments:
         for r, d in enumerate(s.devices):
@@ -274,9 +278,9 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                 f"output, or the parent's work before it: a mask, rotary, a skip connection); {why}, so "
                 "torch.distributed.pipelining cuts the module model, and it passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment, or data parallel over groups of one size (sync "
-                "allreduce, no shard), where lockstep passes any crossing under any schedule, or cut where only "
-                "the hidden state crosses"))
+                "place the module model one device per segment, or data parallel over groups of one size (not "
+                "shard full nor sync_batchnorm), where lockstep passes any crossing under any schedule, or cut "
+                "where only the hidden state crosses"))
     return out
 
 

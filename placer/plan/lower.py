@@ -238,7 +238,9 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
             if len(seg.devices) > 1 and t.tie.layers[0] in seg.layers}
     ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb, tied),
                    geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
-                   lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16")
+                   lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16",
+                   tied_bytes=sum(t.tie.bytes for t in placed_ties(plan.segments, graph) if len(seg.devices) > 1
+                                  and any(k == seg.index for k, _, _ in t.copies)))
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
 

@@ -11,7 +11,9 @@ step. The sum is the gradient the one parameter gets on one device.
 Data-parallel segments of a module model in lockstep (replica pipelines) keep a tie too: the
 all-reduce runs over every rank holding a copy, every replica of every segment that uses it,
 and sums all their gradients, so the segments' own data all-reduce leaves the tied parameter
-out. Elsewhere a tie is kept only between segments on one device each: a channel, tensor or
+out (ZeRO-1 then steps each copy on one rank of its group and broadcasts it, as any other). A
+parameter server or a broadcast root would step the copy alone and send back only what its own
+sync holds, so a tie there is refused (P080). Elsewhere a tie is kept only between segments on one device each: a channel, tensor or
 spatial group, or a data group cut by torch's pipelining, would need its own rule, so `check`
 refuses it (P080) before any worker starts rather than train the copies apart.
 """
@@ -80,7 +82,7 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
     segments = [PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx), devices=s.devices,
                               mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))]
     if lockstep(spec, segments) and not has_groups(segments):  # replica pipelines: the tie's all-reduce spans every copy
-        return []
+        return [d for t in placed(segments, graph) for d in _replica_tie(spec, t)]
     out = []
     for t in placed(segments, graph):
         bad = next((spec.placement[k] for k, _, _ in t.copies if len(spec.placement[k].devices) > 1), None)
@@ -92,8 +94,24 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
             f"{bad.mode} over {len(bad.devices)} devices; placer keeps a tie across segments only between segments "
             "on one device each, or data groups of one size run in lockstep", bad.loc,
             "place the tied layers' segments on one device each, or data parallel over groups of one size (sync "
-            "allreduce, no shard), or the layers in one segment; untied, the copies would train apart"))
+            "allreduce, shard none or optimizer), or the layers in one segment; untied, the copies would train apart"))
     return out
+
+
+def _replica_tie(spec, t: PlacedTie) -> list[Diagnostic]:
+    """P080 for a tie across replica pipelines whose data group syncs otherwise than by
+    all-reduce: a parameter server or a broadcast root steps the copy alone and sends back only
+    what its own sync holds, which leaves the tie's copy out (the tie's all-reduce sums it)."""
+    for k, _, _ in t.copies:
+        seg = spec.placement[k]
+        if len(seg.devices) > 1 and seg.parallel.sync != "allreduce":
+            where = " and ".join(f"{layer!r} (segment {spec.placement[j].name!r})" for j, layer, _ in t.copies)
+            return [Diagnostic(
+                "P080", f"parameter {t.tie.name!r} is tied: layers {where} use it, and segment {seg.name!r} is data "
+                f"parallel with sync {seg.parallel.sync!r}; across data groups in lockstep placer keeps a tie only "
+                "where each group all-reduces its gradients (shard none or optimizer)", seg.loc,
+                "use sync allreduce on the tied layers' segments, or place the tied layers in one segment")]
+    return []
 
 
 def describe(t: PlacedTie, segments) -> str:

@@ -1,0 +1,79 @@
+"""Data groups of replica pipelines in lockstep (module models: placer/plan/crossings.py) with the
+other `sync` and `shard` options: ZeRO-1 (the groups all-reduce, each rank steps its share and
+broadcasts it, tied copies included), a parameter server on a device of the placement, and a
+broadcast from the first device. A tie is kept where its groups all-reduce; under a parameter
+server or a broadcast it is refused (P080); what lockstep still cannot run says why (P083)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from placer.codegen.program import generate
+from placer.model.build import deep_check
+from placer.plan.ir import OpKind
+from placer.spec.check import load_spec
+
+try:
+    from .test_lockstep_data import GPT2, LLAMA, lowered, spec_file
+except ImportError:  # run as a top-level module
+    from test_lockstep_data import GPT2, LLAMA, lowered, spec_file
+
+ZERO = "{mode: data, shard: optimizer}"
+SERVER = "{mode: data, sync: parameter_server, server: cpu:3}"  # a device of the other segment
+ONE_F_ONE_B = "pipeline: {microbatches: 2, schedule: 1f1b}\n"
+
+
+def test_zero1_steps_and_broadcasts_every_parameter_tied_copies_included(tmp_path):
+    """GPT-2's wte / lm_head tied across two ZeRO-1 groups: the groups' all-reduce leaves the tie
+    out (its own all-reduce sums every copy), but ZeRO steps and broadcasts the copy with the rest."""
+    spec, graph, plan = lowered(spec_file(tmp_path, GPT2, front=ZERO, pipeline=ONE_F_ONE_B, tied=True))
+    assert not [d for d in deep_check(spec) if d.severity == "error"]  # no P080, no P083
+    ops = plan.unique_ops()
+    (tie,) = [op for op in ops if "tie" in op.attrs]
+    assert tie.devices == ("cpu", "cpu:1", "cpu:2", "cpu:3")
+    front = sum(graph.layer(n).param_bytes for n in plan.segments[0].layers)  # wte's weight counted here
+    reduced = sum(op.bytes for op in ops if op.kind == OpKind.ALL_REDUCE and op.devices == ("cpu", "cpu:1"))
+    shared = [op for op in ops if op.kind == OpKind.BROADCAST and op.segment == 0]
+    assert reduced == front - tie.bytes
+    assert {op.attrs["root"] for op in shared} == {"cpu", "cpu:1"} and sum(op.bytes for op in shared) == front
+    text = generate(spec, out_dir=str(tmp_path)).text
+    assert "opt0 = zero_optimizer(seg0.parameters(), g0" in text
+    assert "all_reduce_grads(untied(seg0.parameters(), tied0), g0, bucket_mb=25.0)" in text
+    assert "PIPELINES = [[0, 2], [1, 3]]" in text and "ddp_sum(" not in text
+
+
+def test_a_parameter_server_and_a_broadcast_run_replica_pipelines(tmp_path):
+    """Llama: the front group's gradients go to a server on a device of the back group, which steps
+    and sends the weights back; the back group's first device broadcasts its weights before the
+    forward and steps on the gradients reduced to it."""
+    path = spec_file(tmp_path, LLAMA, front=SERVER, pipeline="pipeline: {microbatches: 2, schedule: gpipe}\n")
+    path.write_text(path.read_text().replace("devices: [cpu:2, cpu:3], parallel: data}",
+                                             "devices: [cpu:2, cpu:3], parallel: {mode: data, sync: broadcast}}"))
+    spec, _, plan = lowered(path)
+    assert not [d for d in deep_check(spec) if d.severity == "error"]
+    kinds = {(op.kind, op.segment, op.devices, op.attrs.get("root")) for op in plan.unique_ops()
+             if op.kind in (OpKind.REDUCE, OpKind.BROADCAST)}
+    assert kinds == {(OpKind.REDUCE, 0, ("cpu", "cpu:1", "cpu:3"), "cpu:3"),
+                     (OpKind.BROADCAST, 0, ("cpu", "cpu:1", "cpu:3"), "cpu:3"),
+                     (OpKind.REDUCE, 1, ("cpu:2", "cpu:3"), "cpu:2"),
+                     (OpKind.BROADCAST, 1, ("cpu:2", "cpu:3"), "cpu:2")}
+    text = " ".join(generate(spec, out_dir=str(tmp_path)).text.split())  # as one line: ruff wraps calls
+    assert "param_server_step( seg0.parameters(), opt0, g0, server=3," in text
+    assert "broadcast_sync_before_forward(seg1.parameters(), g1, root=2" in text
+    assert "broadcast_sync_after_backward(seg1.parameters(), opt1, g1, root=2" in text
+    assert "Lockstep(" in text and "PIPELINES = [[0, 2], [1, 3]]" in text
+
+
+def test_a_tie_under_a_parameter_server_is_refused(tmp_path):
+    """The server steps its copy alone and sends back only what its own sync holds."""
+    spec = load_spec(str(spec_file(tmp_path, GPT2, front=SERVER, tied=True)))
+    diags = [d for d in deep_check(spec) if d.severity == "error"]
+    assert [d.code for d in diags] == ["P080"]
+    assert "'transformer.wte.weight'" in diags[0].message and "sync 'parameter_server'" in diags[0].message
+    assert "segment 'front'" in diags[0].message and "segment 'back'" in diags[0].message
+
+
+def test_what_lockstep_still_cannot_run_says_why(tmp_path):
+    for option, why in (("shard: full", "shard 'full'"), ("sync_batchnorm: true", "sync_batchnorm")):
+        spec = load_spec(str(spec_file(tmp_path, LLAMA, front="{mode: data, " + option + "}")))
+        diags = [d for d in deep_check(spec) if d.code == "P083"]
+        assert len(diags) == 1 and f"segment 'front' is data parallel with {why}" in diags[0].message
