@@ -266,7 +266,11 @@ class TrainWriter(TrainingOptions):
         if seg.sync_batchnorm:
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
             c(f"stage = sync_batchnorm(stage, {bn}, device)")
-        c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
+        if self.lockstep and seg.shard == "full":  # a unit per placed layer: what the model's forward calls
+            c(f"seg{k} = fully_shard_layers(stage, {list(seg.layers)!r}, g{k}, device.type)  # gradients "
+              "reduce-scattered in backward")
+        else:
+            c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
         if seg.chained:
             c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
               "calls the split chain")

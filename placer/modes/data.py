@@ -179,9 +179,8 @@ class Data(Mode):
 
     def replica_blocker(self, p):
         # allreduce (ZeRO-1 too), parameter_server and broadcast sync the segment's parameters
-        # after the lockstep backward (the broadcast's root weights also before the forward)
-        if p.shard == "full":
-            return "data parallel with shard 'full' (FSDP2 does not run in lockstep yet)"
+        # after the lockstep backward (the broadcast's root weights also before the forward);
+        # FSDP2 shards each placed layer, which the model's forward calls (fully_shard_layers)
         if p.sync_batchnorm:
             return "data parallel with sync_batchnorm (the model's forward calls its own BatchNorm)"
         return None

@@ -13,7 +13,7 @@ all-reduce runs over every rank holding a copy, every replica of every segment t
 and sums all their gradients, so the segments' own data all-reduce leaves the tied parameter
 out (ZeRO-1 then steps each copy on one rank of its group and broadcasts it, as any other). A
 parameter server or a broadcast root would step the copy alone and send back only what its own
-sync holds, so a tie there is refused (P080). Elsewhere a tie is kept only between segments on one device each: a channel, tensor or
+sync holds, and FSDP2 holds a shard of it, so a tie there is refused (P080). Elsewhere a tie is kept only between segments on one device each: a channel, tensor or
 spatial group, or a data group cut by torch's pipelining, would need its own rule, so `check`
 refuses it (P080) before any worker starts rather than train the copies apart.
 """
@@ -99,17 +99,19 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
 
 
 def _replica_tie(spec, t: PlacedTie) -> list[Diagnostic]:
-    """P080 for a tie across replica pipelines whose data group syncs otherwise than by
-    all-reduce: a parameter server or a broadcast root steps the copy alone and sends back only
-    what its own sync holds, which leaves the tie's copy out (the tie's all-reduce sums it)."""
+    """P080 for a tie across replica pipelines whose data group syncs otherwise than by an
+    all-reduce of whole gradients: a parameter server or a broadcast root steps the copy alone
+    and sends back only what its own sync holds, which leaves the tie's copy out (the tie's
+    all-reduce sums it); FSDP2 holds 1/d of the copy's gradient on each rank."""
     for k, _, _ in t.copies:
         seg = spec.placement[k]
-        if len(seg.devices) > 1 and seg.parallel.sync != "allreduce":
+        if len(seg.devices) > 1 and (seg.parallel.sync != "allreduce" or seg.parallel.shard == "full"):
+            what = f"shard {seg.parallel.shard!r}" if seg.parallel.sync == "allreduce" else f"sync {seg.parallel.sync!r}"
             where = " and ".join(f"{layer!r} (segment {spec.placement[j].name!r})" for j, layer, _ in t.copies)
             return [Diagnostic(
                 "P080", f"parameter {t.tie.name!r} is tied: layers {where} use it, and segment {seg.name!r} is data "
-                f"parallel with sync {seg.parallel.sync!r}; across data groups in lockstep placer keeps a tie only "
-                "where each group all-reduces its gradients (shard none or optimizer)", seg.loc,
+                f"parallel with {what}; across data groups in lockstep placer keeps a tie only where each group "
+                "all-reduces whole gradients (shard none or optimizer)", seg.loc,
                 "use sync allreduce on the tied layers' segments, or place the tied layers in one segment")]
     return []
 

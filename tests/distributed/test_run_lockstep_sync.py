@@ -7,7 +7,11 @@ sync otherwise than by a plain all-reduce, each run for real on 4 CPU workers (g
   broadcasts it;
 - Hugging Face Llama under GPipe, the front group's gradients going to a parameter server on a
   device of the back group (which also sends it the first data device's buffers), the back group
-  broadcasting its first device's weights before the forward and stepping there.
+  broadcasting its first device's weights before the forward and stepping there;
+- Hugging Face Llama under 1F1B with both groups fully sharded (FSDP2, `shard: full`): one
+  `fully_shard` per placed layer with parameters (the modules the model's forward calls), each
+  gathered for its forward and again for its backward, its gradients reduce-scattered, per
+  micro-batch.
 
 Each `placer run --check` matches the one-device reference (losses, every parameter and every
 copy of the tie, first-step gradients; rtol 1e-5, atol 4e-5), and each device sends per step what
@@ -46,6 +50,9 @@ RUNS = {  # name: (model spec, front layers, front sync, back layers, back sync,
                                      "{mode: data, sync: parameter_server, server: cpu:3}",
                                      "model.layers.1, model.norm, lm_head", "{mode: data, sync: broadcast}", "gpipe",
                                      False),
+    "llama-fsdp2-1f1b": ("hf_llama_layerwise", "model.embed_tokens, model.rotary_emb, model.layers.0",
+                         "{mode: data, shard: full}", "model.layers.1, model.norm, lm_head", "{mode: data, shard: full}",
+                         "1f1b", False),
 }
 SENT_TOLERANCE["gpt2-tied-zero1-1f1b"] = 0.01  # ZeRO steps whole parameters: its shares are near 1/2
 
@@ -73,6 +80,9 @@ def test_replica_pipelines_with_other_syncs_match_one_device(name, tmp_path):
     assert "PIPELINES = [[0, 2], [1, 3]]" in program and "Lockstep(" in program and "ddp_sum(" not in program
     if name.startswith("gpt2"):
         assert "zero_optimizer(seg0.parameters(), g0" in program and "untied(seg1.parameters(), tied0)" in program
+    elif "fsdp2" in name:  # a unit per placed layer with parameters, each gathered around its use
+        step = program.split("# Below: placer's runtime")[0]
+        assert "fully_shard_layers(" in step and "fully_shard_segment(" not in step
     else:
         assert "param_server_step(" in program and "broadcast_sync_before_forward(" in program
     run_p = torch.load(run_dir / "final_params.pt")

@@ -17,6 +17,7 @@ try:
 except ImportError:  # run as a top-level module
     from test_lockstep_data import GPT2, LLAMA, lowered, spec_file
 
+ROOT = Path(__file__).resolve().parents[2]
 ZERO = "{mode: data, shard: optimizer}"
 SERVER = "{mode: data, sync: parameter_server, server: cpu:3}"  # a device of the other segment
 ONE_F_ONE_B = "pipeline: {microbatches: 2, schedule: 1f1b}\n"
@@ -50,12 +51,14 @@ def test_a_parameter_server_and_a_broadcast_run_replica_pipelines(tmp_path):
                                              "devices: [cpu:2, cpu:3], parallel: {mode: data, sync: broadcast}}"))
     spec, _, plan = lowered(path)
     assert not [d for d in deep_check(spec) if d.severity == "error"]
-    kinds = {(op.kind, op.segment, op.devices, op.attrs.get("root")) for op in plan.unique_ops()
+    kinds = {(op.kind, op.segment, op.devices, op.attrs.get("root"), op.tensor) for op in plan.unique_ops()
              if op.kind in (OpKind.REDUCE, OpKind.BROADCAST)}
-    assert kinds == {(OpKind.REDUCE, 0, ("cpu", "cpu:1", "cpu:3"), "cpu:3"),
-                     (OpKind.BROADCAST, 0, ("cpu", "cpu:1", "cpu:3"), "cpu:3"),
-                     (OpKind.REDUCE, 1, ("cpu:2", "cpu:3"), "cpu:2"),
-                     (OpKind.BROADCAST, 1, ("cpu:2", "cpu:3"), "cpu:2")}
+    # the server ran no forward: the first data device sends it the segment's buffers (rotary's inv_freq)
+    assert kinds == {(OpKind.REDUCE, 0, ("cpu", "cpu:1", "cpu:3"), "cpu:3", "grads"),
+                     (OpKind.BROADCAST, 0, ("cpu", "cpu:1", "cpu:3"), "cpu:3", "params"),
+                     (OpKind.BROADCAST, 0, ("cpu", "cpu:1", "cpu:3"), "cpu", "buffers"),
+                     (OpKind.REDUCE, 1, ("cpu:2", "cpu:3"), "cpu:2", "grads"),
+                     (OpKind.BROADCAST, 1, ("cpu:2", "cpu:3"), "cpu:2", "params")}
     text = " ".join(generate(spec, out_dir=str(tmp_path)).text.split())  # as one line: ruff wraps calls
     assert "param_server_step( seg0.parameters(), opt0, g0, server=3," in text
     assert "broadcast_sync_before_forward(seg1.parameters(), g1, root=2" in text
@@ -72,8 +75,46 @@ def test_a_tie_under_a_parameter_server_is_refused(tmp_path):
     assert "segment 'front'" in diags[0].message and "segment 'back'" in diags[0].message
 
 
+def test_fsdp2_shards_each_placed_layer(tmp_path):
+    """The model's forward calls the placed layers, not the segment's container: one unit each."""
+    spec = load_spec(str(spec_file(tmp_path, LLAMA, front="{mode: data, shard: full}", pipeline=ONE_F_ONE_B)))
+    assert not [d for d in deep_check(spec) if d.severity == "error"]
+    text = " ".join(generate(spec, out_dir=str(tmp_path)).text.split())
+    assert ('seg0 = fully_shard_layers( stage, ["model.embed_tokens", "model.rotary_emb", "model.layers.0"], g0, '
+            "device.type )") in text
+    assert "fully_shard_segment(" not in text.split("# Below: placer's runtime")[0]
+
+
+def test_a_tie_under_fsdp2_is_refused(tmp_path):
+    """Each rank holds 1/2 of the copy's gradient: the tie's all-reduce of whole copies cannot sum it."""
+    spec = load_spec(str(spec_file(tmp_path, GPT2, front="{mode: data, shard: full}", tied=True)))
+    diags = [d for d in deep_check(spec) if d.severity == "error"]
+    assert [d.code for d in diags] == ["P080"] and "shard 'full'" in diags[0].message
+
+
+def test_a_parent_parameter_under_fsdp2_is_refused(tmp_path):
+    """TinyGPT's `pos` belongs to no placed layer: no unit would gather it (P082)."""
+    text = """placer: 1
+name: tiny
+model:
+  module: {model}:TinyGPT
+  kwargs: {{vocab: 32, d_model: 16, n_layers: 2, seq: 8, n_heads: 2}}
+  input: {{shape: [B, 8], dtype: int64, high: 32}}
+  target: {{shape: [B, 8], dtype: int64, high: 32}}
+  loss: CrossEntropyLoss
+devices: [cpu, cpu:1, cpu:2, cpu:3]
+placement:
+  - {{name: front, layers: [embed, blocks.0], devices: [cpu, cpu:1], parallel: {{mode: data, shard: full}}}}
+  - {{name: back, layers: [blocks.1, ln_f, lm_head], devices: [cpu:2, cpu:3], parallel: data}}
+training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1}}}}
+"""
+    path = tmp_path / "spec.yaml"
+    path.write_text(text.format(model=ROOT / "specs" / "models" / "tinygpt.py"))
+    diags = [d for d in deep_check(load_spec(str(path))) if d.severity == "error"]
+    assert [d.code for d in diags] == ["P082"] and "'pos'" in diags[0].message and "shard 'full'" in diags[0].message
+
+
 def test_what_lockstep_still_cannot_run_says_why(tmp_path):
-    for option, why in (("shard: full", "shard 'full'"), ("sync_batchnorm: true", "sync_batchnorm")):
-        spec = load_spec(str(spec_file(tmp_path, LLAMA, front="{mode: data, " + option + "}")))
-        diags = [d for d in deep_check(spec) if d.code == "P083"]
-        assert len(diags) == 1 and f"segment 'front' is data parallel with {why}" in diags[0].message
+    spec = load_spec(str(spec_file(tmp_path, LLAMA, front="{mode: data, sync_batchnorm: true}")))
+    diags = [d for d in deep_check(spec) if d.code == "P083"]
+    assert len(diags) == 1 and "segment 'front' is data parallel with sync_batchnorm" in diags[0].message
