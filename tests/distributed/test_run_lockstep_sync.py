@@ -8,10 +8,11 @@ sync otherwise than by a plain all-reduce, each run for real on 4 CPU workers (g
 - Hugging Face Llama under GPipe, the front group's gradients going to a parameter server on a
   device of the back group (which also sends it the first data device's buffers), the back group
   broadcasting its first device's weights before the forward and stepping there;
-- Hugging Face Llama under 1F1B with both groups fully sharded (FSDP2, `shard: full`): one
+- Hugging Face GPT-2 under GPipe with both groups fully sharded (FSDP2, `shard: full`): one
   `fully_shard` per placed layer with parameters (the modules the model's forward calls), each
   gathered for its forward and again for its backward, its gradients reduce-scattered, per
-  micro-batch.
+  micro-batch; the tied wte / lm_head copies, each reduce-scattered over its group, are summed
+  shard by shard (the r-th ranks of both groups hold the same rows of their copy).
 
 Each `placer run --check` matches the one-device reference (losses, every parameter and every
 copy of the tie, first-step gradients; rtol 1e-5, atol 4e-5), and each device sends per step what
@@ -50,9 +51,9 @@ RUNS = {  # name: (model spec, front layers, front sync, back layers, back sync,
                                      "{mode: data, sync: parameter_server, server: cpu:3}",
                                      "model.layers.1, model.norm, lm_head", "{mode: data, sync: broadcast}", "gpipe",
                                      False),
-    "llama-fsdp2-1f1b": ("hf_llama_layerwise", "model.embed_tokens, model.rotary_emb, model.layers.0",
-                         "{mode: data, shard: full}", "model.layers.1, model.norm, lm_head", "{mode: data, shard: full}",
-                         "1f1b", False),
+    "gpt2-tied-fsdp2-gpipe": ("hf_gpt2_layerwise", "transformer.wte..transformer.h.0", "{mode: data, shard: full}",
+                              "transformer.h.1, transformer.ln_f, lm_head", "{mode: data, shard: full}", "gpipe",
+                              True),
 }
 SENT_TOLERANCE["gpt2-tied-zero1-1f1b"] = 0.01  # ZeRO steps whole parameters: its shares are near 1/2
 
@@ -83,6 +84,7 @@ def test_replica_pipelines_with_other_syncs_match_one_device(name, tmp_path):
     elif "fsdp2" in name:  # a unit per placed layer with parameters, each gathered around its use
         step = program.split("# Below: placer's runtime")[0]
         assert "fully_shard_layers(" in step and "fully_shard_segment(" not in step
+        assert "for ranks in [[0, 2], [1, 3]]" in step  # the tie's groups: one per shard position
     else:
         assert "param_server_step(" in program and "broadcast_sync_before_forward(" in program
     run_p = torch.load(run_dir / "final_params.pt")

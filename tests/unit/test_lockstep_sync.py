@@ -85,11 +85,28 @@ def test_fsdp2_shards_each_placed_layer(tmp_path):
     assert "fully_shard_segment(" not in text.split("# Below: placer's runtime")[0]
 
 
-def test_a_tie_under_fsdp2_is_refused(tmp_path):
-    """Each rank holds 1/2 of the copy's gradient: the tie's all-reduce of whole copies cannot sum it."""
+def test_a_tie_across_fsdp2_groups_is_summed_shard_by_shard(tmp_path):
+    """The r-th device of each FSDP2 group holds the same half of its copy: one all-reduce per
+    position, of half the weight; each layer's gathers count the copy it uses."""
+    full = "{mode: data, shard: full}"
+    path = spec_file(tmp_path, GPT2, front=full, tied=True)
+    path.write_text(path.read_text().replace("devices: [cpu:2, cpu:3], parallel: data}",
+                                             f"devices: [cpu:2, cpu:3], parallel: {full}}}"))
+    spec, _, plan = lowered(path)
+    assert not [d for d in deep_check(spec) if d.severity == "error"]
+    ties = sorted((op.devices, op.bytes) for op in plan.unique_ops() if "tie" in op.attrs)
+    assert ties == [(("cpu", "cpu:2"), 128 * 32 * 2), (("cpu:1", "cpu:3"), 128 * 32 * 2)]
+    gathers = {op.attrs["layer"]: op.bytes for op in plan.unique_ops() if op.kind == OpKind.ALL_GATHER}
+    assert gathers["lm_head"] == gathers["transformer.wte"] == 128 * 32 * 4
+    text = " ".join(generate(spec, out_dir=str(tmp_path)).text.split())
+    assert "for ranks in [[0, 2], [1, 3]]" in text and "own.update(tied0)" not in text
+
+
+def test_a_tie_between_fsdp2_and_whole_copies_is_refused(tmp_path):
+    """One group holds 1/2 of its copy's gradient on each rank, the other the whole of it."""
     spec = load_spec(str(spec_file(tmp_path, GPT2, front="{mode: data, shard: full}", tied=True)))
     diags = [d for d in deep_check(spec) if d.severity == "error"]
-    assert [d.code for d in diags] == ["P080"] and "shard 'full'" in diags[0].message
+    assert [d.code for d in diags] == ["P080"] and "'transformer.wte.weight'" in diags[0].message
 
 
 def test_a_parent_parameter_under_fsdp2_is_refused(tmp_path):
