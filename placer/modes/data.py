@@ -84,8 +84,8 @@ def batchnorm_stats(a: Attached, info, op) -> None:
     """The statistics' all-reduces of each BatchNorm run as SyncBatchNorm over the group (the
     pasted CPU version's: data's sync_batchnorm, spatial's bands)."""
     for i, l in enumerate(info):
-        if l.op.startswith("BatchNorm"):
-            c = channels(l)
+        # a module model's layer: each BatchNorm in it (a ResNet block's two)
+        for c in getattr(l, "norms", ()) or ((channels(l),) if l.op.startswith("BatchNorm") else ()):
             a.cuts |= {i, i + 1}
             # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
             a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
@@ -180,9 +180,8 @@ class Data(Mode):
     def replica_blocker(self, p):
         # allreduce (ZeRO-1 too), parameter_server and broadcast sync the segment's parameters
         # after the lockstep backward (the broadcast's root weights also before the forward);
-        # FSDP2 shards each placed layer, which the model's forward calls (fully_shard_layers)
-        if p.sync_batchnorm:
-            return "data parallel with sync_batchnorm (the model's forward calls its own BatchNorm)"
+        # FSDP2 shards each placed layer, which the model's forward calls (fully_shard_layers),
+        # and sync_batchnorm converts the model's own BatchNorms (convert_layers)
         return None
 
     def options(self, p, layers, graph):

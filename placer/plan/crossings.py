@@ -1,7 +1,7 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
 A module model (`model.module`) whose segments sit on one device each (or are data parallel over
-groups of one size, with any sync or shard but sync_batchnorm: one replica pipeline per group
+groups of one size, with any sync, shard and sync_batchnorm: one replica pipeline per group
 position), without a pipeline or under any
 schedule, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward
 (its glue: embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
@@ -20,8 +20,8 @@ What lockstep cannot run is refused before any worker starts: a placed layer who
 not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
 parent's own parameter whose glue feeds layers on several devices (P082: each would train its
 own copy; or, in a data segment with shard full, no FSDP2 unit would gather). Other placements of
-module models (groups of different sizes not as above, data groups with sync_batchnorm) are cut
-by torch.distributed.pipelining,
+module models (groups of different sizes not as above, data groups whose parameter server
+holds no segment) are cut by torch.distributed.pipelining,
 which passes one tensor between stages: a cut where the trace sees more is refused (P083), saying
 why lockstep does not run it.
 """
@@ -288,9 +288,9 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                 f"output, or the parent's work before it: a mask, rotary, a skip connection); {why}, so "
                 "torch.distributed.pipelining cuts the module model, and it passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment, or data parallel over groups of one size (not "
-                "shard full nor sync_batchnorm), where lockstep passes any crossing under any schedule, or cut "
-                "where only the hidden state crosses"))
+                "place the module model one device per segment, or data parallel over groups of one size (a "
+                "server on a device of the placement), where lockstep passes any crossing under any schedule, or "
+                "cut where only the hidden state crosses"))
     return out
 
 

@@ -14,6 +14,9 @@ sync otherwise than by a plain all-reduce, each run for real on 4 CPU workers (g
   micro-batch; the tied wte / lm_head copies, each reduce-scattered over its group, are summed
   shard by shard (the r-th ranks of both groups hold the same rows of their copy).
 
+- a ResNet-18 (torchvision's layout) with both groups syncing BatchNorm: the model's own
+  BatchNorms converted, a block's nested ones too, their statistics all-reduced as the plan counts.
+
 Each `placer run --check` matches the one-device reference (losses, every parameter and every
 copy of the tie, first-step gradients; rtol 1e-5, atol 4e-5), and each device sends per step what
 its plan says (ZeRO's shares are whole parameters: within 1%)."""
@@ -69,6 +72,42 @@ def spec_for(name: str, tmp_path: Path) -> Path:
     path = tmp_path / "spec.yaml"
     path.write_text(text)
     return path
+
+
+RESNET = """placer: 1
+name: resnet_sync_batchnorm
+model:
+  module: {model}:ResNet18
+  input: {{shape: [B, 3, 16, 16]}}
+  target: {{shape: [B], dtype: int64, high: 10}}
+  loss: CrossEntropyLoss
+devices: [cpu, cpu:1, cpu:2, cpu:3]
+placement:
+  - {{name: front, layers: [conv1, bn1, relu, maxpool, layer1.*], devices: [cpu, cpu:1],
+     parallel: {{mode: data, sync_batchnorm: true}}}}
+  - {{name: back, layers: [layer2.*, layer3.*, layer4.*, avgpool, fc], devices: [cpu:2, cpu:3],
+     parallel: {{mode: data, sync_batchnorm: true}}}}
+training: {{batch_size: 8, steps: 2, optimizer: {{op: SGD, lr: 0.05}}, seed: 0}}
+"""
+
+
+def test_sync_batchnorm_on_replica_pipelines_matches_one_device(tmp_path):
+    """A ResNet-18 in torchvision's layout (tests/models/resnet_tv.py), both groups syncing
+    BatchNorm: every BatchNorm the model's forward calls (a block's two as well) normalises over
+    the whole batch, so the run matches one device; its statistics' all-reduces are the plan's."""
+    spec, run_dir = tmp_path / "spec.yaml", tmp_path / "run"
+    spec.write_text(RESNET.format(model=MODELS / "resnet_tv.py"))
+    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    assert "check passed" in result.stdout
+    program = (run_dir / "program.py").read_text()
+    assert "PIPELINES = [[0, 2], [1, 3]]" in program and "convert_layers(" in program
+    run_p = torch.load(run_dir / "final_params.pt")
+    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
+    assert set(run_p) == set(ref_p) and any(k.endswith("bn2.weight") for k in ref_p)
+    for key, value in ref_p.items():
+        torch.testing.assert_close(run_p[key], value, rtol=1e-5, atol=4e-5, msg=lambda m: f"{key}: {m}")
+    assert_sends_what_the_plan_says("resnet_sync_batchnorm", spec, json.loads((run_dir / "metrics.json").read_text()))
 
 
 @pytest.mark.parametrize("name", RUNS)

@@ -18,6 +18,21 @@ except ImportError:  # run as a top-level module
     from test_lockstep_data import GPT2, LLAMA, lowered, spec_file
 
 ROOT = Path(__file__).resolve().parents[2]
+RESNET = """placer: 1
+name: resnet_bn
+model:
+  module: {model}:ResNet18
+  input: {{shape: [B, 3, 16, 16]}}
+  target: {{shape: [B], dtype: int64, high: 10}}
+  loss: CrossEntropyLoss
+devices: [cpu, cpu:1, cpu:2, cpu:3]
+placement:
+  - {{name: front, layers: [conv1, bn1, relu, maxpool, layer1.*], devices: [cpu, cpu:1],
+     parallel: {{mode: data, sync_batchnorm: true}}}}
+  - {{name: back, layers: [layer2.*, layer3.*, layer4.*, avgpool, fc], devices: [cpu:2, cpu:3],
+     parallel: {{mode: data, sync_batchnorm: true}}}}
+training: {{batch_size: 8, steps: 2, optimizer: {{op: SGD, lr: 0.05}}, seed: 0}}
+"""
 ZERO = "{mode: data, shard: optimizer}"
 SERVER = "{mode: data, sync: parameter_server, server: cpu:3}"  # a device of the other segment
 ONE_F_ONE_B = "pipeline: {microbatches: 2, schedule: 1f1b}\n"
@@ -131,7 +146,23 @@ training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1}}}}
     assert [d.code for d in diags] == ["P082"] and "'pos'" in diags[0].message and "shard 'full'" in diags[0].message
 
 
+def test_sync_batchnorm_converts_the_models_own_batchnorms_and_counts_each(tmp_path):
+    """A ResNet block is one placed layer holding two BatchNorms: both are synced (their statistics
+    all-reduced forward and backward), converted in the model, whose forward calls them."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(RESNET.format(model=ROOT / "tests" / "models" / "resnet_tv.py"))
+    spec, graph, plan = lowered(path)
+    assert not [d for d in deep_check(spec) if d.severity == "error"]
+    assert graph.layer("layer1.0").norms == (8, 8) and graph.layer("bn1").norms == (8,)
+    stats = [op for op in plan.unique_ops() if op.tensor == "stats" and op.attrs.get("layer") == "layer1.0"]
+    assert sorted(op.bytes for op in stats) == [4 * 2 * 8] * 2 + [8 * (2 * 8 + 1)] * 2
+    text = " ".join(generate(spec, out_dir=str(tmp_path)).text.split())
+    assert "stage = stage_0_front( convert_layers( model," in text and "lambda m: sync_batchnorm(m, g0, device)" in text
+
+
 def test_what_lockstep_still_cannot_run_says_why(tmp_path):
-    spec = load_spec(str(spec_file(tmp_path, LLAMA, front="{mode: data, sync_batchnorm: true}")))
-    diags = [d for d in deep_check(spec) if d.code == "P083"]
-    assert len(diags) == 1 and "segment 'front' is data parallel with sync_batchnorm" in diags[0].message
+    """A parameter server on a device that holds no segment: it would run no replica pipeline."""
+    path = spec_file(tmp_path, LLAMA, front="{mode: data, sync: parameter_server, server: cpu:4}")
+    path.write_text(path.read_text().replace("devices: [cpu, cpu:1, cpu:2, cpu:3]", "devices: [cpu, cpu:1, cpu:2, cpu:3, cpu:4]"))
+    diags = [d for d in deep_check(load_spec(str(path))) if d.code == "P083"]
+    assert len(diags) == 1 and "segment 'front''s parameter server 'cpu:4' holds no segment" in diags[0].message
