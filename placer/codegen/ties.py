@@ -22,6 +22,9 @@ class ProgramTie:
     """Ranks holding a copy, in segment order."""
     copies: tuple[tuple[int, str, str], ...]
     """(segment, layer, the parameter's name in that segment's stage module)."""
+    positions: tuple[tuple[int, ...], ...] = ()
+    """FSDP2 groups (plan/ties.py `shards`): per shard position, the ranks holding that shard of
+    a copy; each sums its shard over them. Empty: whole copies, summed over `ranks`."""
 
 
 def program_ties(plan: Plan, spec, graph: ModelGraph, devices) -> list[ProgramTie]:
@@ -29,7 +32,9 @@ def program_ties(plan: Plan, spec, graph: ModelGraph, devices) -> list[ProgramTi
     diags = ties.check(spec, graph, [[graph.names.index(n) for n in s.layers] for s in plan.segments])
     if diags:
         raise PlanError(diags)
-    return [ProgramTie(t.tie.name, tuple(devices.index(d) for d in t.devices), t.copies)
+    return [ProgramTie(t.tie.name, tuple(devices.index(d) for d in t.devices), t.copies,
+                       tuple(tuple(devices.index(plan.segments[k].devices[r]) for k, _, _ in t.copies)
+                             for r in range(ties.shards(t, plan.segments))))
             for t in ties.placed(plan.segments, graph)]
 
 
@@ -40,6 +45,13 @@ def emit_setup(pts: list[ProgramTie]) -> list[str]:
              "# summing the copies' gradients before every step (over the ranks holding one)"]
     for i, t in enumerate(pts):
         users = ", ".join(f"{layer} (segment {k})" for k, layer, _ in t.copies)
+        if t.positions:  # every rank creates every group, in the same order
+            lines += [f"# {t.name}: {users}; FSDP2 holds shard r of each copy on the r-th rank of its group:",
+                      "# the copies are summed shard by shard, over the ranks holding the same shard",
+                      f"tie{i} = {{r: g for ranks in {[list(p) for p in t.positions]!r} "
+                      "for g in [dist.new_group(ranks, timeout=timedelta(seconds=TIMEOUT_S))] for r in ranks}.get(rank)",
+                      f"tied{i} = tied_copies({{{', '.join(f'{name!r}: seg{k}' for k, _, name in t.copies)}}})"]
+            continue  # saved whole through owned(), as the segments' other sharded parameters
         if len(t.ranks) > 1:
             lines.append(f"tie{i} = dist.new_group({list(t.ranks)}, timeout=timedelta(seconds=TIMEOUT_S))"
                          f"  # {t.name}: {users}")

@@ -265,8 +265,16 @@ class TrainWriter(TrainingOptions):
                 c("own.update(named_params(stage, model))")
         if seg.sync_batchnorm:
             bn = f"{group}_bn" if seg.sync == "parameter_server" and seg.server not in seg.ranks else group
-            c(f"stage = sync_batchnorm(stage, {bn}, device)")
-        c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
+            if self.lockstep:  # in the model, whose forward calls them; the stage then holds those
+                c(f"stage = {seg.func}(convert_layers(model, {list(seg.layers)!r}, "
+                  f"lambda m: sync_batchnorm(m, {bn}, device)))")
+            else:
+                c(f"stage = sync_batchnorm(stage, {bn}, device)")
+        if self.lockstep and seg.shard == "full":  # a unit per placed layer: what the model's forward calls
+            c(f"seg{k} = fully_shard_layers(stage, {list(seg.layers)!r}, g{k}, device.type)  # gradients "
+              "reduce-scattered in backward")
+        else:
+            c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
         if seg.chained:
             c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
               "calls the split chain")

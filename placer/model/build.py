@@ -307,6 +307,8 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
             glue_before=name in tr.glue_before, **({} if spec.model.inline else _projections(m)),
             window=() if spec.model.inline else _window(m),
+            norms=() if spec.model.inline else tuple(x.num_features for x in m.modules() if isinstance(
+                x, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))),
         ))
     roots = tuple(
         RootParam(name=n, numel=p.numel(), bytes=_bytes(p), trainable=isinstance(p, nn.Parameter) and p.requires_grad,

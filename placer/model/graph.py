@@ -54,6 +54,9 @@ class LayerInfo:
     runs after it. A cut before this layer passes each one made in an earlier stage."""
     calls: int = 1
     """How often the forward calls it (a module shared by several layers: more than once)."""
+    norms: tuple[int, ...] = ()
+    """A module model's layer: the channels of each BatchNorm1d/2d/3d in it (itself included), in
+    module order: what sync_batchnorm converts and syncs (an inline layer: its own op says)."""
     out_leaves: tuple = ()
     """Per leaf of the output: (shape, dtype name, requires_grad) on the global batch, or None."""
     consumers: tuple = ()

@@ -26,6 +26,9 @@ class Lowering(NamedTuple):
     geometry: Callable[[str], dict | None]
     lockstep: bool = False
     bf16: bool = False
+    tied_bytes: int = 0
+    """Bytes of the tied parameters' copies the segment holds that its buckets leave out (a tie's
+    own all-reduce sums them) but its parameters hold: what ZeRO-1 steps and broadcasts."""
 
 
 class Mode:
@@ -85,6 +88,13 @@ class Mode:
         (`p`: its Parallel options), or None. (Stages that all hold the whole activation on as
         many devices, `whole_on_each`, run as one pipeline per rank: the caller's rule.)"""
         return f"a pipeline stage of mode {self.name!r} beside stages of other modes or sizes"
+
+    def replica_blocker(self, p) -> str | None:
+        """Why a module model's segment of this mode over several devices cannot be a group of
+        replica pipelines in lockstep (plan/crossings.py), as words after "segment NAME is", or
+        None: its layers run inside the whole model's forward, so the group syncs after the
+        lockstep backward. By default where torch's schedules could not run it either."""
+        return self.torch_pipeline_blocker(p)
 
     # -- plan ---------------------------------------------------------------------------------------
     def options(self, p, layers, graph) -> dict:

@@ -38,9 +38,10 @@ def channels(l) -> int:
     return l.out_shape[1] if l.out_shape and len(l.out_shape) > 1 else 0
 
 
-def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: list) -> None:
+def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: list, tied_bytes: int = 0) -> None:
     """The plan's gradient sync, sharding and BatchNorm statistics for a data segment (`sizes`:
-    layer -> parameter bytes; `bks`: DDP-like gradient buckets, see plan.lower.buckets)."""
+    layer -> parameter bytes; `bks`: DDP-like gradient buckets, see plan.lower.buckets;
+    `tied_bytes`: tied copies the buckets leave out, which ZeRO-1 still steps and broadcasts)."""
     o, g, i0 = seg.options, seg.devices, seg.index
     sync, shard = o.get("sync", DEFAULT_PARALLEL.sync), o.get("shard", DEFAULT_PARALLEL.shard)
     if sync == "parameter_server":
@@ -49,6 +50,10 @@ def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: lis
         a.step_devices = group
         a.step_pre = bucket_ops(OpKind.REDUCE, seg, group, "step", "grads", bks, root=server)
         a.step_post = bucket_ops(OpKind.BROADCAST, seg, group, "step", "params", bks, root=server, reverse=True)
+        held = sum(l.buffer_bytes for l in info)
+        if server not in g and held:  # a server outside ran no forward: the first data device's buffers
+            a.step_post.append(Op(kind=OpKind.BROADCAST, devices=group, segment=i0, phase="step", tensor="buffers",
+                                  bytes=held, attrs={"root": g[0]}))
     elif sync == "broadcast":
         a.seg_pre_fwd = bucket_ops(OpKind.BROADCAST, seg, g, "fwd", "params", bks, root=g[0], reverse=True)
         a.step_pre = bucket_ops(OpKind.REDUCE, seg, g, "step", "grads", bks, root=g[0])
@@ -65,7 +70,7 @@ def collectives(a: Attached, seg: PlacedSegment, info, op, sizes: dict, bks: lis
     elif shard == "optimizer":  # ZeRO-1 as torch's ZeroRedundancyOptimizer runs it: gradients
         # all-reduced (DDP), then each device steps its ~1/d of the parameters and broadcasts them
         a.seg_post_bwd = bucket_ops(OpKind.ALL_REDUCE, seg, g, "bwd", "grads", bks)
-        total = sum(b for b, _ in bks)
+        total = sum(b for b, _ in bks) + tied_bytes
         a.step_post = [Op(kind=OpKind.BROADCAST, devices=g, segment=i0, phase="step", tensor="params",
                           bytes=total // len(g) + (k < total % len(g)), attrs={"root": root, "shard": k})
                        for k, root in enumerate(g)]
@@ -79,8 +84,8 @@ def batchnorm_stats(a: Attached, info, op) -> None:
     """The statistics' all-reduces of each BatchNorm run as SyncBatchNorm over the group (the
     pasted CPU version's: data's sync_batchnorm, spatial's bands)."""
     for i, l in enumerate(info):
-        if l.op.startswith("BatchNorm"):
-            c = channels(l)
+        # a module model's layer: each BatchNorm in it (a ResNet block's two)
+        for c in getattr(l, "norms", ()) or ((channels(l),) if l.op.startswith("BatchNorm") else ()):
             a.cuts |= {i, i + 1}
             # forward: (sum, sum of squares, count) in float64; backward: two float32 sums
             a.add("pre_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "stats", 8 * (2 * c + 1), l.name), scale=False)
@@ -172,6 +177,13 @@ class Data(Mode):
             f"shard {p.shard!r}" if p.shard != "none" else "sync_batchnorm")
         return f"a data-parallel pipeline stage with {what}"
 
+    def replica_blocker(self, p):
+        # allreduce (ZeRO-1 too), parameter_server and broadcast sync the segment's parameters
+        # after the lockstep backward (the broadcast's root weights also before the forward);
+        # FSDP2 shards each placed layer, which the model's forward calls (fully_shard_layers),
+        # and sync_batchnorm converts the model's own BatchNorms (convert_layers)
+        return None
+
     def options(self, p, layers, graph):
         opts = {"sync": p.sync, "bucket_mb": float(p.bucket_mb), "overlap": p.overlap, "shard": p.shard,
                 "sync_batchnorm": p.sync_batchnorm}
@@ -188,7 +200,8 @@ class Data(Mode):
             else seg.devices
 
     def collectives(self, a, seg, info, grads, op, ctx):
-        collectives(a, seg, info, op, ctx.sizes, ctx.buckets(seg.options.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb)))
+        collectives(a, seg, info, op, ctx.sizes, ctx.buckets(seg.options.get("bucket_mb", DEFAULT_PARALLEL.bucket_mb)),
+                    ctx.tied_bytes)
 
     def describe(self, seg, devices):
         if seg.sync == "parameter_server":

@@ -1,7 +1,8 @@
 """What crosses a segment boundary in a module model, found by the trace.
 
 A module model (`model.module`) whose segments sit on one device each (or are data parallel over
-groups of one size: one replica pipeline per group position), without a pipeline or under any
+groups of one size, with any sync, shard and sync_batchnorm: one replica pipeline per group
+position), without a pipeline or under any
 schedule, runs in lockstep (`codegen/runtime/lockstep.py`): every rank runs the parent's forward
 (its glue: embedding sums, masks, rotary), a placed layer runs only on its segment's device, and every
 output leaf that a layer on another device reads (directly or through glue: a hidden state,
@@ -18,8 +19,9 @@ what leaves is sent from its first, and the gradients go back alike (`group_bloc
 What lockstep cannot run is refused before any worker starts: a placed layer whose output is
 not a tensor or a tuple / list of tensors (P081: the devices without it rebuild it), and a
 parent's own parameter whose glue feeds layers on several devices (P082: each would train its
-own copy). Other placements of module models (groups of different sizes not as above, data
-groups that shard or sync otherwise) are cut by torch.distributed.pipelining,
+own copy; or, in a data segment with shard full, no FSDP2 unit would gather). Other placements of
+module models (groups of different sizes not as above, data groups whose parameter server
+holds no segment) are cut by torch.distributed.pipelining,
 which passes one tensor between stages: a cut where the trace sees more is refused (P083), saying
 why lockstep does not run it.
 """
@@ -131,10 +133,11 @@ def _data(seg) -> int:
 
 def replica_blocker(spec, segments) -> str | None:
     """Why multi-device segments of a module model cannot run as replica pipelines in lockstep,
-    or None. Each group must hold whole replicas that cut the batch (data) and sync by an
-    all-reduce of whole gradients after the lockstep backward (placer's buckets, no DDP: the
-    segment's layers run inside the whole model's forward), as a stage torch's schedules run
-    replicated; and a device keeps one place in every group (its pipeline)."""
+    or None. Each group must hold whole replicas that cut the batch (data) and sync whole
+    gradients after the lockstep backward (`Mode.replica_blocker`: placer's all-reduce buckets,
+    ZeRO-1, a parameter server on a device of the placement, a broadcast from the first; no DDP:
+    the segment's layers run inside the whole model's forward); and a device keeps one place in
+    every group (its pipeline)."""
     from placer.modes import MODES
 
     for s in segments:
@@ -142,9 +145,12 @@ def replica_blocker(spec, segments) -> str | None:
         mode = MODES[seg.mode]
         if mode.data_degree(len(s.devices)) != len(s.devices):
             return f"segment {s.name!r} is {seg.mode} over {len(s.devices)} devices"
-        why = mode.torch_pipeline_blocker(seg.parallel)
+        why = mode.replica_blocker(seg.parallel)
         if why:
             return f"segment {s.name!r} is {why}"
+        server = getattr(seg.parallel, "server", None)
+        if server and not any(server in x.devices for x in segments):  # every rank runs a pipeline
+            return f"segment {s.name!r}'s parameter server {server!r} holds no segment"
     place: dict[str, int] = {}
     for s in segments:
         for r, d in enumerate(s.devices):
@@ -245,6 +251,14 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
         for r in graph.root_params:
             users = {(segments[-1] if u == OUTPUT else seg_of[u]).devices[0] for u in r.users if u in seg_of or
                      u == OUTPUT}
+            held = seg_of.get(r.consumer)
+            if r.trainable and held is not None and len(held.devices) > 1 and \
+                    getattr(spec.placement[held.index].parallel, "shard", "none") == "full":
+                out.append(Diagnostic(
+                    "P082", f"parameter {r.name!r} belongs to no placed layer, and segment {held.name!r} is data "
+                    "parallel with shard 'full': in lockstep FSDP2 shards each placed layer (what the model's forward "
+                    "calls), and nothing would gather it", spec.placement[held.index].loc,
+                    "move it into a submodule and place that, or use shard none or optimizer on that segment"))
             if r.trainable and len(users) > 1:
                 out.append(Diagnostic(
                     "P082", f"parameter {r.name!r} belongs to no placed layer, and the parent's forward feeds it to "
@@ -274,9 +288,9 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                 f"output, or the parent's work before it: a mask, rotary, a skip connection); {why}, so "
                 "torch.distributed.pipelining cuts the module model, and it passes exactly "
                 f"one: {prev}'s output", s.loc,
-                "place the module model one device per segment, or data parallel over groups of one size (sync "
-                "allreduce, no shard), where lockstep passes any crossing under any schedule, or cut where only "
-                "the hidden state crosses"))
+                "place the module model one device per segment, or data parallel over groups of one size (a "
+                "server on a device of the placement), where lockstep passes any crossing under any schedule, or "
+                "cut where only the hidden state crosses"))
     return out
 
 

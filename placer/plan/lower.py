@@ -236,9 +236,17 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     # a tie across data segments (lockstep): summed over every copy by the tie's all-reduce (insert_ties)
     tied = {t.tie.layers[0]: t.tie.bytes for t in placed_ties(plan.segments, graph)
             if len(seg.devices) > 1 and t.tie.layers[0] in seg.layers}
-    ctx = Lowering(sizes=param_bytes(seg, graph), buckets=lambda mb: buckets(seg, graph, mb, tied),
+    sizes = param_bytes(seg, graph)
+    if seg.options.get("shard") == "full" and len(seg.devices) > 1:  # FSDP2 gathers a tied copy with its layer
+        for t in placed_ties(plan.segments, graph):
+            for k, layer, _ in t.copies[1:]:
+                if k == seg.index:
+                    sizes[layer] = sizes.get(layer, 0) + t.tie.bytes
+    ctx = Lowering(sizes=sizes, buckets=lambda mb: buckets(seg, graph, mb, tied),
                    geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
-                   lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16")
+                   lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16",
+                   tied_bytes=sum(t.tie.bytes for t in placed_ties(plan.segments, graph) if len(seg.devices) > 1
+                                  and any(k == seg.index for k, _, _ in t.copies)))
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
 

@@ -11,7 +11,12 @@ step. The sum is the gradient the one parameter gets on one device.
 Data-parallel segments of a module model in lockstep (replica pipelines) keep a tie too: the
 all-reduce runs over every rank holding a copy, every replica of every segment that uses it,
 and sums all their gradients, so the segments' own data all-reduce leaves the tied parameter
-out. Elsewhere a tie is kept only between segments on one device each: a channel, tensor or
+out (ZeRO-1 then steps each copy on one rank of its group and broadcasts it, as any other). A
+parameter server or a broadcast root would step the copy alone and send back only what its own
+sync holds, so a tie there is refused (P080). FSDP2 groups (`shard: full`) hold the r-th shard of
+their copy on their r-th device: the copies are summed shard by shard, one all-reduce per
+position (`shards`), the groups' reduce-scatters having summed each copy over its group; a tie
+between an FSDP2 group and a group holding whole copies is refused (P080). Elsewhere a tie is kept only between segments on one device each: a channel, tensor or
 spatial group, or a data group cut by torch's pipelining, would need its own rule, so `check`
 refuses it (P080) before any worker starts rather than train the copies apart.
 """
@@ -49,6 +54,15 @@ def placed(segments, graph: ModelGraph) -> list[PlacedTie]:
     return out
 
 
+def shards(t: PlacedTie, segments) -> int:
+    """D where every segment holding a copy is data parallel over D devices with FSDP2 (`shard:
+    full`, replica pipelines in lockstep): the r-th device of each holds the r-th shard of its
+    copy, so the copies are summed shard by shard, over each position; else 0."""
+    segs = [segments[k] for k, _, _ in t.copies]
+    full = [len(s.devices) > 1 and s.options.get("shard") == "full" for s in segs]
+    return len(segs[0].devices) if all(full) else 0
+
+
 def copy_elements(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int]:
     """(elements, bytes) of tied parameters a segment holds a copy of but does not own (its
     layers' `params` leave them out: the owner counts them)."""
@@ -66,12 +80,18 @@ def insert_ties(plan: Plan, spec, graph: ModelGraph) -> Plan:
     for t in placed(plan.segments, graph):
         if len(t.devices) < 2:
             continue  # copies on one device are summed there: nothing is sent
-        op = Op(kind=OpKind.ALL_REDUCE, devices=t.devices, segment=t.copies[-1][0], phase="step", tensor="grads",
-                bytes=t.tie.bytes, attrs={"tie": t.tie.name, "layers": list(t.tie.layers)})
-        for d in t.devices:
-            lst = ops[d]
-            at = next((i for i, o in enumerate(lst) if o.phase == "step" and "tie" not in o.attrs), len(lst))
-            lst.insert(at, op)
+        attrs = {"tie": t.tie.name, "layers": list(t.tie.layers)}
+        n = shards(t, plan.segments)
+        made = [Op(kind=OpKind.ALL_REDUCE, devices=t.devices, segment=t.copies[-1][0], phase="step", tensor="grads",
+                   bytes=t.tie.bytes, attrs=attrs)] if not n else [  # FSDP2: each position's shard (dim 0 cut evenly)
+            Op(kind=OpKind.ALL_REDUCE, devices=tuple(plan.segments[k].devices[r] for k, _, _ in t.copies),
+               segment=t.copies[-1][0], phase="step", tensor="grads", bytes=t.tie.bytes // n + (r < t.tie.bytes % n),
+               attrs={**attrs, "shard": r}) for r in range(n)]
+        for op in made:
+            for d in op.devices:
+                lst = ops[d]
+                at = next((i for i, o in enumerate(lst) if o.phase == "step" and "tie" not in o.attrs), len(lst))
+                lst.insert(at, op)
     return plan.with_ops(ops)
 
 
@@ -80,7 +100,7 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
     segments = [PlacedSegment(index=k, name=s.name, layers=tuple(graph.names[i] for i in idx), devices=s.devices,
                               mode=s.mode) for k, (s, idx) in enumerate(zip(spec.placement, groups))]
     if lockstep(spec, segments) and not has_groups(segments):  # replica pipelines: the tie's all-reduce spans every copy
-        return []
+        return [d for t in placed(segments, graph) for d in _replica_tie(spec, t)]
     out = []
     for t in placed(segments, graph):
         bad = next((spec.placement[k] for k, _, _ in t.copies if len(spec.placement[k].devices) > 1), None)
@@ -92,8 +112,30 @@ def check(spec, graph: ModelGraph, groups) -> list[Diagnostic]:
             f"{bad.mode} over {len(bad.devices)} devices; placer keeps a tie across segments only between segments "
             "on one device each, or data groups of one size run in lockstep", bad.loc,
             "place the tied layers' segments on one device each, or data parallel over groups of one size (sync "
-            "allreduce, no shard), or the layers in one segment; untied, the copies would train apart"))
+            "allreduce, shard none or optimizer), or the layers in one segment; untied, the copies would train apart"))
     return out
+
+
+def _replica_tie(spec, t: PlacedTie) -> list[Diagnostic]:
+    """P080 for a tie across replica pipelines whose data group syncs otherwise than by an
+    all-reduce of whole gradients: a parameter server or a broadcast root steps the copy alone
+    and sends back only what its own sync holds, which leaves the tie's copy out (the tie's
+    all-reduce sums it); an FSDP2 group holds 1/d of its copy's gradient on each rank, which only
+    the same shard of another FSDP2 group's copy can be summed with."""
+    full = {spec.placement[k].parallel.shard == "full" for k, _, _ in t.copies}
+    for k, _, _ in t.copies:
+        seg = spec.placement[k]
+        if len(seg.devices) > 1 and (seg.parallel.sync != "allreduce" or len(full) > 1):
+            what = f"shard {seg.parallel.shard!r}" if seg.parallel.sync == "allreduce" else f"sync {seg.parallel.sync!r}"
+            where = " and ".join(f"{layer!r} (segment {spec.placement[j].name!r})" for j, layer, _ in t.copies)
+            return [Diagnostic(
+                "P080", f"parameter {t.tie.name!r} is tied: layers {where} use it, and segment {seg.name!r} is data "
+                f"parallel with {what}; across data groups in lockstep placer keeps a tie only where each group "
+                "all-reduces whole gradients (shard none or optimizer), or where every group holding a copy is "
+                "fully sharded (FSDP2: summed shard by shard)", seg.loc,
+                "use sync allreduce and one shard option on the tied layers' segments, or place the tied layers in "
+                "one segment")]
+    return []
 
 
 def describe(t: PlacedTie, segments) -> str:

@@ -94,7 +94,6 @@ def test_the_program_runs_each_pipeline_on_its_rows(tmp_path):
 def test_what_lockstep_cannot_run_says_why(tmp_path):
     """Cut by torch.distributed.pipelining instead, which passes one tensor: P083 names the reason."""
     cases = {
-        "shard 'optimizer'": dict(front="{mode: data, shard: optimizer}"),
         "groups differ in size (2, 4 devices)": dict(back="cpu, cpu:1, cpu:2, cpu:3"),
         "device 'cpu:1' is number 2 of one group and number 1 of segment 'back'": dict(back="cpu:1, cpu"),
     }

@@ -43,6 +43,15 @@ def segment_module(model, names):
     return stage
 
 
+def convert_layers(model, names, convert):
+    """The placed layers `names` of the model as `convert` makes them (SyncBatchNorm over a data
+    group), in the model itself: its forward calls them. Returns the model."""
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, convert(model.get_submodule(name)))
+    return model
+
+
 def run_as_chain(model, names, chain):
     """The model's forward runs a group's chain of layers (each reads only the one before it,
     P087) as `chain`, their split (ChannelSplit): the first layer's call runs the whole chain and

@@ -72,3 +72,19 @@ def fully_shard_segment(module, group, device_type="cpu", reshard_after_forward=
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return module
+
+
+def fully_shard_layers(stage, names, group, device_type="cpu"):
+    """FSDP2 over group on each of a lockstep segment's placed layers that has parameters: the
+    modules the model's own forward calls (the stage container, which nothing calls, gets no
+    unit). Each unit is then its own root; reshard_after_forward=True keeps it resharding after
+    its forward as the plan counts (a root would keep its parameters gathered). Gradients SUMMED
+    over group. Returns stage; make its optimizer afterwards, from stage.parameters()."""
+    mesh = DeviceMesh.from_group(group, device_type)
+    for name in names:
+        layer = stage.get_submodule(name)
+        if _has_params(layer):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+            layer.set_gradient_divide_factor(1.0)
+            layer.set_force_sum_reduction_for_comms(True)
+    return stage

@@ -21,8 +21,8 @@ def sum_tied_grads(copies, group=None):
     if not copies:
         return
     grad = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in copies)
-    if group is not None:
-        dist.all_reduce(grad, group=group)
+    if group is not None:  # FSDP2: a DTensor, whose local shard is summed with the same shard elsewhere
+        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
     for p in copies:
         p.grad = grad.clone() if len(copies) > 1 else grad
 
