@@ -86,9 +86,9 @@ class TrainWriter(TrainingOptions):
     @property
     def seeded(self) -> bool:
         """Whether ranks build the model on the meta device and materialise only their segments
-        from the seed file (runtime/seed.py): not in lockstep, which runs the whole model on
-        every rank, nor where torch's pipelining cuts it."""
-        return not self.lockstep and not self.cut
+        from the seed file (runtime/seed.py), in lockstep the parent's glue too: not where torch's
+        pipelining cuts the model."""
+        return not self.cut
 
     @property
     def beside(self) -> bool:
@@ -180,9 +180,14 @@ class TrainWriter(TrainingOptions):
         self.binding_at = len(c.lines)  # `host` and `device_ids` go here if the step uses them
         if self.lockstep:
             self.uses_host = True
-            c("", "# every rank builds the whole model from the seed and runs its whole forward (the parent's",
-              "# glue); each placed layer runs only on its segment's rank (Lockstep, below)",
-              "model = build_model().to(device)")
+            c("", "# every rank runs the whole model's forward (the parent's glue); each placed layer runs",
+              "# only on its segment's rank (Lockstep, below). The first worker of each machine builds the",
+              "# model from the seed once and saves it; every rank builds it on the meta device (no memory)",
+              "# and takes the values of its own segments and of the glue",
+              "with uncounted():  # set-up, not training: left out of the bytes sent",
+              "    seed = seed_tensors(build_model, args.out)",
+              'with torch.device("meta"):',
+              "    model = build_model()")
             copies = [name for t in self.tied for _, _, name in t.copies[1:]]
             if copies:
                 c("untie(model, " + repr(copies) + ")  # each segment using a tied parameter holds a copy")
@@ -200,6 +205,10 @@ class TrainWriter(TrainingOptions):
             c("norm_params = []  # the parameters whose gradients this rank counts in the global norm")
         for seg in self.segs:
             self.setup_segment(seg)
+        if self.lockstep:
+            c("", "# the parent's glue (modules no segment places, the parent's own tensors) runs on every rank;",
+              "# the layers of segments this rank lacks stay on the meta device: stand-ins run in their place",
+              f"materialize_rest(model, seed, device, LAYERS, {self.tuple_of('seg')})")
         if self.seeded:
             c("del seed  # the rest of the model stays on the meta device: this rank holds only what it owns")
         c(*ties.emit_setup(self.tied))
