@@ -208,7 +208,8 @@ class TrainWriter(TrainingOptions):
         if self.lockstep:
             c("", "# the parent's glue (modules no segment places, the parent's own tensors) runs on every rank;",
               "# the layers of segments this rank lacks stay on the meta device: stand-ins run in their place",
-              f"materialize_rest(model, seed, device, LAYERS, {self.tuple_of('seg')})")
+              f"materialize_rest(model, seed, device, LAYERS, {self.tuple_of('seg')})",
+              "note_held(model)  # what this rank holds, for metrics.json (the plan's weights and buffers)")
         if self.seeded:
             c("del seed  # the rest of the model stays on the meta device: this rank holds only what it owns")
         c(*ties.emit_setup(self.tied))

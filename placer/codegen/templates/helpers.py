@@ -49,6 +49,16 @@ def peak_memory():
     return max(0, rss()[1] - RSS_AT_START), "peak_rss_above_import"
 
 
+HELD = {}  # "bytes": what this rank holds of the model after set-up (note_held), in metrics.json
+
+
+def note_held(model):
+    """Bytes of the parameters and buffers of `model` that this rank holds (not on the meta
+    device; a DTensor's local shard), each tensor once: the plan's weights and buffers."""
+    tensors = {id(t): getattr(t, "_local_tensor", t) for t in [*model.parameters(), *model.buffers()]}
+    HELD["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values() if not t.is_meta)
+
+
 LR = {}  # "lr": the learning rate of the last optimizer step (watch_lr)
 
 
@@ -417,7 +427,7 @@ def finish(args, rank, world, losses, own, seconds, **facts):
              "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
                         "comm": TIME["comm"] + TIME["overlapped"], "overlapped": TIME["overlapped"],
                         "data": TIME["data"]},
-             "memory": {"peak_bytes": peak, "measure": measure},
+             "memory": {"peak_bytes": peak, "measure": measure, **({"held_bytes": HELD["bytes"]} if HELD else {})},
              "grads": bool(args.grads and not resuming(args))}
     every = [None] * world
     dist.all_gather_object(every, stats)
