@@ -237,8 +237,9 @@ class TrainWriter(TrainingOptions):
     def owned(self) -> None:
         c = self.c
         c("", "def owned():").indent()
-        c('"""name -> whole parameter, for those this rank owns. Split parameters are gathered',
-          'first: every rank of their group takes part."""', "params = dict(own)")
+        c('"""name -> parameter, for those this rank owns. Split ones are gathered whole: DTensors by',
+          'finish as it writes each (GATHERED), channel slices here; every rank of their group takes part."""',
+          "params = dict(own)")
         c("with uncounted():  # saving, not training: the gathers are left out of the bytes sent").indent()
         for seg in self.gathered:
             body = MODES[seg.mode].emit_gather(seg)

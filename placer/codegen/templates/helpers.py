@@ -447,10 +447,15 @@ def finish(args, rank, world, losses, own, seconds, **facts):
                       peak_memory={s["device"]: s["memory"] for s in every}, **facts)
 
 
+GATHERED = {}  # name -> split parameter (a DTensor: tensor parallel, FSDP2) of this rank's groups
+
+
 def gather_params(own, rank, world):
     """Rank 0 gets every rank's parameters {name: tensor on the CPU}, one tensor at a time: the
     names, shapes and dtypes go as objects, each tensor by send and recv (gather_object would
-    pickle every rank's whole share at once, several copies of the model on rank 0)."""
+    pickle every rank's whole share at once, several copies of the model on rank 0). A split
+    parameter is gathered whole (full_tensor: every rank of its group, walking the same list)
+    only as it is sent, so no rank holds more than one whole at a time."""
     listing = [None] * world
     dist.all_gather_object(listing, [(n, tuple(p.shape), p.dtype) for n, p in own.items()])
     nccl = dist.get_backend() == "nccl"  # it sends device tensors only
@@ -458,10 +463,12 @@ def gather_params(own, rank, world):
     merged = {}
     for r, names in enumerate(listing):  # every rank walks the same list: sends and recvs pair up
         for name, shape, dtype in names:
+            split = GATHERED.get(name)
+            value = split.full_tensor() if hasattr(split, "full_tensor") else own.get(name)
             if r == rank == 0:
-                merged[name] = own[name].detach().cpu().clone()
+                merged[name] = value.detach().cpu().clone()
             elif rank == r:
-                dist.send(own[name].detach().to(where).contiguous(), 0)
+                dist.send(value.detach().to(where).contiguous(), 0)
             elif rank == 0:
                 value = torch.empty(shape, dtype=dtype, device=where)
                 dist.recv(value, r)
