@@ -551,6 +551,8 @@ class TrainWriter(TrainingOptions):
     def finish(self) -> None:
         c = self.c
         c("seconds = time.perf_counter() - start")
+        c("# the last step's gradients: not needed now, freed before the final parameters are gathered",
+          "for m in modules:", "    m.zero_grad(set_to_none=True)")
         c("# the parameters are gathered whole (and each to rank 0) only when they will be written",
           f"finish(args, rank, world, losses, {self.own} if args.out else {{}}, seconds, simulated=simulate,",
           "       simulate_reason=why,",
