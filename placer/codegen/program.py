@@ -131,7 +131,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     used |= {"ties"} if tied else set()
     used |= {"lockstep"} if ls else set()
     cut = not spec.model.inline and len(segs) > 1 and not ls  # torch's pipelining cuts the module model
-    used |= {"seed"} if not ls and not cut else set()  # ranks materialise only their segments (TrainWriter.seeded)
+    used |= {"seed"} if not cut else set()  # ranks materialise only their segments (TrainWriter.seeded)
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
     used |= {"recompute"} if (pl or ls) and any(s.recompute for s in segs) else set()
     used |= {"precision"} if pl and spec.training.precision == "bf16" else set()

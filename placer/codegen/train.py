@@ -86,9 +86,9 @@ class TrainWriter(TrainingOptions):
     @property
     def seeded(self) -> bool:
         """Whether ranks build the model on the meta device and materialise only their segments
-        from the seed file (runtime/seed.py): not in lockstep, which runs the whole model on
-        every rank, nor where torch's pipelining cuts it."""
-        return not self.lockstep and not self.cut
+        from the seed file (runtime/seed.py), in lockstep the parent's glue too: not where torch's
+        pipelining cuts the model."""
+        return not self.cut
 
     @property
     def beside(self) -> bool:
@@ -180,9 +180,14 @@ class TrainWriter(TrainingOptions):
         self.binding_at = len(c.lines)  # `host` and `device_ids` go here if the step uses them
         if self.lockstep:
             self.uses_host = True
-            c("", "# every rank builds the whole model from the seed and runs its whole forward (the parent's",
-              "# glue); each placed layer runs only on its segment's rank (Lockstep, below)",
-              "model = build_model().to(device)")
+            c("", "# every rank runs the whole model's forward (the parent's glue); each placed layer runs",
+              "# only on its segment's rank (Lockstep, below). The first worker of each machine builds the",
+              "# model from the seed once and saves it; every rank builds it on the meta device (no memory)",
+              "# and takes the values of its own segments and of the glue",
+              "with uncounted():  # set-up, not training: left out of the bytes sent",
+              "    seed = seed_tensors(build_model, args.out)",
+              'with torch.device("meta"):',
+              "    model = build_model()")
             copies = [name for t in self.tied for _, _, name in t.copies[1:]]
             if copies:
                 c("untie(model, " + repr(copies) + ")  # each segment using a tied parameter holds a copy")
@@ -200,6 +205,11 @@ class TrainWriter(TrainingOptions):
             c("norm_params = []  # the parameters whose gradients this rank counts in the global norm")
         for seg in self.segs:
             self.setup_segment(seg)
+        if self.lockstep:
+            c("", "# the parent's glue (modules no segment places, the parent's own tensors) runs on every rank;",
+              "# the layers of segments this rank lacks stay on the meta device: stand-ins run in their place",
+              f"materialize_rest(model, seed, device, LAYERS, {self.tuple_of('seg')})",
+              "note_held(model)  # what this rank holds, for metrics.json (the plan's weights and buffers)")
         if self.seeded:
             c("del seed  # the rest of the model stays on the meta device: this rank holds only what it owns")
         c(*ties.emit_setup(self.tied))
@@ -227,8 +237,9 @@ class TrainWriter(TrainingOptions):
     def owned(self) -> None:
         c = self.c
         c("", "def owned():").indent()
-        c('"""name -> whole parameter, for those this rank owns. Split parameters are gathered',
-          'first: every rank of their group takes part."""', "params = dict(own)")
+        c('"""name -> parameter, for those this rank owns. Split ones are gathered whole: DTensors by',
+          'finish as it writes each (GATHERED), channel slices here; every rank of their group takes part."""',
+          "params = dict(own)")
         c("with uncounted():  # saving, not training: the gathers are left out of the bytes sent").indent()
         for seg in self.gathered:
             body = MODES[seg.mode].emit_gather(seg)
@@ -554,6 +565,8 @@ class TrainWriter(TrainingOptions):
     def finish(self) -> None:
         c = self.c
         c("seconds = time.perf_counter() - start")
+        c("# the last step's gradients: not needed now, freed before the final parameters are gathered",
+          "for m in modules:", "    m.zero_grad(set_to_none=True)")
         c("# the parameters are gathered whole (and each to rank 0) only when they will be written",
           f"finish(args, rank, world, losses, {self.own} if args.out else {{}}, seconds, simulated=simulate,",
           "       simulate_reason=why,",

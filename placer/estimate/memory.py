@@ -25,6 +25,9 @@
   A Conv's backward on CPU holds one more of each (oneDNN's reordered output gradient and its
   input-gradient scratch: measured, bench/memory.py).
 - Copies a mode keeps (`Mode.saved_copies`): spatial's Conv/Pool save their halo-padded band.
+- Lockstep glue (in `buffer_bytes`): a module model in lockstep runs the parent's forward on every
+  rank, so each rank holds every root parameter and buffer (`self.pos`), those of other segments
+  too (their seed values, never stepped); of the placed layers, only its own segments'.
 - Boundary tensors (`boundary_bytes`): the last micro-batch's activations and gradients that
   crossed from or to another device stay referenced by the step's variables until the next step
   makes new ones: held through the optimizer step and into the next step's backward.
@@ -183,9 +186,23 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
                 a["optimizer_bytes"] += _share(state, reps, r // (d // reps)) if shard == "optimizer" else state
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
                 a["step_bytes"] = max(a["step_bytes"], step)
+    for dev, glue in lockstep_glue(plan, graph).items():
+        acc[dev]["buffer_bytes"] += glue
     act = activations(plan, graph, geometry)
     return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1],
                               boundary_bytes=boundary(plan, graph, dev), **acc[dev]) for dev in plan.devices}
+
+
+def lockstep_glue(plan: Plan, graph: ModelGraph) -> dict[str, int]:
+    """Bytes of the root parameters and buffers each device holds for the parent's glue beyond
+    its own segments' (lockstep only: its copies name the output leaf they carry)."""
+    if not any("leaf" in op.attrs for op in plan.unique_ops()):
+        return {}
+    glue = {}
+    for dev in plan.devices:
+        own = {name for seg in plan.segments if dev in seg.devices for name in seg.layers}
+        glue[dev] = sum(r.bytes for r in graph.root_params if r.consumer not in own)
+    return glue
 
 
 def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:

@@ -157,4 +157,5 @@ class Mode:
 
     def emit_gather(self, seg) -> list[str]:
         """Lines that set `whole` to the segment's whole parameters (by name) when they are split."""
-        return [f"whole = whole_params(named_params(seg{seg.k}, model))  # segment {seg.k}: DTensors gathered"]
+        return [f"whole = named_params(seg{seg.k}, model)  # segment {seg.k}: DTensors, each gathered whole as finish",
+                "GATHERED.update(whole)  # writes it, one at a time (every rank of the group takes part)"]

@@ -169,7 +169,7 @@ def test_generate_cli_reports_an_unsupported_stage_without_traceback(tmp_path):
 MODE_CALLS = {
     "cnn_channel": ["seg0 = ChannelSplit(stage, g0, [0, 1])", "relayout(h0, Replicate([0, 1]), Replicate([0])",
                     "channel_unshard(seg0)"],
-    "mlp_tensor": ['tensor_parallelize(stage, g0, [("0", "2"), ("3", "5")], device.type)', "whole_params(named_params(seg0, model))"],
+    "mlp_tensor": ['tensor_parallelize(stage, g0, [("0", "2"), ("3", "5")], device.type)', "GATHERED.update(whole)"],
     "cnn_spatial": ["SpatialSplit(stage, g0, [0, 1], dim=2, size=16)", "local_slice(x, [0, 1], rank, 2)",
                     "relayout(h0, Shard(2, [0, 1]), Replicate([0])", "all_reduce_grads(seg0.parameters(), g0"],
     "cnn_spatial_dense": ["out = relayout(h0, Shard(2, [0, 1]), Replicate([0]), [4, 2, 8, 8],",

@@ -38,15 +38,36 @@ def seed_tensors(build, folder=None):
 
 def materialize(stage, model, seed, device):
     """`stage` (modules of `model`, built on the meta device) with its parameters and buffers
-    copied from `seed` onto `device`; a tensor that several modules share stays one."""
+    copied from `seed` onto `device`; a tensor that several modules share stays one, in the
+    model's other modules too (a parent's own parameter that a segment holds, which the
+    parent's forward reads)."""
+    made = {}
+    _fill(stage.modules(), model, seed, device, made)
+    _fill(model.modules(), model, seed, device, made, only_made=True)
+    return stage
+
+
+def materialize_rest(model, seed, device, layers, stages):
+    """Lockstep: every rank runs the parent's forward, so what its glue reads (modules that no
+    segment places, such as a rotary embedding; the parent's own tensors) takes its seed value
+    on every rank. The placed layers of segments this rank lacks (`stages[k]` None; `layers`:
+    name -> (segment, ...)) stay on the meta device: stand-ins run in their place."""
+    away = tuple(name for name, (k, *_) in layers.items() if stages[k] is None)
+    kept = {id(m): m for path, m in model.named_modules(remove_duplicate=False)
+            if not any(path == n or path.startswith(n + ".") for n in away)}
+    _fill(kept.values(), model, seed, device, {})
+
+
+def _fill(modules, model, seed, device, made, only_made=False):
+    """Each meta parameter and buffer held directly by `modules` replaced by its seed value (one
+    per tensor: `made`, id -> (meta tensor, value)); with only_made, by those already made."""
     names = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), name)
-    made = {}
-    for module in stage.modules():
+    for module in modules:
         for table in (module._parameters, module._buffers):
             for key, t in table.items():
-                if t is None or not t.is_meta:
+                if t is None or not t.is_meta or (only_made and id(t) not in made):
                     continue
                 if id(t) not in made:
                     src = seed[names[id(t)]]
@@ -55,4 +76,3 @@ def materialize(stage, model, seed, device):
                         value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
                     made[id(t)] = (t, value)  # (t kept: its id stays its own)
                 table[key] = made[id(t)][1]
-    return stage

@@ -49,6 +49,16 @@ def peak_memory():
     return max(0, rss()[1] - RSS_AT_START), "peak_rss_above_import"
 
 
+HELD = {}  # "bytes": what this rank holds of the model after set-up (note_held), in metrics.json
+
+
+def note_held(model):
+    """Bytes of the parameters and buffers of `model` that this rank holds (not on the meta
+    device; a DTensor's local shard), each tensor once: the plan's weights and buffers."""
+    tensors = {id(t): getattr(t, "_local_tensor", t) for t in [*model.parameters(), *model.buffers()]}
+    HELD["bytes"] = sum(t.numel() * t.element_size() for t in tensors.values() if not t.is_meta)
+
+
 LR = {}  # "lr": the learning rate of the last optimizer step (watch_lr)
 
 
@@ -417,7 +427,7 @@ def finish(args, rank, world, losses, own, seconds, **facts):
              "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
                         "comm": TIME["comm"] + TIME["overlapped"], "overlapped": TIME["overlapped"],
                         "data": TIME["data"]},
-             "memory": {"peak_bytes": peak, "measure": measure},
+             "memory": {"peak_bytes": peak, "measure": measure, **({"held_bytes": HELD["bytes"]} if HELD else {})},
              "grads": bool(args.grads and not resuming(args))}
     every = [None] * world
     dist.all_gather_object(every, stats)
@@ -437,10 +447,15 @@ def finish(args, rank, world, losses, own, seconds, **facts):
                       peak_memory={s["device"]: s["memory"] for s in every}, **facts)
 
 
+GATHERED = {}  # name -> split parameter (a DTensor: tensor parallel, FSDP2) of this rank's groups
+
+
 def gather_params(own, rank, world):
     """Rank 0 gets every rank's parameters {name: tensor on the CPU}, one tensor at a time: the
     names, shapes and dtypes go as objects, each tensor by send and recv (gather_object would
-    pickle every rank's whole share at once, several copies of the model on rank 0)."""
+    pickle every rank's whole share at once, several copies of the model on rank 0). A split
+    parameter is gathered whole (full_tensor: every rank of its group, walking the same list)
+    only as it is sent, so no rank holds more than one whole at a time."""
     listing = [None] * world
     dist.all_gather_object(listing, [(n, tuple(p.shape), p.dtype) for n, p in own.items()])
     nccl = dist.get_backend() == "nccl"  # it sends device tensors only
@@ -448,10 +463,12 @@ def gather_params(own, rank, world):
     merged = {}
     for r, names in enumerate(listing):  # every rank walks the same list: sends and recvs pair up
         for name, shape, dtype in names:
+            split = GATHERED.get(name)
+            value = split.full_tensor() if hasattr(split, "full_tensor") else own.get(name)
             if r == rank == 0:
-                merged[name] = own[name].detach().cpu().clone()
+                merged[name] = value.detach().cpu().clone()
             elif rank == r:
-                dist.send(own[name].detach().to(where).contiguous(), 0)
+                dist.send(value.detach().to(where).contiguous(), 0)
             elif rank == 0:
                 value = torch.empty(shape, dtype=dtype, device=where)
                 dist.recv(value, r)
