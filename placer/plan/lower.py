@@ -104,8 +104,9 @@ def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
     dst, s = Layout(last.devices[:1]), last.index
     n = boundary_bytes(graph, last) // plan.microbatches
     for mb in range(plan.microbatches) if plan.schedule else (None,):  # a pipeline's: every micro-batch's
-        fwd = _transfer(src, dst, s, "fwd", "act", n, last.route).with_(attrs={"loss": True}, microbatch=mb)
-        bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route).with_(attrs={"loss": True}, microbatch=mb)
+        fwd = _transfer(src, dst, s, "fwd", "act", n, last.route)  # (a 2-D src's replicas in its attrs)
+        bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route)
+        fwd, bwd = (o.with_(attrs={**o.attrs, "loss": True}, microbatch=mb) for o in (fwd, bwd))
         for d in last.devices:
             lst = ops[d]
             lst.insert(_found(_last(lst, lambda o: _is_compute(o, s, ("fwd",), mb))) + 1, fwd)

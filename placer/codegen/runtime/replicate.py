@@ -18,7 +18,8 @@ class Layout(NamedTuple):
     """How a group of ranks holds a tensor, in torch's words: Shard(dim, ranks) cuts dim into
     even contiguous slices, one per rank in order; Replicate(ranks) is the whole tensor on each;
     Replicas(ranks, n) is n data replicas of consecutive ranks, rows cut across them, each
-    replica's rows whole on each of its ranks (a 2-D segment)."""
+    replica's rows whole on each of its ranks (a 2-D segment), or with dim cut into even bands
+    along dim over its ranks (spatial x data)."""
 
     ranks: list
     dim: int
@@ -43,8 +44,8 @@ def _settle(posted, receives, pending):
         posted.wait()
 
 
-def Replicas(ranks, n):
-    return Layout(list(ranks), 0, True, n)
+def Replicas(ranks, n, dim=0):
+    return Layout(list(ranks), dim, not dim, n)
 
 
 def _leaders(layout):
@@ -54,19 +55,28 @@ def _leaders(layout):
     return Shard(0, layout.ranks[:: len(layout.ranks) // layout.replicas])
 
 
+def _runs(layout):
+    t = len(layout.ranks) // layout.replicas
+    return [layout.ranks[i : i + t] for i in range(0, len(layout.ranks), t)]
+
+
 def _by_replicas(x, src, dst, full_shape, dtype, route, device):
-    """relayout where a side is 2-D: it sends from its replicas' first ranks and receives on
-    them, and each of those then copies its replica's rows to the rest of its replica."""
+    """relayout where a side is 2-D: it sends from its replicas' first ranks (each first gathering
+    its replica's bands, spatial x data) and receives on them, and each of those then copies its
+    replica's rows (or their bands) to the rest of its replica."""
+    if src.replicas > 1 and not src.replicated:  # bands of each replica's rows onto its first rank
+        rows = [full_shape[0] // src.replicas, *full_shape[1:]]
+        for run in _runs(src):
+            got = redistribute(x, run, run[:1], rows, src.dim, dtype, route, device)
+            x = got if dist.get_rank() in run else x
     lead = _leaders(src)
     mine = relayout(x if dist.get_rank() in lead.ranks else None, lead, _leaders(dst), full_shape,
                     dtype, route, device)
     if dst.replicas == 1:
         return mine
-    t, rows = len(dst.ranks) // dst.replicas, full_shape[0] // dst.replicas
-    for i in range(0, len(dst.ranks), t):
-        run = dst.ranks[i : i + t]
-        got = _from_copies(mine, run[:1], run, [rows, *full_shape[1:]], 0, True, dtype, route,
-                           device)
+    rows = [full_shape[0] // dst.replicas, *full_shape[1:]]
+    for run in _runs(dst):
+        got = _from_copies(mine, run[:1], run, rows, dst.dim, dst.replicated, dtype, route, device)
         mine = got if dist.get_rank() in run else mine
     return mine
 
