@@ -86,8 +86,8 @@ def positions(devices: Sequence, replicas: int) -> list[list]:
 
 def check_replicas(spec, seg) -> list[Diagnostic]:
     """P033 for `shard` without replicas; P031 unless `data: D` cuts the group into replicas of
-    at least 2 devices; P030 unless D divides the batch; P032 in a pipeline or with shard
-    optimizer (not generated yet)."""
+    at least 2 devices; P030 unless D divides the batch; P032 with shard optimizer, or shard full
+    in a pipeline (not generated yet)."""
     d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
     if shard != "none" and d == 1:
         return [Diagnostic("P033", f"segment {seg.name!r}: {seg.parallel.mode} with shard {shard!r} needs data replicas to shard "
@@ -104,10 +104,11 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
         return [Diagnostic("P030", f"batch_size {t.batch_size} is not divisible by the {d} data replicas of "
                            f"segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
                            f"use a multiple of {d * t.accumulate}")]
-    if spec.pipeline or shard == "optimizer":
-        what = "in a pipeline" if spec.pipeline else "and shard 'optimizer'"
+    # (in a pipeline: placer's GPipe loops run it; other schedules stop with G001, announced by W005)
+    if shard == "optimizer" or (spec.pipeline and shard == "full"):
+        what = "and shard 'full' in a pipeline" if shard == "full" else "and shard 'optimizer'"
         return [Diagnostic("P032", f"segment {seg.name!r}: {seg.parallel.mode} with data replicas {what} is not generated "
-                           "by this version of placer", loc, "use shard none or full, without a pipeline, there")]
+                           "by this version of placer", loc, "use shard none there (or full without a pipeline)")]
     return []
 
 

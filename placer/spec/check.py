@@ -203,7 +203,8 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
     copies direct. Otherwise placer generates `gpipe` as micro-batch loops on its own
     copies, and no other schedule."""
     sizes = {len(s.devices) for s in spec.placement}
-    whole = len(sizes) == 1 and all(MODES[s.parallel.mode].whole_on_each for s in spec.placement)
+    whole = len(sizes) == 1 and all(MODES[s.parallel.mode].whole_on_each and s.parallel.data == 1  # (not 2-D)
+                                    for s in spec.placement)
     for k, seg in enumerate(spec.placement):
         why = MODES[seg.parallel.mode].torch_pipeline_blocker(seg.parallel) if len(seg.devices) > 1 else None
         if why and not whole:  # (stages that all hold the whole activation run one pipeline per rank)

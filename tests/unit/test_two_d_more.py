@@ -75,9 +75,7 @@ def test_each_replicas_bands_must_take_whole_strides(tmp_path):
     assert "error[P029]" in _validate(tmp_path, text.replace("data: 2}", "data: 1}"))
 
 
-def test_spatial_x_data_in_a_pipeline_or_a_module_model_is_refused(tmp_path):
-    piped = SPEC.read_text().replace("training:", "pipeline: {microbatches: 2, schedule: gpipe}\ntraining:")
-    assert "error[P032]" in _validate(tmp_path, piped)
+def test_spatial_x_data_in_a_module_model_is_refused(tmp_path):
     (tmp_path / "net.py").write_text("import torch.nn as nn\n\n\ndef make():\n    return nn.Sequential(\n"
                                      "        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))\n")
     module = """placer: 1
@@ -91,3 +89,32 @@ training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}, seed: 0}
 """
     out = _validate(tmp_path, module)
     assert "error[P032]" in out and "module model" in out, out
+
+
+PIPE = ROOT / "specs" / "mlp_pipeline_tensor_data.yaml"
+
+
+def test_a_2d_stage_runs_under_gpipe_only(tmp_path):
+    """GPipe's loops run a 2-D stage beside others; other schedules are announced (W005) and refused
+    by generate (G001); FSDP2 x TP in a pipeline is refused (P032)."""
+    assert "W005" not in _validate(tmp_path, PIPE.read_text())
+    one_f = PIPE.read_text().replace("schedule: gpipe", "schedule: 1f1b")
+    assert "warning[W005]" in _validate(tmp_path, one_f)
+    out = _validate(tmp_path, PIPE.read_text().replace("data: 2}", "data: 2, shard: full}"))
+    assert "error[P032]" in out and "shard 'full' in a pipeline" in out, out
+
+
+def test_a_2d_stage_passes_each_micro_batchs_gradient_on_from_its_replicas_first_device():
+    """The plan's sends are the program's: the gradient comes to each replica's first device, which
+    sends it to the rest of its replica before its backward; a spatial replica's bands meet on its
+    first device before it sends the rows on."""
+    plan = api.plan(PIPE).plan
+    ops = [(op.kind, op.phase, op.src, op.dst, op.microbatch) for op in plan.ops["cuda:0"]
+           if op.kind in (OpKind.SEND, OpKind.RECV, OpKind.COMPUTE)]
+    i = ops.index((OpKind.RECV, "bwd", ("cuda:4",), ("cuda:0",), 0))
+    assert ops[i + 1] == (OpKind.SEND, "bwd", ("cuda:0",), ("cuda:1",), 0)
+    assert ops[i + 2][:2] == (OpKind.COMPUTE, "bwd")
+    spatial = api.plan(ROOT / "tests" / "cases" / "valid" / "pipeline_gpipe_spatial_data" / "spec.yaml").plan
+    sends = [(op.kind, op.phase, op.src, op.dst) for op in spatial.ops["cuda:2"]
+             if op.kind in (OpKind.SEND, OpKind.RECV) and op.microbatch == 0 and op.phase == "fwd"]
+    assert sends == [(OpKind.RECV, "fwd", ("cuda:3",), ("cuda:2",)), (OpKind.SEND, "fwd", ("cuda:2",), ("cuda:4",))]
