@@ -104,7 +104,7 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
         return [Diagnostic("P030", f"batch_size {t.batch_size} is not divisible by the {d} data replicas of "
                            f"segment {seg.name!r}", spec.doc.loc(("training", "batch_size")),
                            f"use a multiple of {d * t.accumulate}")]
-    # (in a pipeline: placer's GPipe loops run it; other schedules stop with G001, announced by W005)
+    # (in a pipeline: placer's micro-batch loops run it, GPipe's or in the schedule's order)
     if shard == "optimizer" or (spec.pipeline and shard == "full"):
         what = "and shard 'full' in a pipeline" if shard == "full" else "and shard 'optimizer'"
         return [Diagnostic("P032", f"segment {seg.name!r}: {seg.parallel.mode} with data replicas {what} is not generated "

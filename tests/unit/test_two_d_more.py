@@ -94,12 +94,14 @@ training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}, seed: 0}
 PIPE = ROOT / "specs" / "mlp_pipeline_tensor_data.yaml"
 
 
-def test_a_2d_stage_runs_under_gpipe_only(tmp_path):
-    """GPipe's loops run a 2-D stage beside others; other schedules are announced (W005) and refused
-    by generate (G001); FSDP2 x TP in a pipeline is refused (P032)."""
+def test_a_2d_stage_runs_under_every_schedule_but_not_with_fsdp2(tmp_path):
+    """placer's loops run a 2-D stage beside others under every schedule (no W005); FSDP2 x TP in a
+    pipeline is refused (P032)."""
     assert "W005" not in _validate(tmp_path, PIPE.read_text())
     one_f = PIPE.read_text().replace("schedule: gpipe", "schedule: 1f1b")
-    assert "warning[W005]" in _validate(tmp_path, one_f)
+    assert "W005" not in _validate(tmp_path, one_f)
+    text = "".join(api.generate(api.load(PIPE, ["pipeline.schedule=1f1b"])).split())
+    assert "order={" in text and "relayout_grad(" in text and "pending=sends" in text
     out = _validate(tmp_path, PIPE.read_text().replace("data: 2}", "data: 2, shard: full}"))
     assert "error[P032]" in out and "shard 'full' in a pipeline" in out, out
 

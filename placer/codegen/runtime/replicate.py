@@ -60,10 +60,12 @@ def _runs(layout):
     return [layout.ranks[i : i + t] for i in range(0, len(layout.ranks), t)]
 
 
-def _by_replicas(x, src, dst, full_shape, dtype, route, device):
+def _by_replicas(x, src, dst, full_shape, dtype, route, device, pending=None, tag=0):
     """relayout where a side is 2-D: it sends from its replicas' first ranks (each first gathering
     its replica's bands, spatial x data) and receives on them, and each of those then copies its
-    replica's rows (or their bands) to the rest of its replica."""
+    replica's rows (or their bands) to the rest of its replica. With `pending` (placer's loops
+    in a schedule's order) only the hop between the replicas' first ranks is left pending:
+    the hops within a group run in the same action on all of its ranks."""
     if src.replicas > 1 and not src.replicated:  # bands of each replica's rows onto its first rank
         rows = [full_shape[0] // src.replicas, *full_shape[1:]]
         for run in _runs(src):
@@ -71,7 +73,7 @@ def _by_replicas(x, src, dst, full_shape, dtype, route, device):
             x = got if dist.get_rank() in run else x
     lead = _leaders(src)
     mine = relayout(x if dist.get_rank() in lead.ranks else None, lead, _leaders(dst), full_shape,
-                    dtype, route, device)
+                    dtype, route, device, pending, tag)
     if dst.replicas == 1:
         return mine
     rows = [full_shape[0] // dst.replicas, *full_shape[1:]]
@@ -183,9 +185,9 @@ def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", devic
     channel and tensor groups, or one rank) or Replicas (2-D segments). Every rank of the program
     calls; with `pending` (placer's loops in a schedule's order) the senders call in their turn and
     the receivers in theirs, a sender's messages left in `pending`, told from others by `tag`
-    (2-D stages do not run in those loops: spec.check.own_loops_blocker)."""
+    (a 2-D side: through its replicas' first ranks, `_by_replicas`)."""
     if src.replicas > 1 or dst.replicas > 1:
-        return _by_replicas(x, src, dst, full_shape, dtype, route, device)
+        return _by_replicas(x, src, dst, full_shape, dtype, route, device, pending, tag)
     dim = _via(src, dst)
     if dim is None:
         return _across(x, src, dst, full_shape, dtype, route, device, pending, tag)
@@ -198,7 +200,7 @@ def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct
     """Backward of relayout with the same arguments: grad is this rank's gradient of what it
     received; returns the gradient of what it sent (None outside src's ranks)."""
     if src.replicas > 1 or dst.replicas > 1:  # every rank of a 2-D replica holds the same gradient
-        return _by_replicas(grad, dst, src, full_shape, dtype, route, device)
+        return _by_replicas(grad, dst, src, full_shape, dtype, route, device, pending, tag)
     dim = _via(src, dst)
     if dim is None:
         return _across(grad, dst, src, full_shape, dtype, route, device, pending, tag)
