@@ -181,8 +181,7 @@ def _forward(w: "TrainWriter", seg: "Seg") -> list[str]:
     k, segs = seg.k, w.segs
     lines = [f"# segment {k}'s forward"]
     if k == 0:
-        x = "xs[mb]" if len(seg.ranks) == 1 or seg.replicated else \
-            f"local_slice(xs[mb], {list(seg.ranks)}, rank{', ' + str(seg.split_dim) if seg.split_dim else ''})"
+        x = w.rows_of("xs[mb]", seg)  # (a 2-D stage's: its replica's rows, or their band)
         lines += ["a = None", *_compute(w, seg, f"{x}.to(device)")]
     else:
         prev = segs[k - 1]
@@ -215,8 +214,7 @@ def _loss(w: "TrainWriter", seg: "Seg") -> list[str]:
                   f"    out = relayout(h, {w.layout_arg(seg)}, Replicate({list(seg.ranks[:1])}), "
                   f"{list(seg.out_shape)}, route={w.route(seg)}, device=device)",
                   f"if rank == {seg.ranks[0]}:", "    out.requires_grad_()"]
-    whole_y = len(seg.ranks) == 1 or seg.replicated or seg.loss_gather
-    y = "ys[mb]" if whole_y else f"local_slice(ys[mb], {list(seg.ranks)}, rank)"
+    y = "ys[mb]" if seg.loss_gather else w.rows_of("ys[mb]", seg)
     loss = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
     loss_lines = [AUTOCAST, f"    {loss}"] if w.bf16 else [loss]
     lines += ["# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM"]
@@ -273,6 +271,7 @@ def _loss_backward(w: "TrainWriter", seg: "Seg") -> list[str]:
                 f"    d = relayout_grad(out.grad if rank == {seg.ranks[0]} else None, {w.layout_arg(seg)}, "
                 f"Replicate({list(seg.ranks[:1])}), {list(seg.out_shape)}, route={w.route(seg)}, device=device)",
                 "torch.autograd.backward(h, d)", "if loss is not None:", "    mb_losses.append(loss)"]
-    if seg.replicated:  # each rank backpropagates the whole loss into its slices; it counts once
-        return ["loss.backward()", f"if rank == {seg.ranks[0]}:", "    mb_losses.append(loss)"]
+    if seg.replicated:  # each rank backpropagates the whole loss into its slices; it counts once (a replica's)
+        counted = seg.ranks[:: len(seg.ranks) // seg.replicas]
+        return ["loss.backward()", f"if rank in {counted}:", "    mb_losses.append(loss)"]
     return ["loss.backward()", "mb_losses.append(loss)"]

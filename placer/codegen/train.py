@@ -585,6 +585,10 @@ class TrainWriter(TrainingOptions):
     def rows_of(batch: str, seg: Seg) -> str:
         """The part of the global `batch` (x or y) that segment seg's ranks take: all of it on one
         rank or a replicated group, a replica's rows in a 2-D one, else this rank's slice."""
+        if seg.replicas > 1 and seg.split_dim:  # spatial x data: this rank's band of its replica's rows
+            runs = tensor.runs(seg.ranks, seg.replicas)
+            return (f"local_slice(replica_slice({batch}, {runs}, rank), next(r for r in {runs} if rank in r), rank, "
+                    f"{seg.split_dim})")
         if seg.replicas > 1:
             return f"replica_slice({batch}, {tensor.runs(seg.ranks, seg.replicas)}, rank)"
         if len(seg.ranks) == 1 or seg.replicated:
@@ -597,7 +601,7 @@ class TrainWriter(TrainingOptions):
         or `Replicas(ranks, n)` (n data replicas, each whole on its ranks)."""
         ranks, dim, replicated, replicas = seg.layout
         if replicas > 1:
-            return f"Replicas({ranks}, {replicas})"
+            return f"Replicas({ranks}, {replicas}{f', {dim}' if dim else ''})"
         return f"Replicate({ranks})" if replicated or len(ranks) == 1 else f"Shard({dim}, {ranks})"
 
     @staticmethod
@@ -605,7 +609,8 @@ class TrainWriter(TrainingOptions):
         if len(seg.ranks) == 1:
             return ranks_text(seg.ranks)
         if seg.replicas > 1:
-            return f"{ranks_text(seg.ranks)} ({seg.replicas} replicas: rows across them, whole on each rank of one)"
+            within = f"bands of dim {seg.split_dim} within each" if seg.split_dim else "whole on each rank of one"
+            return f"{ranks_text(seg.ranks)} ({seg.replicas} replicas: rows across them, {within})"
         if seg.replicated:
             return f"{ranks_text(seg.ranks)} (whole on each)"
         return f"{ranks_text(seg.ranks)} ({'rows' if seg.split_dim == 0 else f'bands of dim {seg.split_dim}'})"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from placer.diagnostics import Diagnostic
-from placer.modes import data
+from placer.modes import data, tensor
 from placer.modes.base import Mode
 from placer.plan.attach import Attached, bucket_ops
 from placer.plan.crossings import group_blocker
@@ -91,14 +91,18 @@ def band_copy(geo: dict | None, l, axis: int, d: int) -> int:
     return size
 
 
-def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int, geometry: Callable) -> None:
+def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int, geometry: Callable,
+                replicas: int = 1) -> None:
     """The plan's halo exchanges around each Conv/Pool over n devices (`geometry(name)`: its
-    kernel, stride, padding, dilation); the weight-gradient all-reduce is lowering's bucketed one."""
+    kernel, stride, padding, dilation; `replicas`: a 2-D segment's, each exchanging its own rows'
+    halos in its own group, so 1/replicas of the bytes); the weight-gradient all-reduce is
+    lowering's bucketed one."""
     for i, l in enumerate(info):
         halo = halo_rows(geometry(l.name), l, axis)
         if not halo:
             continue
         top, bottom, row = halo
+        row //= replicas
         a.cuts.add(i)
         attrs = {"prev_rows": top, "next_rows": bottom, "row_bytes": row}
         total = (top + bottom) * row * (n - 1)
@@ -120,15 +124,36 @@ def lockstep_gathers(a: Attached, info, grads: Sequence[bool], op, axis: int) ->
                                 attrs={"rows": info[0].in_shape[axis]}))
 
 
-def emit_stage(k: int, ranks, axis: int, size: int) -> list[str]:
-    """The program's line that cuts segment k's `stage` into bands of dim `axis` over group g{k}."""
-    return [f"seg{k} = SpatialSplit(stage, g{k}, {list(ranks)}, dim={axis}, size={size})"]
+def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1) -> list[str]:
+    """The program's line that cuts segment k's `stage` into bands of dim `axis` over group g{k}
+    (a 2-D segment's: this rank's replica, which runs every BatchNorm over its own bands)."""
+    over = f"{list(ranks)}" if replicas == 1 else f"next(r for r in {tensor.runs(ranks, replicas)} if rank in r)"
+    return [f"seg{k} = SpatialSplit(stage, g{k}, {over}, dim={axis}, size={size})"]
 
 
-def emit_sync(k: int, bucket_mb: float) -> list[str]:
-    """After backward: every device's weight gradients (from its bands only) summed, then the step."""
+def emit_sync(k: int, bucket_mb: float, replicas: int = 1) -> list[str]:
+    """After backward: every device's weight gradients (from its bands only) summed, then the step;
+    a 2-D segment's over its replica's bands, then over the replicas (the ranks at its position)."""
+    across = [f"    all_reduce_grads(seg{k}.parameters(), dp{k}, bucket_mb={bucket_mb!r})  # and over the "
+              f"{replicas} data replicas"] if replicas > 1 else []
     return ["# each rank's weight gradients cover its bands only", 'with timer("comm"):',
-            f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", f"opt{k}.step()"]
+            f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", *across, f"opt{k}.step()"]
+
+
+def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) -> None:
+    """A 2-D segment (`data: D`): each replica (a run of consecutive devices) exchanges the halos
+    of its rows and runs every BatchNorm over its own bands; after backward each replica sums its
+    bands' weight gradients, then the devices at each position sum them over the replicas."""
+    d, axis = seg.options["data"], seg.options.get("axis", 2)
+    runs = tensor.runs(seg.devices, d)
+    for run in runs:
+        def in_run(*args, _run=tuple(run), **kw):
+            return op(*args, devices=_run, **kw)
+        collectives(a, info, grads, in_run, axis, len(run), ctx.geometry, d)
+        data.batchnorm_stats(a, info, in_run)
+    bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
+    for group in runs + tensor.positions(seg.devices, d):
+        a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(group), "bwd", "grads", bks)
 
 
 def axis_of(dim, in_shape) -> int:
@@ -141,7 +166,7 @@ def axis_of(dim, in_shape) -> int:
 
 class Spatial(Mode):
     name = "spatial"
-    options_keys = ("dim",)
+    options_keys = ("dim", "data")
     forward_sends_activations = True
     lockstep_group = True
     chain = True
@@ -159,11 +184,28 @@ class Spatial(Mode):
         return chain_check(seg, info, locs) or None  # a chain: the layer rules of inline models (P026)
 
     def check(self, seg, seg_layers, kinds, pipelined):
-        return check(seg, seg_layers, kinds)
+        diags = check(seg, seg_layers, kinds)
+        norms = [l for l in seg_layers if l.op.startswith("BatchNorm")] if seg.parallel.data > 1 else []
+        if norms:  # (over the bands of one replica: the statistics of its rows only)
+            diags.append(Diagnostic("W006", f"layer {norms[0].name!r} is a BatchNorm in 2-D segment {seg.name!r}: "
+                                    f"each replica normalises over its 1/{seg.parallel.data} of the batch, so run "
+                                    "--check cannot match one device", norms[0].loc,
+                                    "drop `data` here, or use a norm without batch statistics", severity="warning"))
+        return diags
+
+    def check_options(self, spec, seg):
+        if seg.parallel.data > 1 and not spec.model.inline:
+            return [Diagnostic("P032", f"segment {seg.name!r}: spatial with data replicas in a module model "
+                               "(`model.module`) is not generated by this version of placer", seg.parallel.loc,
+                               "give the model as inline layers, or drop `data` there")]
+        return tensor.check_replicas(spec, seg)
+
+    def data_degree(self, n, replicas=1):
+        return replicas
 
     def check_shapes(self, seg, seg_layers, shapes_in) -> list[Diagnostic]:
         """P029: each device's share of the split dim must be whole at every strided layer."""
-        d, dim = len(seg.devices), seg.parallel.dim
+        d, dim = len(seg.devices) // seg.parallel.data, seg.parallel.dim  # (a 2-D segment: each replica's)
         for layer in seg_layers:
             s = shapes_in.get(layer.name)
             if s is None or shapes.kind(layer) not in ("conv", "pool") or len(s) < 2:
@@ -184,12 +226,15 @@ class Spatial(Mode):
         return []
 
     def options(self, p, layers, graph):
-        return {"dim": p.dim, "axis": axis_of(p.dim, graph.layer(layers[0]).in_shape if layers else None)}
+        return {"dim": p.dim, "axis": axis_of(p.dim, graph.layer(layers[0]).in_shape if layers else None)} | (
+            {"data": p.data} if p.data > 1 else {})
 
     def layout_dim(self, seg):
         return seg.options.get("axis", 2)
 
     def collectives(self, a, seg, info, grads, op, ctx):
+        if seg.options.get("data", 1) > 1:
+            return replica_collectives(a, seg, info, grads, op, ctx)
         collectives(a, info, grads, op, self.layout_dim(seg), len(seg.devices), ctx.geometry)
         data.batchnorm_stats(a, info, op)  # SpatialSplit runs each BatchNorm over every band
         if ctx.lockstep:
@@ -202,6 +247,7 @@ class Spatial(Mode):
         """Each Conv/Pool keeps its band copy (`band_copy`) instead of its input: where the trace
         counted that input for this layer (it saved it first), only the difference is extra."""
         axis, out = self.layout_dim(seg), []
+        d //= seg.options.get("data", 1)  # a 2-D segment: each replica's bands, its rows of the batch
         for l in info:
             copy = band_copy(geometry(l.name), l, axis, d) if l.op.startswith(("Conv", "MaxPool", "AvgPool")) else 0
             counted = l.in_bytes if copy and l.saves_input and l.saved_bytes >= l.in_bytes else 0
@@ -209,20 +255,25 @@ class Spatial(Mode):
         return out
 
     def describe(self, seg, devices):
+        if seg.replicas > 1:
+            return (f"spatial x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
+                    f"splitting dim {seg.dim} of its rows into bands (halo rows exchanged before every Conv/Pool); "
+                    "gradients summed over each replica's bands, then over the replicas")
         return f"spatial split, 1/{len(seg.ranks)} of dim {seg.dim} each, halo rows exchanged before every Conv/Pool"
 
     def runtime(self, seg, torch_pipeline):
-        return {"spatial", "buckets"} | ({"bands"} if seg.chained else set())
+        return {"spatial", "buckets"} | ({"bands"} if seg.chained else set()) | (
+            {"tensor"} if seg.replicas > 1 else set())  # (replica_slice)
 
     def chain_call(self, seg):
         return f"SpatialWhole(seg{seg.k})"
 
     def emit_stage(self, seg, resumable):
         assert seg.dim is not None and seg.in_shape is not None  # set for every spatial segment
-        return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim])
+        return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim], seg.replicas)
 
     def emit_sync(self, seg):
-        return seg.ranks, emit_sync(seg.k, seg.bucket_mb)
+        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas)
 
 
 MODE = Spatial()

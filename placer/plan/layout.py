@@ -52,6 +52,15 @@ def _share(nbytes: int, j: int, n: int) -> int:
     return round(Fraction(nbytes * (j + 1), n)) - round(Fraction(nbytes * j, n))
 
 
+def _within(layout: Layout, nbytes: int = 0):
+    """(run, device, bytes) of each device but the first of a 2-D layout's runs: its replica's
+    rows (1/replicas of nbytes), or their band along the layout's dim (one device's share of them)."""
+    for i, run in enumerate(layout.runs() if layout.replicas > 1 else ()):
+        rows = _share(nbytes, i, layout.replicas)
+        for j, t in list(enumerate(run))[1:]:
+            yield run, t, rows if layout.dim is None else _share(rows, j, len(run))
+
+
 def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
     """(from, to, bytes) that take a tensor of `nbytes` from layout `src` to layout `dst`.
 
@@ -60,16 +69,15 @@ def moves(src: Layout, dst: Layout, nbytes: int) -> list[Move]:
     own copy if it has one) when the source is whole on several devices.
     Nothing moves to itself. Pieces are whole bytes that add up exactly.
 
-    A 2-D layout (replicas, each whole on its devices; `dim` None) sends from its replicas'
-    first devices, and receives on them: each then copies its replica's rows to the rest of
-    its replica (the program's `relayout` does the same)."""
+    A 2-D layout (replicas: rows cut across runs of devices, each run holding its rows whole on
+    each device, or cut along `dim`: spatial x data's bands) sends from its replicas' first
+    devices, which first gather their run's bands, and receives on them: each then copies its
+    replica's rows (or their bands) to the rest of its replica (the program's `relayout` does the
+    same)."""
     if src.replicas > 1 or dst.replicas > 1:
-        assert src.dim is None or src.replicas == 1, "2-D layouts are whole within each replica"
-        assert dst.dim is None or dst.replicas == 1, "2-D layouts are whole within each replica"
-        out = moves(src.leaders(), dst.leaders(), nbytes)
-        for i, run in enumerate(dst.runs() if dst.replicas > 1 else ()):
-            out += [(run[0], t, _share(nbytes, i, dst.replicas)) for t in run[1:]]
-        return out
+        out = [(t, run[0], b) for run, t, b in _within(src, nbytes)] if src.dim is not None else []
+        out += moves(src.leaders(), dst.leaders(), nbytes)
+        return out + [(run[0], t, b) for run, t, b in _within(dst, nbytes)]
     out = []
     for j, t in enumerate(dst.devices):
         want = _piece(dst, j)

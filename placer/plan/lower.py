@@ -104,8 +104,9 @@ def _loss_gather(plan: Plan, graph: ModelGraph, ops: dict) -> None:
     dst, s = Layout(last.devices[:1]), last.index
     n = boundary_bytes(graph, last) // plan.microbatches
     for mb in range(plan.microbatches) if plan.schedule else (None,):  # a pipeline's: every micro-batch's
-        fwd = _transfer(src, dst, s, "fwd", "act", n, last.route).with_(attrs={"loss": True}, microbatch=mb)
-        bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route).with_(attrs={"loss": True}, microbatch=mb)
+        fwd = _transfer(src, dst, s, "fwd", "act", n, last.route)  # (a 2-D src's replicas in its attrs)
+        bwd = _transfer(dst, src, s, "bwd", "grad", n, last.route)
+        fwd, bwd = (o.with_(attrs={**o.attrs, "loss": True}, microbatch=mb) for o in (fwd, bwd))
         for d in last.devices:
             lst = ops[d]
             lst.insert(_found(_last(lst, lambda o: _is_compute(o, s, ("fwd",), mb))) + 1, fwd)
@@ -381,8 +382,9 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
                 kw: dict = dict(devices=(a, b), segment=c.dst, phase=flow, tensor=what, bytes=n, microbatch=mb,
                                     route=segs[c.dst].route, src=(a,), dst=(b,), attrs=attrs)
                 out.setdefault((a, a_k, flow, mb), []).append(
-                    (Op(kind=OpKind.SEND, **kw), Op(kind=OpKind.RECV, **kw), b_k))
+                    (Op(kind=OpKind.SEND, **kw), Op(kind=OpKind.RECV, **kw), (b, b_k, flow, mb)))
                 need[(b, b_k, flow, mb)] += 1
+    relay: dict[tuple, list] = {}  # (device, segment, flow, mb) -> the same, sent before that work
     for prev, cur in zip(segs, segs[1:]) if not lockstep(spec, segs) else ():
         src, dst = in_layout(prev), in_layout(cur)
         if src == dst:  # consecutive stages on the same group (the turn of a V schedule)
@@ -394,30 +396,46 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
                 for a, b, nbytes in mv:
                     common: dict = dict(devices=(a, b), segment=cur.index, phase=flow, tensor=what, bytes=nbytes,
                                   microbatch=mb, route=cur.route, src=(a,), dst=(b,))
-                    out.setdefault((a, a_seg.index, flow, mb), []).append(
-                        (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common), b_seg.index))
-                    need[(b, b_seg.index, flow, mb)] += 1
+                    # a 2-D group's first device passes its replica's rows on before its own work on them
+                    # (relay); a 2-D source's bands meet on its first device before it sends them (gather)
+                    into, gather = a in b_seg.devices, b in a_seg.devices
+                    done = ("gather", b, a_seg.index, flow, mb) if gather else (b, b_seg.index, flow, mb)
+                    (relay if into else out).setdefault((a, (b_seg if into else a_seg).index, flow, mb), []).append(
+                        (Op(kind=OpKind.SEND, **common), Op(kind=OpKind.RECV, **common), done))
+                    need[done] += 1
     lists = {d: plan.ops.get(d, ()) for d in plan.devices}
     last = {(d, o.segment, _flow(o.phase), o.microbatch): i for d, lst in lists.items() for i, o in enumerate(lst)}
     new: dict[str, list] = {d: [] for d in plan.devices}
     got: Counter = Counter()
     pos = {d: 0 for d in plan.devices}
-    while any(pos[d] < len(lists[d]) for d in plan.devices):
+    held: dict[str, tuple] = {}  # device -> the work whose sends wait for its replica's bands
+
+    def post(d: str, pairs) -> None:
+        for send, recv, done in pairs:
+            new[d].append(send)
+            new[recv.devices[-1]].append(recv)
+            got[done] += 1
+    while any(pos[d] < len(lists[d]) for d in plan.devices) or held:
         progress = False
         for d in plan.devices:  # one op per device per round, as torch's simulation does
+            if d in held:
+                if got[("gather",) + held[d]] < need[("gather",) + held[d]]:
+                    continue
+                post(d, out.get(held.pop(d), ()))
+                progress = True
+                continue
             if pos[d] >= len(lists[d]):
                 continue
             op = lists[d][pos[d]]
             key = (d, op.segment, _flow(op.phase), op.microbatch)
             if key[2] and got[key] < need[key]:
                 continue
+            post(d, relay.pop(key, ()))  # (a 2-D group's first device, once)
             new[d].append(op)
-            if last.get(key) == pos[d]:
-                for send, recv, b_seg in out.get(key, ()):
-                    new[d].append(send)
-                    b = recv.devices[-1]
-                    new[b].append(recv)
-                    got[(b, b_seg, recv.phase, recv.microbatch)] += 1
+            if last.get(key) == pos[d] and got[("gather",) + key] < need[("gather",) + key]:
+                held[d] = key
+            elif last.get(key) == pos[d]:
+                post(d, out.get(key, ()))
             pos[d] += 1
             progress = True
         if not progress:

@@ -122,8 +122,12 @@ def _segments(plan: Plan) -> Problem | None:
             # a tensor crossing in lockstep (plan/crossings.py) comes from the segment that made it
             prev = plan.segments[op.attrs.get("from", op.segment - 1)]
             src, dst = (prev, seg) if op.phase == "fwd" else (seg, prev)
-            bad = [x for x in (op.src or op.devices[:1]) if x not in src.devices] + \
-                  [x for x in (op.dst or op.devices[-1:]) if x not in dst.devices]
+            # a 2-D group's first devices pass its replica's rows on (the sender is in the receiving group)
+            # and gather its bands first (the receiver is in the sending group)
+            relays, gathers = ((g.devices if g.options.get("data", 1) > 1 and op.kind in P2P else ())
+                               for g in (dst, src))
+            bad = [x for x in (op.src or op.devices[:1]) if x not in src.devices + relays] + \
+                  [x for x in (op.dst or op.devices[-1:]) if x not in dst.devices + gathers]
             if bad:
                 return "V003", (f"op {i} on {d}: {op.phase} {op.kind.value} between segments "
                                 f"{prev.name!r} and {seg.name!r} involves {bad[0]}, which is in neither end"), [(d, i)]

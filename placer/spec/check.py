@@ -203,7 +203,8 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
     copies direct. Otherwise placer generates `gpipe` as micro-batch loops on its own
     copies, and no other schedule."""
     sizes = {len(s.devices) for s in spec.placement}
-    whole = len(sizes) == 1 and all(MODES[s.parallel.mode].whole_on_each for s in spec.placement)
+    whole = len(sizes) == 1 and all(MODES[s.parallel.mode].whole_on_each and s.parallel.data == 1  # (not 2-D)
+                                    for s in spec.placement)
     for k, seg in enumerate(spec.placement):
         why = MODES[seg.parallel.mode].torch_pipeline_blocker(seg.parallel) if len(seg.devices) > 1 else None
         if why and not whole:  # (stages that all hold the whole activation run one pipeline per rank)
@@ -220,17 +221,12 @@ def torch_pipeline_blocker(spec: Spec) -> tuple[int | None, str] | None:
 def own_loops_blocker(spec: Spec) -> tuple[int | None, str] | None:
     """Why placer's own micro-batch loops cannot run the spec's stages in its schedule's order,
     as torch_pipeline_blocker says it, or None when they can. GPipe's loops run any stages; the
-    other schedules' (codegen/loops.py) take stages whose group holds the activation as rows,
-    bands or whole on each rank (every mode over one dim of devices), so that every copy is a
-    `redistribute` or `relayout` whose send and receive halves run in different actions."""
+    other schedules' (codegen/loops.py) take stages whose every copy is a `redistribute` or
+    `relayout` whose send and receive halves run in different actions: rows, bands or whole on
+    each rank, and 2-D stages (their hops inside a group run in the action of its stage). The
+    hook of W005 / G001 for a stage they could not take: none today."""
     assert spec.pipeline is not None
-    if spec.pipeline.schedule == "gpipe":
-        return None
-    for k, seg in enumerate(spec.placement):
-        n = len(seg.devices)
-        if 1 < MODES[seg.parallel.mode].data_degree(n, seg.parallel.data) < n:
-            return k, f"a 2-D stage (mode {seg.parallel.mode!r} inside data replicas) beside other stages"
-    return None
+    return None  # (2-D stages too: their copies pass through the replicas' first ranks, runtime _by_replicas)
 
 
 def _check_pipeline(spec: Spec) -> list[Diagnostic]:

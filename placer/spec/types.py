@@ -71,7 +71,7 @@ class Parallel:
     dim: str | int = "H"
     """`spatial` split dim: "H", "W" or a tensor dim index."""
     data: int = 1
-    """`tensor`: data replicas of consecutive devices, each split by the mode (a 2-D segment)."""
+    """`tensor`, `channel`, `spatial`: data replicas of consecutive devices, each split by the mode (a 2-D segment)."""
     loc: Loc = field(default_factory=Loc, compare=False)
 
 

@@ -1,5 +1,5 @@
 """2-D segments under `placer run --check`: tensor x data (`parallel: {mode: tensor, data: D}`),
-FSDP2 x TP (`shard: full` with it) and channel x data train exactly as one device does (rtol 1e-5, atol 4e-5),
+FSDP2 x TP (`shard: full` with it), channel x data and spatial x data train exactly as one device does (rtol 1e-5, atol 4e-5),
 and every device sends what the plan says, whether the 2-D segment sits between one-device
 segments (its input arrives through the replicas' first devices) or holds the whole model
 (each replica takes its rows of the batch and computes the loss on them), on inline layers and
@@ -36,12 +36,19 @@ RUNS = [
     # two micro-steps a step (the replicas sum once, after the second) and the segment recomputed in backward
     ("specs/mlp_tensor_data.yaml", ["--set", "training.accumulate=2", "--set", "placement.1.recompute=true"], 4,
      "torch.utils.checkpoint.checkpoint(seg1", 0),
+    # spatial x data between one-device segments (bands enter and leave through each replica's first rank)
+    ("specs/cnn_spatial_data.yaml", [], 4, "all_reduce_grads(seg1.parameters(), dp1", 0),
+    # ... and as the whole model: each rank takes its band of its replica's rows; the bands meet for the loss
+    ("specs/cnn_spatial_dense.yaml", ["--set", "devices=[cuda:0, cuda:1, cuda:2, cuda:3]", "--set",
+                                      "placement.0.devices=[cuda:0, cuda:1, cuda:2, cuda:3]", "--set",
+                                      "placement.0.parallel.data=2"], 4, "replica_slice(x, [[0, 1], [2, 3]], rank),", 0),
 ]
 
 
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
                          ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
-                              "cnn_channel", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute"])
+                              "cnn_channel", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
+                              "spatial_whole_model"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
     program, _, metrics, _ = h.checked_run(ROOT / spec, tmp_path / "run", "--steps", str(STEPS), *sets, min_params=1)
     assert metrics["world_size"] == workers and len(metrics["losses"]) == STEPS

@@ -128,7 +128,7 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
                 by_mode[m] = _allowed(rule["then"])
     assert set(by_mode) == set(defs["parallel_mode"]["enum"])
     assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
-    assert by_mode["spatial"] == {"mode", "dim"}
+    assert by_mode["spatial"] == {"mode", "dim", "data"}  # data replicas, each split into bands
     assert by_mode["tensor"] == {"mode", "data", "shard"}  # data replicas (a 2-D segment), FSDP2 over them
     assert by_mode["channel"] == {"mode", "data"}
     assert by_mode["none"] == {"mode"}

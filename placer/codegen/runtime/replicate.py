@@ -18,7 +18,8 @@ class Layout(NamedTuple):
     """How a group of ranks holds a tensor, in torch's words: Shard(dim, ranks) cuts dim into
     even contiguous slices, one per rank in order; Replicate(ranks) is the whole tensor on each;
     Replicas(ranks, n) is n data replicas of consecutive ranks, rows cut across them, each
-    replica's rows whole on each of its ranks (a 2-D segment)."""
+    replica's rows whole on each of its ranks (a 2-D segment), or with dim cut into even bands
+    along dim over its ranks (spatial x data)."""
 
     ranks: list
     dim: int
@@ -43,8 +44,8 @@ def _settle(posted, receives, pending):
         posted.wait()
 
 
-def Replicas(ranks, n):
-    return Layout(list(ranks), 0, True, n)
+def Replicas(ranks, n, dim=0):
+    return Layout(list(ranks), dim, not dim, n)
 
 
 def _leaders(layout):
@@ -54,19 +55,30 @@ def _leaders(layout):
     return Shard(0, layout.ranks[:: len(layout.ranks) // layout.replicas])
 
 
-def _by_replicas(x, src, dst, full_shape, dtype, route, device):
-    """relayout where a side is 2-D: it sends from its replicas' first ranks and receives on
-    them, and each of those then copies its replica's rows to the rest of its replica."""
+def _runs(layout):
+    t = len(layout.ranks) // layout.replicas
+    return [layout.ranks[i : i + t] for i in range(0, len(layout.ranks), t)]
+
+
+def _by_replicas(x, src, dst, full_shape, dtype, route, device, pending=None, tag=0):
+    """relayout where a side is 2-D: it sends from its replicas' first ranks (each first gathering
+    its replica's bands, spatial x data) and receives on them, and each of those then copies its
+    replica's rows (or their bands) to the rest of its replica. With `pending` (placer's loops
+    in a schedule's order) only the hop between the replicas' first ranks is left pending:
+    the hops within a group run in the same action on all of its ranks."""
+    if src.replicas > 1 and not src.replicated:  # bands of each replica's rows onto its first rank
+        rows = [full_shape[0] // src.replicas, *full_shape[1:]]
+        for run in _runs(src):
+            got = redistribute(x, run, run[:1], rows, src.dim, dtype, route, device)
+            x = got if dist.get_rank() in run else x
     lead = _leaders(src)
     mine = relayout(x if dist.get_rank() in lead.ranks else None, lead, _leaders(dst), full_shape,
-                    dtype, route, device)
+                    dtype, route, device, pending, tag)
     if dst.replicas == 1:
         return mine
-    t, rows = len(dst.ranks) // dst.replicas, full_shape[0] // dst.replicas
-    for i in range(0, len(dst.ranks), t):
-        run = dst.ranks[i : i + t]
-        got = _from_copies(mine, run[:1], run, [rows, *full_shape[1:]], 0, True, dtype, route,
-                           device)
+    rows = [full_shape[0] // dst.replicas, *full_shape[1:]]
+    for run in _runs(dst):
+        got = _from_copies(mine, run[:1], run, rows, dst.dim, dst.replicated, dtype, route, device)
         mine = got if dist.get_rank() in run else mine
     return mine
 
@@ -173,9 +185,9 @@ def relayout(x, src, dst, full_shape, dtype=torch.float32, route="direct", devic
     channel and tensor groups, or one rank) or Replicas (2-D segments). Every rank of the program
     calls; with `pending` (placer's loops in a schedule's order) the senders call in their turn and
     the receivers in theirs, a sender's messages left in `pending`, told from others by `tag`
-    (2-D stages do not run in those loops: spec.check.own_loops_blocker)."""
+    (a 2-D side: through its replicas' first ranks, `_by_replicas`)."""
     if src.replicas > 1 or dst.replicas > 1:
-        return _by_replicas(x, src, dst, full_shape, dtype, route, device)
+        return _by_replicas(x, src, dst, full_shape, dtype, route, device, pending, tag)
     dim = _via(src, dst)
     if dim is None:
         return _across(x, src, dst, full_shape, dtype, route, device, pending, tag)
@@ -188,7 +200,7 @@ def relayout_grad(grad, src, dst, full_shape, dtype=torch.float32, route="direct
     """Backward of relayout with the same arguments: grad is this rank's gradient of what it
     received; returns the gradient of what it sent (None outside src's ranks)."""
     if src.replicas > 1 or dst.replicas > 1:  # every rank of a 2-D replica holds the same gradient
-        return _by_replicas(grad, dst, src, full_shape, dtype, route, device)
+        return _by_replicas(grad, dst, src, full_shape, dtype, route, device, pending, tag)
     dim = _via(src, dst)
     if dim is None:
         return _across(grad, dst, src, full_shape, dtype, route, device, pending, tag)

@@ -1,0 +1,50 @@
+"""2-D stages in a pipeline under `placer run --check`: a tensor x data stage and a spatial x data
+stage beside one-device stages, under placer's GPipe loops and its loops in 1F1B's and interleaved
+zero bubble's order, train exactly as one device does
+(rtol 1e-5, atol 4e-5), and every device sends what the plan says: each micro-batch's rows leave
+through each replica's first rank (a spatial replica's bands gathered there first), and its
+gradient comes back to it, which passes it on to the rest of its replica."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from placer.cli.main import main
+from tests.distributed.test_run_modes import ATOL, ROOT, RTOL, STEPS
+
+pytestmark = pytest.mark.distributed
+
+
+GPIPE = "# GPipe: every micro-batch forward, then every one backward"
+ORDER = "order = {"  # placer's loops in the schedule's order
+
+
+@pytest.mark.parametrize("spec,sets,call,loops", [
+    ("specs/mlp_pipeline_tensor_data.yaml", [], "all_reduce_slices(seg0, dp0)", GPIPE),
+    ("tests/cases/valid/pipeline_gpipe_spatial_data/spec.yaml", ["pipeline.schedule=1f1b"],
+     "all_reduce_grads(seg0.parameters(), dp0", ORDER),
+    # two 2-D stages a rank, the last one's loss on each replica's rows, B split into I and W
+    ("tests/cases/valid/pipeline_zero_bubble_tensor_data/spec.yaml", [], "all_reduce_slices(seg3, dp3)", ORDER),
+], ids=["tensor_data_gpipe", "spatial_data_1f1b", "tensor_data_zero_bubble"])
+def test_a_2d_stage_in_a_pipeline_matches_one_device_and_sends_what_the_plan_says(spec, sets, call, loops, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = [a for s in sets for a in ("--set", s)]
+    result = CliRunner().invoke(main, ["run", str(ROOT / spec), "--check", "--steps", str(STEPS), "--run-dir",
+                                       str(run_dir), *sets])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 5 and len(metrics["losses"]) == STEPS
+    run_p = torch.load(run_dir / "final_params.pt")
+    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
+    assert set(run_p) == set(ref_p)
+    for name, value in ref_p.items():
+        torch.testing.assert_close(run_p[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    program = (run_dir / "program.py").read_text()
+    assert call in program and loops in program
+    planned = CliRunner().invoke(main, ["plan", str(ROOT / spec), "--format", "json", *sets])
+    assert planned.exit_code == 0, planned.output
+    for d in json.loads(planned.stdout)["devices"]:
+        assert metrics["bytes_sent"][d["device"]] == (d["payload_bytes"] + 4) * STEPS, d  # and the loss's 4 B
