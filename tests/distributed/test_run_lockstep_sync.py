@@ -22,19 +22,15 @@ copy of the tie, first-step gradients; rtol 1e-5, atol 4e-5), and each device se
 its plan says (ZeRO's shares are whole parameters: within 1%)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-
-from placer.cli.main import main
 
 try:
-    from .test_run_modes import SENT_TOLERANCE, assert_sends_what_the_plan_says
+    from . import _harness as h
 except ImportError:  # run as a top-level module
-    from test_run_modes import SENT_TOLERANCE, assert_sends_what_the_plan_says
+    import _harness as h
 
 pytestmark = pytest.mark.distributed
 
@@ -58,7 +54,6 @@ RUNS = {  # name: (model spec, front layers, front sync, back layers, back sync,
                               "transformer.h.1, transformer.ln_f, lm_head", "{mode: data, shard: full}", "gpipe",
                               True),
 }
-SENT_TOLERANCE["gpt2-tied-zero1-1f1b"] = 0.01  # ZeRO steps whole parameters: its shares are near 1/2
 
 
 def spec_for(name: str, tmp_path: Path) -> Path:
@@ -97,26 +92,16 @@ def test_sync_batchnorm_on_replica_pipelines_matches_one_device(tmp_path):
     the whole batch, so the run matches one device; its statistics' all-reduces are the plan's."""
     spec, run_dir = tmp_path / "spec.yaml", tmp_path / "run"
     spec.write_text(RESNET.format(model=MODELS / "resnet_tv.py"))
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    program = (run_dir / "program.py").read_text()
+    program, run_p, metrics, _ = h.checked_run(spec, run_dir)
     assert "PIPELINES = [[0, 2], [1, 3]]" in program and "convert_layers(" in program
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and any(k.endswith("bn2.weight") for k in ref_p)
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=1e-5, atol=4e-5, msg=lambda m: f"{key}: {m}")
-    assert_sends_what_the_plan_says("resnet_sync_batchnorm", spec, json.loads((run_dir / "metrics.json").read_text()))
+    assert any(k.endswith("bn2.weight") for k in run_p)
+    h.assert_sends_what_the_plan_says("resnet_sync_batchnorm", spec, metrics)
 
 
 @pytest.mark.parametrize("name", RUNS)
 def test_replica_pipelines_with_other_syncs_match_one_device(name, tmp_path):
     spec, run_dir = spec_for(name, tmp_path), tmp_path / "run"
-    result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir)])
-    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
-    assert "check passed" in result.stdout
-    program = (run_dir / "program.py").read_text()
+    program, run_p, metrics, _ = h.checked_run(spec, run_dir)
     assert "PIPELINES = [[0, 2], [1, 3]]" in program and "Lockstep(" in program and "ddp_sum(" not in program
     if "zero1" in name:
         assert "zero_optimizer(seg0.parameters(), g0" in program and "untied(seg1.parameters(), tied0)" in program
@@ -126,11 +111,7 @@ def test_replica_pipelines_with_other_syncs_match_one_device(name, tmp_path):
         assert "for ranks in [[0, 2], [1, 3]]" in step  # the tie's groups: one per shard position
     else:
         assert "param_server_step(" in program and "broadcast_sync_before_forward(" in program
-    run_p = torch.load(run_dir / "final_params.pt")
-    ref_p = torch.load(run_dir / "reference" / "final_params.pt")
-    assert set(run_p) == set(ref_p) and len(ref_p) >= 10
     if RUNS[name][-1]:
         torch.testing.assert_close(run_p["lm_head.weight"], run_p["transformer.wte.weight"], rtol=0, atol=0)
-    for key, value in ref_p.items():
-        torch.testing.assert_close(run_p[key], value, rtol=1e-5, atol=4e-5, msg=lambda m: f"{key}: {m}")
-    assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()))
+    # ZeRO steps whole parameters: its shares are near 1/2
+    h.assert_sends_what_the_plan_says(name, spec, metrics, slack=0.01 if "zero1" in name else None)
