@@ -305,7 +305,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
             shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()), out_leaves=t.out_leaves,
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
-            glue_before=name in tr.glue_before, **({} if spec.model.inline else _projections(m)),
+            glue_before=name in tr.glue_before, read_outside=t.read_outside, **({} if spec.model.inline else _projections(m)),
             window=() if spec.model.inline else _window(m),
             norms=() if spec.model.inline else tuple(x.num_features for x in m.modules() if isinstance(
                 x, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))),
@@ -485,6 +485,7 @@ def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[
             diags += crossings.check(spec, graph, placed)
             if not any(d.severity == "error" for d in diags) and crossings.lockstep(spec, placed):
                 diags += _check_batch_dims(spec, module, graph, placed) + _check_stage_order(spec, module, graph, placed)
+                diags += _check_outside_reads(spec, graph, placed)
         dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                         and m.p > 0), None)
         if dropout and len(spec.devices) > 1:
@@ -555,6 +556,28 @@ def _check_stage_order(spec: Spec, module: nn.Module, graph: ModelGraph, placed)
                           spec.placement[k].loc, "place the layers its later calls sit between in its segment, or "
                           "use a schedule with one stage per device (gpipe, 1f1b)")]
         top = k
+    return []
+
+
+def _check_outside_reads(spec: Spec, graph: ModelGraph, placed) -> list[Diagnostic]:
+    """P098: in lockstep a placed layer's parameters and buffers live on its segment's ranks only
+    (the others hold it on the meta device), and only they step them; every rank runs the parent's
+    forward. Work outside the layer (the parent's glue, another layer) that reads their values
+    would read nothing, or a copy that never trains, on the other ranks."""
+    everywhere = set(spec.devices)
+    for seg in placed:
+        if set(seg.devices) == everywhere:
+            continue
+        for name in seg.layers:
+            read = graph.layer(name).read_outside
+            if read:
+                tensor, reader = read
+                where = f"layer {reader!r}" if reader else "the model's own forward (its glue)"
+                return [_diag("P098", f"{where} reads {tensor!r} of layer {name!r} (segment {seg.name!r}) outside that "
+                              "layer: in lockstep only the segment's devices hold and train it",
+                              spec.placement[seg.index].loc, f"place what reads it in segment {seg.name!r}, read it "
+                              "through the layer's own call, or tie it (the same tensor in a module of the reader's "
+                              "segment) so placer keeps both copies equal")]
     return []
 
 

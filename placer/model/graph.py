@@ -67,6 +67,9 @@ class LayerInfo:
     """Module models: (path inside the layer, class name, in features, out features, has a bias) of each
     Linear-like submodule (torch's Linear, transformers' Conv1D) in registration order: what
     `tensor` splits (placer.modes.tensor.groups)."""
+    read_outside: tuple = ()
+    """(its parameter or buffer, the layer or None for the parent's glue) where work outside its own
+    forward reads its tensors' values: the reader needs them on its own rank."""
     glue_before: bool = False
     """Work owned by no layer (the parent's glue) made a tensor right before its call: a segment
     run as a chain of its layers (channel) would skip it."""

@@ -49,6 +49,9 @@ class LayerTrace:
     consumers: dict = field(default_factory=dict)
     """Output leaf index -> the layers (or `output`) whose inputs it reaches through work owned by
     no layer (the parent's glue): what crosses where those run elsewhere."""
+    read_outside: tuple = ()
+    """(its parameter or buffer, the layer or None for the parent's glue) where work outside the
+    layer's own forward first read the layer's tensors' values (`x @ self.embed.weight.T`)."""
 
 
 @dataclass
@@ -187,6 +190,11 @@ class _Recorder(TorchFunctionMode):
                  root_tensors=()):
         super().__init__()
         self.traces = {name: LayerTrace(name) for name in layers}
+        # id(parameter or buffer) -> (the layers holding it, its name in the first)
+        self.layer_tensors: dict[int, tuple[set, str]] = {}
+        for name, m in layers.items():
+            for n, t in [*m.named_parameters(), *m.named_buffers()]:
+                self.layer_tensors.setdefault(id(t), (set(), f"{name}.{n}"))[0].add(name)
         self.order: list[str] = []
         self.stack: list[str] = []
         self.pending = LayerTrace("")  # work outside any layer, for the next layer
@@ -344,6 +352,8 @@ class _Recorder(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
         out = func(*args, **kwargs)
+        if not self.hooking and _tensors(out):  # a value read (not .dtype or .shape)
+            self._read_outside(args, kwargs)
         if not self.stack and not self.hooking:  # glue: what it makes derives from what it reads
             srcs = self._sources((args, kwargs))
             if _tensors(out):  # a shape read (x.size(1)) carries no data
@@ -354,6 +364,15 @@ class _Recorder(TorchFunctionMode):
                 self.made[id(t)] = len(self.calls)  # made before the next layer call
                 self.keep.append(t)
         return out
+
+    def _read_outside(self, args, kwargs):
+        """Note a layer's parameter or buffer read by work outside that layer's forward."""
+        for t in tree_leaves((args, kwargs)):
+            owners, name = self.layer_tensors.get(id(t), (None, None)) if isinstance(t, torch.Tensor) else (None, None)
+            if owners and not (self.stack and self.stack[-1] in owners):
+                for owner in owners:
+                    trace = self.traces[owner]
+                    trace.read_outside = trace.read_outside or (name, self.stack[-1] if self.stack else None)
 
     def _sdpa(self, func, args, kwargs):
         # Meta runs the math kernel, which saves the T x T attention matrix; the
