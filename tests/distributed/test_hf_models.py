@@ -25,11 +25,10 @@ pytestmark = pytest.mark.distributed
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 
-# (spec under tests/models, shard option or None to keep the spec's, what it shows)
+# (spec under tests/models, shard option or None to keep the spec's, what it shows); GPT-2 under
+# ZeRO-1 and FSDP2 as it ships, tied (a unit per transformer.h block there too)
 RUNS = [
     ("hf_gpt2", "none", "GPT-2 (Conv1D, ModelOutput) under DDP"),
-    ("hf_gpt2", "optimizer", "GPT-2 with ZeRO-1"),
-    ("hf_gpt2", "full", "GPT-2 with FSDP2: a unit per transformer.h block"),
     ("hf_gpt2_tied", "none", "GPT-2 as it ships, lm_head.weight IS wte.weight, under DDP"),
     ("hf_gpt2_tied", "optimizer", "tied GPT-2 with ZeRO-1"),
     ("hf_gpt2_tied", "full", "tied GPT-2 with FSDP2: wte and lm_head left to the root unit"),
