@@ -62,15 +62,14 @@ def interrupted_copy(run: Path, to: Path, keep_upto: int) -> Path:
 
 # ---------------------------------------------------------------------------- --resume
 
-MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2 (FSDP2's: the restart test's)
+MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2 (FSDP2's: the restart test's;
+    # layer-wise copies: gpipe_loops'; a split mode's slices: tensor's and spatial's)
     "data_overlap": "specs/mlp_data_allreduce.yaml",  # 4 ranks: DDP's bucket layout changes the sums' order
     "zero": "specs/mlp_data_shard_optimizer.yaml",
     "1f1b": "specs/mlp_pipeline_1f1b.yaml",
-    "layerwise": "specs/mlp_layerwise_direct.yaml",
     "param_server": "specs/mlp_data_param_server_cpu.yaml",
     "gpipe_loops": "specs/mlp_pipeline_gpipe_mixed.yaml",
     "tensor": "specs/mlp_tensor.yaml",
-    "channel": "specs/cnn_channel.yaml",
     "spatial": "specs/cnn_spatial.yaml",
     "lockstep": "specs/tinygpt.yaml",
 }
