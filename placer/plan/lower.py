@@ -370,8 +370,9 @@ def insert_pipeline(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
     m, segs = plan.microbatches, plan.segments
     out: dict[tuple, list] = {}  # (device, segment, flow, mb) -> [(SEND, RECV, its segment)] after that work
     need: Counter = Counter()  # (device, segment, flow, mb) -> RECVs it waits for
-    rows = plan.batch_size // len(pipelines(segs))  # a replica pipeline's (lockstep: groups of one size)
-    for c in crossings(segs, graph, plan.batch_size) if lockstep(spec, segs) else ():  # a module model in lockstep
+    locked = lockstep(spec, segs)  # a module model in lockstep
+    rows = plan.batch_size // len(pipelines(segs)) if locked else 0  # a replica pipeline's (groups of one size)
+    for c in crossings(segs, graph, plan.batch_size) if locked else ():
         # per micro-batch of each of accumulate's micro-steps (the schedule runs once per micro-step):
         # a leaf not cut by rows crosses that many times more, one cut by rows in pieces adding up alike
         n, attrs = per_microbatch(c, rows, m * plan.accumulate) * plan.accumulate, {"of": c.layer, "leaf": c.leaf, "from": c.src}
