@@ -69,29 +69,13 @@ def spec_for(name: str, tmp_path: Path) -> Path:
     return path
 
 
-RESNET = """placer: 1
-name: resnet_sync_batchnorm
-model:
-  module: {model}:ResNet18
-  input: {{shape: [B, 3, 16, 16]}}
-  target: {{shape: [B], dtype: int64, high: 10}}
-  loss: CrossEntropyLoss
-devices: [cpu, cpu:1, cpu:2, cpu:3]
-placement:
-  - {{name: front, layers: [conv1, bn1, relu, maxpool, layer1.*], devices: [cpu, cpu:1],
-     parallel: {{mode: data, sync_batchnorm: true}}}}
-  - {{name: back, layers: [layer2.*, layer3.*, layer4.*, avgpool, fc], devices: [cpu:2, cpu:3],
-     parallel: {{mode: data, sync_batchnorm: true}}}}
-training: {{batch_size: 8, steps: 2, optimizer: {{op: SGD, lr: 0.05}}, seed: 0}}
-"""
 
 
 def test_sync_batchnorm_on_replica_pipelines_matches_one_device(tmp_path):
     """A ResNet-18 in torchvision's layout (tests/models/resnet_tv.py), both groups syncing
     BatchNorm: every BatchNorm the model's forward calls (a block's two as well) normalises over
     the whole batch, so the run matches one device; its statistics' all-reduces are the plan's."""
-    spec, run_dir = tmp_path / "spec.yaml", tmp_path / "run"
-    spec.write_text(RESNET.format(model=MODELS / "resnet_tv.py"))
+    spec, run_dir = MODELS / "resnet_sync_batchnorm.yaml", tmp_path / "run"
     program, run_p, metrics, _ = h.checked_run(spec, run_dir)
     assert "PIPELINES = [[0, 2], [1, 3]]" in program and "convert_layers(" in program
     assert any(k.endswith("bn2.weight") for k in run_p)

@@ -18,21 +18,6 @@ except ImportError:  # run as a top-level module
     from test_lockstep_data import GPT2, LLAMA, lowered, spec_file
 
 ROOT = Path(__file__).resolve().parents[2]
-RESNET = """placer: 1
-name: resnet_bn
-model:
-  module: {model}:ResNet18
-  input: {{shape: [B, 3, 16, 16]}}
-  target: {{shape: [B], dtype: int64, high: 10}}
-  loss: CrossEntropyLoss
-devices: [cpu, cpu:1, cpu:2, cpu:3]
-placement:
-  - {{name: front, layers: [conv1, bn1, relu, maxpool, layer1.*], devices: [cpu, cpu:1],
-     parallel: {{mode: data, sync_batchnorm: true}}}}
-  - {{name: back, layers: [layer2.*, layer3.*, layer4.*, avgpool, fc], devices: [cpu:2, cpu:3],
-     parallel: {{mode: data, sync_batchnorm: true}}}}
-training: {{batch_size: 8, steps: 2, optimizer: {{op: SGD, lr: 0.05}}, seed: 0}}
-"""
 ZERO = "{mode: data, shard: optimizer}"
 SERVER = "{mode: data, sync: parameter_server, server: cpu:3}"  # a device of the other segment
 ONE_F_ONE_B = "pipeline: {microbatches: 2, schedule: 1f1b}\n"
@@ -149,9 +134,7 @@ training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1}}}}
 def test_sync_batchnorm_converts_the_models_own_batchnorms_and_counts_each(tmp_path):
     """A ResNet block is one placed layer holding two BatchNorms: both are synced (their statistics
     all-reduced forward and backward), converted in the model, whose forward calls them."""
-    path = tmp_path / "spec.yaml"
-    path.write_text(RESNET.format(model=ROOT / "tests" / "models" / "resnet_tv.py"))
-    spec, graph, plan = lowered(path)
+    spec, graph, plan = lowered(ROOT / "tests" / "models" / "resnet_sync_batchnorm.yaml")
     assert not [d for d in deep_check(spec) if d.severity == "error"]
     assert graph.layer("layer1.0").norms == (8, 8) and graph.layer("bn1").norms == (8,)
     stats = [op for op in plan.unique_ops() if op.tensor == "stats" and op.attrs.get("layer") == "layer1.0"]
