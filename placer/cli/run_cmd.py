@@ -295,14 +295,23 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
             plots.add(record)
         console.progress(record)
 
+    # A reference on the CPU trains beside the workers (one worker's share of the cores, which the
+    # workers leave idle while they wait on each other); one on a GPU waits, not to share its memory.
+    beside = check and node_rank == 0 and (binding.simulate or Device.parse(program.devices[0]).is_host)
+    ref = _start_reference(run_dir, binding, args) if beside else None
     try:
         result = launcher.launch(run_dir / "program.py", run_dir, binding, args, devices=list(program.devices),
                                  node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=restarts,
                                  resume=resume, on_progress=progress, on_restart=restarting,
                                  verbose=console.level > 0)
+    except BaseException:
+        _stop(ref)
+        raise
     finally:
         if plots:
             plots.close()
+    if not (result.ok and result.metrics):  # nothing to compare the reference with
+        _stop(ref)
     outcome["metrics"] = result.metrics
     outcome["attempts"] = result.attempts
     stopped = _stopped(spec, run_dir)
@@ -332,7 +341,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
     if check:
         from placer.launch.check import sensitivity_hint
 
-        report = _check(spec, run_dir, binding, args, tolerance)
+        report = _check(spec, run_dir, ref or _start_reference(run_dir, binding, args), tolerance)
         sens = _sensitivity(spec, run_dir, binding, args, report, console)
         outcome["check"] = report.as_dict()
         if sens is not None:
@@ -375,19 +384,34 @@ def ckpt_of(spec):
     return spec.training.checkpoint
 
 
-def _reference(spec, run_dir: Path, binding, args: list[str], name: str = "reference") -> Path:
-    """Train the one-device reference into RUN_DIR/NAME (its output in NAME.log)."""
-    ref_dir = run_dir / name
-    cmd = [sys.executable, str(run_dir / "program.py"), "--reference", "--out", str(ref_dir), *args]
+def _start_reference(run_dir: Path, binding, args: list[str], name: str = "reference") -> subprocess.Popen:
+    """Start training the one-device reference into RUN_DIR/NAME (its output in NAME.log)."""
+    cmd = [sys.executable, str(run_dir / "program.py"), "--reference", "--out", str(run_dir / name), *args]
     if binding.simulate:
         cmd.append("--simulate")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    (run_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = "\n".join("    " + line for line in proc.stderr.strip().splitlines()[-8:])
+    with open(run_dir / f"{name}.log", "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish_reference(spec, run_dir: Path, proc: subprocess.Popen, name: str = "reference") -> Path:
+    """Wait for the reference that `_start_reference` started; R022 when it failed."""
+    if proc.wait() != 0:
+        lines = (run_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        tail = "\n".join("    " + line for line in lines[-8:])
         raise RunError(Diagnostic("R022", f"the one-device reference exited with code {proc.returncode}:\n{tail}",
                                   Loc(spec.file), f"its whole output is in {run_dir / (name + '.log')}"))
-    return ref_dir
+    return run_dir / name
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _reference(spec, run_dir: Path, binding, args: list[str], name: str = "reference") -> Path:
+    """Train the one-device reference into RUN_DIR/NAME, and wait for it."""
+    return _finish_reference(spec, run_dir, _start_reference(run_dir, binding, args, name), name)
 
 
 def _sensitivity(spec, run_dir: Path, binding, args: list[str], report, console):
@@ -402,10 +426,10 @@ def _sensitivity(spec, run_dir: Path, binding, args: list[str], report, console)
     return Sensitivity.of(report, compare(nudged, run_dir / "reference", report.rtol, report.atol))
 
 
-def _check(spec, run_dir: Path, binding, args: list[str], tolerance=(None, None)):
+def _check(spec, run_dir: Path, ref: subprocess.Popen, tolerance=(None, None)):
     from placer.launch.check import ATOL, BF16_ATOL, BF16_RTOL, RTOL, compare
 
-    ref_dir = _reference(spec, run_dir, binding, args)
+    ref_dir = _finish_reference(spec, run_dir, ref)
     rtol, atol = tolerance
     bf16 = spec.training.precision == "bf16"  # the looser tolerance check_lines states
     return compare(run_dir, ref_dir, (BF16_RTOL if bf16 else RTOL) if rtol is None else rtol,

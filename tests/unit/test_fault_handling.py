@@ -254,3 +254,31 @@ def test_a_restart_says_which_rank_failed_how_and_which_attempt_follows():
     assert lines == ["attempt 1 of 3 failed after step 5:", "  rank 0 (cpu) exited with code 1: RuntimeError: boom",
                      "  rank 1 (cpu:1) was killed by SIGKILL",
                      "restarting: attempt 2 of 3, from the newest complete checkpoint"]
+
+
+def test_the_cpu_reference_trains_beside_the_workers_and_is_stopped_when_they_fail(tmp_path, monkeypatch):
+    import subprocess
+
+    from placer.launch import run as launcher
+
+    tiny(tmp_path)
+    started, seen = [], {}
+    popen = subprocess.Popen
+
+    def spy(cmd, *args, **kwargs):
+        proc = popen(cmd, *args, **kwargs)
+        if "--reference" in cmd:
+            started.append(proc)
+        return proc
+
+    def launch(program, run_dir, *args, **kwargs):  # the workers fail at once
+        seen["reference running"] = [p.poll() for p in started] == [None]
+        return launcher.RunResult(ok=False, run_dir=run_dir, failures={0: (1, "boom")})
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    monkeypatch.setattr(launcher, "launch", launch)
+    r = run_cli(tmp_path / "spec.yaml", "--check", "--run-dir", tmp_path / "run")
+    assert r.exit_code == 1 and "error[R020]" in r.stderr
+    assert seen == {"reference running": True}
+    assert started[0].returncode is not None  # killed, not left behind
+    assert not (tmp_path / "run" / "reference" / "final_params.pt").exists()
