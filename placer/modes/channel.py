@@ -139,6 +139,8 @@ class Channel(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
+        if spec.pipeline and seg.parallel.data > 1:  # (ReplicaRows cuts a step's rows, untried on micro-batches)
+            return "with data replicas in a pipeline"
         if len(spec.placement) == 1:
             return "as the only segment (the model's own forward may still work on its output)"
         why = group_blocker(spec.placement, seg.index)  # else cut by torch.distributed.pipelining
@@ -165,6 +167,8 @@ class Channel(Mode):
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
             tensor.replica_collectives(a, seg, info, grads, op, ctx.sizes, self, collectives)
+            if ctx.lockstep:  # (a module model) the replicas' rows gathered whole on each rank
+                tensor.lockstep_rows(a, seg, info, grads, op)
         else:
             collectives(a, info, grads, op)
 
@@ -183,7 +187,11 @@ class Channel(Mode):
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
     def runtime(self, seg, torch_pipeline):
-        return {"channel", "tensor"} if seg.replicas > 1 else {"channel"}  # (replica_slice, all_reduce_slices)
+        return ({"channel", "tensor"} | ({"bands"} if seg.chained else set()) if seg.replicas > 1  # (ReplicaRows)
+                else {"channel"})  # (replica_slice, all_reduce_slices)
+
+    def chain_call(self, seg):
+        return tensor.replica_rows(seg, f"seg{seg.k}")
 
     def emit_stage(self, seg, resumable):
         return emit_stage(seg.k, seg.ranks, seg.replicas)

@@ -111,17 +111,18 @@ def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int,
             a.add("post_bwd", i, op(OpKind.HALO, "bwd", "grad", total, l.name, dim=axis, attrs=dict(attrs)))
 
 
-def lockstep_gathers(a: Attached, info, grads: Sequence[bool], op, axis: int) -> None:
+def lockstep_gathers(a: Attached, info, grads: Sequence[bool], op, axis: int, replicas: int = 1) -> None:
     """In lockstep (a module model) the group takes the whole input on each rank and gives the
     whole output (runtime bands.py): the output's bands all-gathered forward, and the input's
-    gradient bands all-gathered backward when something before trains."""
+    gradient bands all-gathered backward when something before trains (`replicas`: a 2-D
+    segment's, each gathering the bands of its rows in its own group)."""
     last = info[-1]
     assert last.out_shape is not None and info[0].in_shape is not None  # traced shapes
-    a.add("post_fwd", len(info) - 1, op(OpKind.ALL_GATHER, "fwd", "act", last.out_bytes, last.name, dim=axis,
-                                        attrs={"rows": last.out_shape[axis]}))
+    a.add("post_fwd", len(info) - 1, op(OpKind.ALL_GATHER, "fwd", "act", last.out_bytes // replicas, last.name,
+                                        dim=axis, attrs={"rows": last.out_shape[axis]}))
     if grads[0]:
-        a.add("post_bwd", 0, op(OpKind.ALL_GATHER, "bwd", "grad", info[0].in_bytes, info[0].name, dim=axis,
-                                attrs={"rows": info[0].in_shape[axis]}))
+        a.add("post_bwd", 0, op(OpKind.ALL_GATHER, "bwd", "grad", info[0].in_bytes // replicas, info[0].name,
+                                dim=axis, attrs={"rows": info[0].in_shape[axis]}))
 
 
 def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1) -> list[str]:
@@ -151,6 +152,10 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) 
             return op(*args, devices=_run, **kw)
         collectives(a, info, grads, in_run, axis, len(run), ctx.geometry, d)
         data.batchnorm_stats(a, info, in_run)
+        if ctx.lockstep:  # (a module model) the bands of its rows gathered whole in each replica
+            lockstep_gathers(a, info, grads, in_run, axis, d)
+    if ctx.lockstep:  # ... then the replicas' rows over each position
+        tensor.lockstep_rows(a, seg, info, grads, op)
     bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
     for group in runs + tensor.positions(seg.devices, d):
         a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(group), "bwd", "grads", bks)
@@ -174,6 +179,8 @@ class Spatial(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
+        if spec.pipeline and seg.parallel.data > 1:  # (ReplicaRows cuts a step's rows, untried on micro-batches)
+            return "with data replicas in a pipeline"
         if len(spec.placement) == 1:
             return "as the only segment (the model's own forward may still work on its output)"
         return group_blocker(spec.placement, seg.index)  # lockstep only
@@ -255,7 +262,7 @@ class Spatial(Mode):
             {"tensor"} if seg.replicas > 1 else set())  # (replica_slice)
 
     def chain_call(self, seg):
-        return f"SpatialWhole(seg{seg.k})"
+        return tensor.replica_rows(seg, f"SpatialWhole(seg{seg.k})")
 
     def emit_stage(self, seg, resumable):
         assert seg.dim is not None and seg.in_shape is not None  # set for every spatial segment

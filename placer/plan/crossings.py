@@ -111,14 +111,14 @@ def group_blocker(segments, k: int) -> str | None:
     seg = segments[k]
     if not MODES[seg.mode].lockstep_group:
         return "beside other segments"
-    if _data(seg) > 1:
+    if _data(seg) > 1 and not MODES[seg.mode].chain:  # a chain's replicas: rows in, rows gathered out
         return "with data replicas beside other segments"
     for other in segments:
         if other.index == k:
             continue
         if len(other.devices) > 1 and not MODES[other.mode].lockstep_group:
             return f"beside segment {other.name!r} of mode {other.mode!r} over several devices"
-        if len(other.devices) > 1 and _data(other) > 1:
+        if len(other.devices) > 1 and _data(other) > 1 and not MODES[other.mode].chain:
             return f"beside segment {other.name!r} with data replicas"
         shared = [d for d in other.devices if d in seg.devices]
         if shared and tuple(other.devices) != tuple(seg.devices):  # one group may hold several segments

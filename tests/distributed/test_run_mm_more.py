@@ -4,7 +4,8 @@ under 1F1B (both ranks of the group walk the same actions, so their all-reduces 
 interleaved 1F1B with a tensor stage and a channel head on the same two ranks (each rank holds two
 stages: each micro-batch's forward runs in a thread that waits for the schedule's action of its
 next stage); a ResNet-style stem (stem_net.py) split spatially as a GPipe stage, and with a
-channel classifier on the same ranks under a V schedule with bf16. Each `placer run --check`
+channel classifier on the same ranks under a V schedule with bf16; the stem split spatially and
+the classifier by channels, each over two data replicas (2-D groups, no pipeline). Each `placer run --check`
 matches the one-device reference (losses, every parameter, first-step gradients; rtol 1e-5,
 atol 4e-5, bf16's stated tolerance under bf16), and each device sends, per step, what its plan
 says."""
@@ -30,6 +31,8 @@ RUNS = {  # spec under tests/models: what its program must run
     "tinygpt_tensor_1f1b": ("order = ", "crossing.backward_own(loss, crossed)"),
     "tinygpt_split_interleaved": ("order = ", "crossing.forward_stage(stage, mb, model, xs[mb].to(device))"),
     "stem_spatial_gpipe": ("GPipe in lockstep", "SpatialWhole(seg0)"),
+    # 2-D chain groups: each rank takes its replica's rows, the replicas' outputs gathered by rows
+    "stem_split_data": ("ReplicaRows(SpatialWhole(seg0), dp0,", "all_reduce_slices(seg2, dp2)"),
 }
 
 

@@ -38,6 +38,11 @@ RUNS = [
      "torch.utils.checkpoint.checkpoint(seg1", 0),
     # spatial x data between one-device segments (bands enter and leave through each replica's first rank)
     ("specs/cnn_spatial_data.yaml", [], 4, "all_reduce_grads(seg1.parameters(), dp1", 0),
+    # ... with the training options at once: bf16, 2 micro-steps, the segment recomputed, a clip that
+    # bites (the norm is about 3): bands and replicas sum once a step, the norm counts each weight once
+    ("specs/cnn_spatial_data.yaml", ["--set", "training.precision=bf16", "--set", "training.accumulate=2", "--set",
+                                     "placement.1.recompute=true", "--set", "training.clip_grad_norm=0.05"], 4,
+     "torch.utils.checkpoint.checkpoint(", 0),
     # ... and as the whole model: each rank takes its band of its replica's rows; the bands meet for the loss
     ("specs/cnn_spatial_dense.yaml", ["--set", "devices=[cuda:0, cuda:1, cuda:2, cuda:3]", "--set",
                                       "placement.0.devices=[cuda:0, cuda:1, cuda:2, cuda:3]", "--set",
@@ -48,7 +53,7 @@ RUNS = [
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
                          ids=["mlp", "whole_model", "tinygpt", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
                               "cnn_channel", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
-                              "spatial_whole_model"])
+                              "cnn_spatial_options", "spatial_whole_model"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path):
     program, _, metrics, _ = h.checked_run(ROOT / spec, tmp_path / "run", "--steps", str(STEPS), *sets, min_params=1)
     assert metrics["world_size"] == workers and len(metrics["losses"]) == STEPS

@@ -75,7 +75,8 @@ def test_each_replicas_bands_must_take_whole_strides(tmp_path):
     assert "error[P029]" in _validate(tmp_path, text.replace("data: 2}", "data: 1}"))
 
 
-def test_spatial_x_data_in_a_module_model_is_refused(tmp_path):
+def test_spatial_x_data_in_a_module_model_runs_in_lockstep(tmp_path):
+    """No longer P032: beside a one-device segment, each rank takes its replica's rows (ReplicaRows)."""
     (tmp_path / "net.py").write_text("import torch.nn as nn\n\n\ndef make():\n    return nn.Sequential(\n"
                                      "        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))\n")
     module = """placer: 1
@@ -88,7 +89,9 @@ placement:
 training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}, seed: 0}
 """
     out = _validate(tmp_path, module)
-    assert "error[P032]" in out and "module model" in out, out
+    assert "error" not in out and "warning" not in out, out
+    program = "".join(api.generate(api.load(tmp_path / "spec.yaml")).split())
+    assert "ReplicaRows(SpatialWhole(seg1),dp1,next(pforpin[[1,3],[2,4]]ifrankinp))" in program
 
 
 PIPE = ROOT / "specs" / "mlp_pipeline_tensor_data.yaml"

@@ -38,3 +38,20 @@ class SpatialWhole(nn.Module):
         band = _Band.apply(x, s.group, s.ranks, s.dim)
         sizes = [b - a for a, b in band_ranges(s.out_size, len(s.ranks))]
         return gather_channels(s(band), s.group, sizes, s.dim, s.ranks)
+
+
+class ReplicaRows(nn.Module):
+    """A 2-D chain group (channel or spatial x data) in lockstep: each rank takes its replica's
+    rows of the whole input (in backward their gradients are all-gathered over `group`, the ranks
+    at its place in every replica, so every rank holds the whole input gradient), runs `inner` (its
+    replica's split, whole rows in and out) on them, and the replicas' outputs are all-gathered by
+    rows, whole on every rank."""
+
+    def __init__(self, inner, group, ranks):
+        super().__init__()
+        self.inner, self.group, self.ranks = inner, group, ranks
+
+    def forward(self, x):
+        sizes = [b - a for a, b in band_ranges(x.shape[0], len(self.ranks))]
+        rows = _Band.apply(x, self.group, self.ranks, 0)
+        return gather_channels(self.inner(rows), self.group, sizes, 0, self.ranks)
