@@ -411,7 +411,8 @@ def find_ties(module: nn.Module, layers: list[str]) -> tuple[Tie, ...]:
         if len(by_layer) > 1:
             order = sorted(by_layer, key=layers.index)
             ties.append(Tie(name=first[key], names=tuple(by_layer[l] for l in order), layers=tuple(order),
-                            numel=params[key].numel(), bytes=_bytes(params[key])))
+                            numel=params[key].numel(), bytes=_bytes(params[key]),
+                            rows=params[key].shape[0] if params[key].dim() else 1))
     return tuple(sorted(ties, key=lambda t: layers.index(t.layers[0])))
 
 

@@ -111,6 +111,8 @@ class Tie:
     """The placeable layers that use it, in execution order; the first owns it."""
     numel: int
     bytes: int
+    rows: int = 0
+    """Its dim 0 (what FSDP2 shards: torch.chunk's pieces, the last ones shorter or empty); 0: unknown."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,6 +63,20 @@ def shards(t: PlacedTie, segments) -> int:
     return len(segs[0].devices) if all(full) else 0
 
 
+def shard_rows(rows: int, n: int) -> list[int]:
+    """The rows of dim 0 each of n ranks holds under FSDP2: torch.chunk's pieces (ceil(rows / n)
+    each, the last shorter), then empty ones (127 over 2: 64, 63; 5 over 4: 2, 2, 1, 0)."""
+    size = -(-rows // n)
+    return [max(0, min(size, rows - r * size)) for r in range(n)]
+
+
+def shard_bytes(tie: Tie, n: int) -> list[int]:
+    """The bytes of each FSDP2 shard of a tied parameter over n ranks: what position r sums."""
+    if not tie.rows:  # dim 0 unknown: an even cut
+        return [tie.bytes // n + (r < tie.bytes % n) for r in range(n)]
+    return [tie.bytes // tie.rows * k for k in shard_rows(tie.rows, n)]
+
+
 def copy_elements(seg: PlacedSegment, graph: ModelGraph) -> tuple[int, int]:
     """(elements, bytes) of tied parameters a segment holds a copy of but does not own (its
     layers' `params` leave them out: the owner counts them)."""
@@ -83,10 +97,10 @@ def insert_ties(plan: Plan, spec, graph: ModelGraph) -> Plan:
         attrs = {"tie": t.tie.name, "layers": list(t.tie.layers)}
         n = shards(t, plan.segments)
         made = [Op(kind=OpKind.ALL_REDUCE, devices=t.devices, segment=t.copies[-1][0], phase="step", tensor="grads",
-                   bytes=t.tie.bytes, attrs=attrs)] if not n else [  # FSDP2: each position's shard (dim 0 cut evenly)
+                   bytes=t.tie.bytes, attrs=attrs)] if not n else [  # FSDP2: each position's shard, as torch cuts it
             Op(kind=OpKind.ALL_REDUCE, devices=tuple(plan.segments[k].devices[r] for k, _, _ in t.copies),
-               segment=t.copies[-1][0], phase="step", tensor="grads", bytes=t.tie.bytes // n + (r < t.tie.bytes % n),
-               attrs={**attrs, "shard": r}) for r in range(n)]
+               segment=t.copies[-1][0], phase="step", tensor="grads", bytes=b, attrs={**attrs, "shard": r})
+            for r, b in enumerate(shard_bytes(t.tie, n))]
         for op in made:
             for d in op.devices:
                 lst = ops[d]

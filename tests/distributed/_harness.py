@@ -513,6 +513,16 @@ def checked_run(spec: Path, run_dir: Path, *extra: str, rtol: float = RTOL, atol
                    result.output)
 
 
+def assert_every_gradient_compared(run_dir: Path) -> dict:
+    """run --check compared the first-step gradient of every parameter it compared (FSDP2's
+    gathered whole from the shards, each tied copy under its own name); returns check.json."""
+    import json
+
+    check = json.loads((run_dir / "check.json").read_text())
+    assert [g["name"] for g in check["grads"]] == [p["name"] for p in check["params"]], check["grads"]
+    return check
+
+
 def assert_sends_what_the_plan_says(name: str, spec: Path, metrics: dict, sets=(), slack: float | None = None) -> None:
     """Each device's bytes per step in the run equal the plan's `payload_bytes`: one definition of
     bytes (the payload handed to torch.distributed, docs/plan-json.md), on groups of any size.

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from placer.codegen.program import generate
-from placer.launch.check import DRIFT, Sensitivity, compare, sensitivity_hint
+from placer.launch.check import ATOL, DRIFT, Sensitivity, compare, sensitivity_hint
 from placer.plan.crossings import multi_tensor_boundaries
 from placer.spec.check import load_spec
 
@@ -122,3 +122,18 @@ def test_the_program_nudges_its_reference_with_perturb(tmp_path):
         moved = params("c")[name] - value
         assert (moved != 0).float().mean() > 0.3 and moved.abs().max() < 1e-6, name
         assert torch.equal(params("b")[name], value)
+
+
+@pytest.mark.parametrize("lr_moved", [1e-3, 1e-8])
+def test_an_fsdp2_gradient_off_by_the_group_size_fails_at_any_learning_rate(tmp_path, lr_moved):
+    """FSDP2 divides the reduced gradient by its group unless told otherwise: a gradient half the
+    reference's moves the parameters by about lr a step, under atol at a small lr, and fails
+    --check there too, on the gradient, which first_grads.pt holds gathered whole."""
+    ref = outputs(tmp_path / "ref")
+    run = outputs(tmp_path / "run", param_shift=lr_moved)
+    torch.save({k: v / 2 if k == "fc.weight" else v for k, v in G.items()}, run / "first_grads.pt")
+    report = compare(run, ref)
+    assert not report.ok and report.first_bad_grad == "fc.weight" and len(report.grads) == len(report.params) == 2
+    assert (report.first_bad_param is None) == (lr_moved < ATOL)
+    torch.save({k: v * (1 + 1e-6) for k, v in G.items()}, run / "first_grads.pt")  # a sum in another order
+    assert compare(run, ref).first_bad_grad is None

@@ -6,10 +6,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
+from placer.codegen.program import generate
 from placer.codegen.runtime.sharding import fsdp_units
+from placer.spec.check import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "specs" / "models"), str(ROOT / "tests" / "models")]
@@ -59,3 +62,14 @@ def test_tied_embeddings_stay_with_the_root():
         gpt2 = make_gpt2(n_layers=2, tied=True)
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
     assert units_of(gpt2) == ["transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.ln_f"]
+
+
+@pytest.mark.parametrize("spec, owners", [("specs/mlp_data_shard_full.yaml", {0: 0}),
+                                          ("tests/models/tinygpt_fsdp_tp.yaml", {0: 0})])
+def test_fsdp2_programs_gather_each_first_step_gradient_whole_for_the_check(spec, owners, tmp_path):
+    """Each FSDP2 (x TP) segment's parameters are shards: the program names them for record_first_grads,
+    which gathers each gradient whole (every rank of the group) and keeps it on the group's first rank."""
+    text = "".join(generate(load_spec(str(ROOT / spec)), out_dir=str(tmp_path)).text.split())
+    for k, first in owners.items():
+        assert f"WHOLE_GRADS.update({{n:(p,rank=={first})forn,pinnamed_params(seg{k},model).items()}})" in text
+    assert "p.grad.full_tensor()ifgatherelsep.grad" in text and "withuncounted():" in text

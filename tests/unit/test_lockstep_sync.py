@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from placer.codegen.program import generate
 from placer.model.build import deep_check
+from placer.model.graph import Tie
 from placer.plan.ir import OpKind
+from placer.plan.ties import shard_bytes, shard_rows
 from placer.spec.check import load_spec
 
 try:
@@ -100,6 +105,34 @@ def test_a_tie_across_fsdp2_groups_is_summed_shard_by_shard(tmp_path):
     assert gathers["lm_head"] == gathers["transformer.wte"] == 128 * 32 * 4
     text = " ".join(generate(spec, out_dir=str(tmp_path)).text.split())
     assert "for ranks in [[0, 2], [1, 3]]" in text and "own.update(tied0)" not in text
+
+
+@pytest.mark.parametrize("rows, n", [(127, 2), (5, 4), (128, 2), (7, 3), (1, 2)])
+def test_fsdp2_shard_rows_are_torchs(rows, n):
+    """The rows each rank of an FSDP2 group holds of a dim 0 that need not divide: torch.chunk's
+    pieces, then empty ones, as fully_shard cuts them (its own helper, where torch has it)."""
+    chunk = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")._chunk_with_empty
+    assert shard_rows(rows, n) == [c.shape[0] for c in chunk(torch.empty(rows, 3), n, 0)]
+    tie = Tie(name="w", names=("a.w", "b.w"), layers=("a", "b"), numel=rows * 3, bytes=rows * 12, rows=rows)
+    assert sum(shard_bytes(tie, n)) == tie.bytes and shard_bytes(tie, n)[0] == -(-rows // n) * 12
+
+
+def test_a_tie_whose_rows_do_not_divide_is_summed_as_fsdp2_shards_it(tmp_path):
+    """GPT-2 with 127 tokens over FSDP2 groups of 2: the first position sums 64 rows of the tied
+    copies, the second 63 (an even cut of the bytes would say 63.5 each); the program gathers each
+    shard's first-step gradient whole on the group's first rank for run --check."""
+    full = "{mode: data, shard: full}"
+    path = spec_file(tmp_path, GPT2, front=full, tied=True)
+    path.write_text(path.read_text().replace("devices: [cpu:2, cpu:3], parallel: data}",
+                                             f"devices: [cpu:2, cpu:3], parallel: {full}}}")
+                    .replace("vocab: 128", "vocab: 127").replace("high: 128", "high: 127"))
+    spec, _, plan = lowered(path)
+    assert not [d for d in deep_check(spec) if d.severity == "error"]
+    ties = sorted((op.devices, op.bytes) for op in plan.unique_ops() if "tie" in op.attrs)
+    assert ties == [(("cpu", "cpu:2"), 64 * 32 * 4), (("cpu:1", "cpu:3"), 63 * 32 * 4)]
+    text = "".join(generate(spec, out_dir=str(tmp_path)).text.split())  # ruff may wrap the call
+    for k, first in ((0, 0), (1, 2)):
+        assert f"WHOLE_GRADS.update({{n:(p,rank=={first})forn,pinnamed_params(seg{k},model).items()}})" in text
 
 
 def test_a_tie_between_fsdp2_and_whole_copies_is_refused(tmp_path):

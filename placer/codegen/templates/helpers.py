@@ -352,21 +352,36 @@ def named_params(stage, model):
 
 
 FIRST_GRADS = {}  # name -> its gradient as the first optimizer step that updates it takes it
+WHOLE_GRADS = {}  # name -> (parameter, kept here): FSDP2's DTensor shards, whose first gradients are gathered whole
 
 
 def record_first_grads(named):
     """Keep the gradient of each of `named` (name -> parameter, filled as segments are set up)
     as the first optimizer step takes it: after every sum over ranks, so `run --check` can
-    compare it with the reference's at any learning rate."""
+    compare it with the reference's at any learning rate. A parameter of WHOLE_GRADS is a shard:
+    every rank of its group gathers its gradient whole (full_tensor, the ranks walking their
+    optimizer's parameters in the same order), one at a time, and only the rank keeping it holds it."""
+    done = set()
 
     def hook(optimizer, args, kwargs):
-        names = {id(p): n for n, p in named.items()}
+        names, whole = collections.defaultdict(list), collections.defaultdict(list)
+        for n, p in named.items():  # a tie shared on this rank: each of its names
+            names[id(p)].append((n, True))
+        for n, (p, keep) in WHOLE_GRADS.items():
+            whole[id(p)].append((n, keep))
         for group in optimizer.param_groups:
             for p in group["params"]:
-                name = names.get(id(p))
-                if name is not None and p.grad is not None and name not in FIRST_GRADS:
-                    FIRST_GRADS[name] = p.grad.detach().cpu().clone()
-        if len(FIRST_GRADS) == len(named):
+                for table, gather in ((names, False), (whole, True)):
+                    todo = [(n, keep) for n, keep in table.get(id(p), ()) if n not in done]
+                    if not todo or p.grad is None:
+                        continue
+                    with uncounted():  # checking, not training: left out of the bytes sent
+                        grad = (p.grad.full_tensor() if gather else p.grad).detach().cpu().clone()
+                    for n, keep in todo:
+                        done.add(n)
+                        if keep:
+                            FIRST_GRADS[n] = grad
+        if len(done) >= len(named) + len(WHOLE_GRADS):
             handle.remove()
 
     # (an import here: `torch.optim.optimizer` is not an attribute of torch.optim)
