@@ -32,7 +32,7 @@ from torch import nn
 from placer.diagnostics import Diagnostic, Loc, SpecError, name_hint
 from placer.model.deferred import defer_compile_imports
 from placer.model.graph import OUTPUT, LayerInfo, ModelGraph, RootParam, Tie
-from placer.model.trace import INPUT, ForwardFailed, dtype_name, trace_module
+from placer.model.trace import INPUT, ForwardFailed, autocast_dtypes, dtype_name, trace_module
 from placer.modes import MODES
 from placer.modes.tensor import HEAD_ATTRS
 from placer.plan import crossings, ties
@@ -281,6 +281,11 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
     except ForwardFailed as e:
         raise SpecError(_forward_diag(spec, module, e)) from None
     names = placeable_layers(module, tr.order, selector_texts(spec))
+    as_run = {}  # bf16: what lockstep sends leaves in autocast's dtypes (inline segments cast back to float32)
+    if spec.training.precision == "bf16" and not spec.model.inline:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            as_run = autocast_dtypes(module, names, (x,))
     counted: set[int] = set()
     order = {n: i for i, n in enumerate(names + [OUTPUT])}
     infos = []
@@ -303,7 +308,8 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             buffer_bytes=sum(_bytes(b) for b in buffers + frozen),
             in_shape=t.in_shape, out_shape=t.out_shape, out_dtype=t.out_dtype, out_bytes=t.out_bytes,
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input, flops=t.flops,
-            shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()), out_leaves=t.out_leaves,
+            shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()),
+            out_leaves=_leaves_as_run(t.out_leaves, as_run.get(name)),
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
             glue_before=name in tr.glue_before, read_outside=t.read_outside, **({} if spec.model.inline else _projections(m)),
             window=() if spec.model.inline else _window(m),
@@ -616,7 +622,7 @@ def _check_module_modes(spec: Spec, module: nn.Module, graph: ModelGraph, groups
     for i, info in enumerate(graph.layers):
         cls = type(module.get_submodule(info.name))
         op = cls.__name__ if cls.__module__.startswith("torch.nn") else f"user class {cls.__name__}"
-        layers.append(Layer(name=info.name, op=op, loc=locs.get(i, spec.model.loc)))
+        layers.append(Layer(name=info.name, op=op, loc=locs.get(i, spec.model.loc), norms=info.norms))
     as_inline = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=tuple(layers)))
     diags, own = [], set()  # modes with rules of their own on module models (tensor's blocks)
     for seg, idx in zip(spec.placement, groups):
@@ -635,6 +641,13 @@ def _check_module_modes(spec: Spec, module: nn.Module, graph: ModelGraph, groups
                 diags += found
                 own.add(seg.index)
     return diags + check.check_layer_kinds(as_inline, groups, skip=own)
+
+
+def _leaves_as_run(leaves: tuple, dtypes: tuple | None) -> tuple:
+    """The traced output leaves with each one's dtype as the run holds it (`dtypes`: autocast's)."""
+    if not dtypes or len(dtypes) != len(leaves):
+        return leaves
+    return tuple(None if leaf is None else (leaf[0], d or leaf[1], leaf[2]) for leaf, d in zip(leaves, dtypes))
 
 
 def _selects(text: str, names: list[str], i: int) -> bool:

@@ -58,7 +58,8 @@ class LayerInfo:
     """A module model's layer: the channels of each BatchNorm1d/2d/3d in it (itself included), in
     module order: what sync_batchnorm converts and syncs (an inline layer: its own op says)."""
     out_leaves: tuple = ()
-    """Per leaf of the output: (shape, dtype name, requires_grad) on the global batch, or None."""
+    """Per leaf of the output: (shape, dtype name, requires_grad) on the global batch, or None; the
+    dtype as the run holds it (under precision bf16 a module model's autocast dtype, what lockstep sends)."""
     consumers: tuple = ()
     """(output leaf index, the layers (or `output`, the loss) it reaches through work owned by no
     layer, in model order): what crosses a boundary where they run on other devices. Found for

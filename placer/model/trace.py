@@ -436,3 +436,34 @@ def _run(rec: _Recorder, mods: dict, forward, inputs=()):
     finally:
         for h in handles:
             h.remove()
+
+
+def autocast_dtypes(module: torch.nn.Module, layers: list[str], args: tuple) -> dict[str, tuple]:
+    """Each layer's output leaf dtypes (names, None for a None leaf) as `precision: bf16` runs it:
+    autocast does not act on meta tensors, so the forward runs again on fake CPU tensors (no
+    memory spent) under CPU autocast, the module's parameters and buffers swapped for fake ones
+    for the call. What a lockstep program sends across a boundary leaves in these dtypes, as one
+    device holds it there. {} when that forward raises (the crossings then keep the meta trace's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    found: dict[str, tuple] = {}
+
+    def hook(name):
+        def record(module, args, output):
+            found.setdefault(name, tuple(None if x is None else dtype_name(x.dtype) for x in _structure(output)[1]))
+        return record
+
+    handles = [module.get_submodule(n).register_forward_hook(hook(n)) for n in layers]
+    try:
+        with FakeTensorMode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            state = {n: torch.empty(t.shape, dtype=t.dtype, requires_grad=t.requires_grad) for n, t in
+                     list(module.named_parameters()) + list(module.named_buffers())}  # tied: one name each
+            fake = tuple(torch.empty(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in args)
+            functional_call(module, state, fake, strict=False)
+    except Exception:  # a model fake tensors cannot run: lockstep casts to the traced dtypes, as before
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+    return found

@@ -21,12 +21,12 @@ def check(seg, seg_layers, pipelined: bool) -> list[Diagnostic]:
     """W002 for sync_batchnorm without a BatchNorm; W006 for a BatchNorm whose statistics cover
     one device's rows only (a pipeline's W006 is the spec's, over every stage)."""
     p, n = seg.parallel, len(seg.devices)
-    norms = [l for l in seg_layers if l.op.startswith("BatchNorm")]
+    norms = [l for l in seg_layers if l.batchnorm]
     if p.sync_batchnorm and not norms:
         return [Diagnostic("W002", f"segment {seg.name!r}: sync_batchnorm is set but it has no BatchNorm layer",
                            p.loc, "remove sync_batchnorm", severity="warning")]
     if norms and not p.sync_batchnorm and not pipelined:
-        return [Diagnostic("W006", f"layer {norms[0].name!r} is a BatchNorm in data segment {seg.name!r}: each "
+        return [Diagnostic("W006", f"layer {norms[0].name!r} {norms[0].batchnorm} a BatchNorm in data segment {seg.name!r}: each "
                            f"device normalises over its 1/{n} of the batch, so run --check cannot match one device",
                            norms[0].loc, "set sync_batchnorm: true for statistics of the whole batch",
                            severity="warning")]

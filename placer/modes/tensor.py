@@ -138,8 +138,8 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
 def norms_in_replicas(seg, seg_layers) -> list[Diagnostic]:
     """W006 for a BatchNorm in a 2-D channel or spatial segment: each replica normalises over
     its own rows."""
-    norms = [l for l in seg_layers if l.op.startswith("BatchNorm")] if seg.parallel.data > 1 else []
-    return [Diagnostic("W006", f"layer {norms[0].name!r} is a BatchNorm in 2-D segment {seg.name!r}: each replica "
+    norms = [l for l in seg_layers if l.batchnorm] if seg.parallel.data > 1 else []
+    return [Diagnostic("W006", f"layer {norms[0].name!r} {norms[0].batchnorm} a BatchNorm in 2-D segment {seg.name!r}: each replica "
                        f"normalises over its 1/{seg.parallel.data} of the batch, so run --check cannot match one "
                        "device", norms[0].loc, "drop `data` here, or use a norm without batch statistics",
                        severity="warning")] if norms else []

@@ -204,12 +204,13 @@ def buckets(seg: PlacedSegment, graph: ModelGraph, bucket_mb: float,
     return out
 
 
-def under_autocast(info: list) -> list:
+def under_autocast(info: list, half_in: bool = False) -> list:
     """The layers as `precision: bf16` runs them, for what their collectives move: autocast makes
     Linear / Conv outputs bfloat16, and the layers that channel, tensor and spatial segments
     hold besides keep their input's dtype (AvgPool3d excepted: float32); a segment's input
-    arrives float32 (the program casts crossings back). Gradients take their tensor's dtype."""
-    out, half = [], False
+    arrives float32 (the program casts inline crossings back) unless `half_in` (a module model's
+    bfloat16 crossing, as one device holds it). Gradients take their tensor's dtype."""
+    out, half = [], half_in
     for l in info:
         kind = op_kind(l.op)
         was, half = half, kind in ("linear", "conv") or (half and l.op != "AvgPool3d")
@@ -223,7 +224,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     a = Attached(step_devices=seg.devices)
     info = [graph.layer(n) for n in seg.layers]
     if spec.training.precision == "bf16" and MODES[seg.mode].forward_sends_activations:
-        info = under_autocast(info)
+        info = under_autocast(info, _arrives_half(graph, seg))
     g, i0 = seg.devices, seg.index
     grads = _input_grads(plan, seg, graph)
 
@@ -250,6 +251,14 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
                                   and any(k == seg.index for k, _, _ in t.copies)))
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
+
+
+def _arrives_half(graph: ModelGraph, seg: PlacedSegment) -> bool:
+    """Whether a segment's input crosses in bfloat16: a module model's chain reads the output of
+    the layer before it, whose leaf dtypes are autocast's under bf16 (build_graph)."""
+    i = graph.names.index(seg.layers[0])
+    leaf = graph.layers[i - 1].out_leaves[0] if i and graph.layers[i - 1].out_leaves else None
+    return leaf is not None and leaf[1] == "bfloat16"
 
 
 def _window(info) -> dict | None:

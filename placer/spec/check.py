@@ -181,9 +181,9 @@ def check_layer_kinds(spec: Spec, groups: list[list[int]], skip=frozenset()) -> 
         kinds = [shapes.kind(layers[i]) for i in groups[seg.index]]
         seg_layers = [layers[i] for i in groups[seg.index]]
         diags += MODES[p.mode].check(seg, seg_layers, kinds, pipelined=spec.pipeline is not None)
-    norms = [layers[i] for g in groups for i in g if layers[i].op.startswith("BatchNorm")]
+    norms = [layers[i] for g in groups for i in g if layers[i].batchnorm]
     if spec.pipeline and norms:
-        diags.append(D("W006", f"layer {norms[0].name!r} is a BatchNorm in a pipeline: it normalises over each "
+        diags.append(D("W006", f"layer {norms[0].name!r} {norms[0].batchnorm} a BatchNorm in a pipeline: it normalises over each "
                        f"micro-batch of {spec.training.batch_size // spec.pipeline.microbatches} rows, so run --check "
                        "cannot match one device", norms[0].loc, "use LayerNorm, or no pipeline, to check equivalence",
                        severity="warning"))

@@ -38,6 +38,14 @@ class Layer:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     loc: Loc = field(default_factory=Loc, compare=False)
+    norms: tuple[int, ...] = field(default=(), compare=False)
+    """A module model's layer once built: its BatchNorms' channels, nested ones included
+    (`LayerInfo.norms`), so that W002/W006 see a BatchNorm inside a user block."""
+
+    @property
+    def batchnorm(self) -> str | None:
+        """How it is a BatchNorm for the warnings: `is` (its op), `holds` (nested), or None."""
+        return "is" if self.op.startswith("BatchNorm") else "holds" if self.norms else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,8 @@ now in lockstep too, runs in test_hf_models.py) or whose stem is split spatially
 halos, the bands gathered whole on each rank); tensor and channel stages under placer's GPipe
 loops. What enters a group is sent to each of its
 ranks, what leaves it is sent from its first, and its gradient to each. And the tensor block
-plan under precision bf16.
+plan under precision bf16, and the ResNet's channel stem under bf16, whose output crosses in
+bfloat16 (exact: float32's tolerance holds).
 Each `placer run --check` matches the one-device reference (losses, every parameter, first-step
 gradients; rtol 1e-5, atol 4e-5), and each device sends, per step, what its plan says."""
 from __future__ import annotations
@@ -62,9 +63,10 @@ def test_tensor_blocks_under_bf16_match_the_bf16_reference(name, tmp_path):
 
 
 def test_a_tensor_group_beside_one_device_segments_runs_bf16_in_lockstep(tmp_path):
-    """Lockstep runs precision bf16 (autocast around the whole forward; a bfloat16 leaf crosses as
-    float32) and a tensor group beside one-device segments: both at once match the one-device
-    bf16 reference, each device sending what the plan says (the blocks' row sums in bfloat16)."""
+    """Lockstep runs precision bf16 (autocast around the whole forward; each leaf crosses in the
+    dtype one device holds there: the blocks' residual sums float32) and a tensor group beside
+    one-device segments: both at once match the one-device bf16 reference, each device sending
+    what the plan says (the blocks' row sums in bfloat16)."""
     name, sets = "tinygpt_tensor_sandwich", ["training.precision=bf16"]
     spec, run_dir = MODELS / f"{name}.yaml", tmp_path / "run"
     result = CliRunner().invoke(main, ["run", str(spec), "--check", "--run-dir", str(run_dir), "--set", sets[0]])
@@ -73,3 +75,18 @@ def test_a_tensor_group_beside_one_device_segments_runs_bf16_in_lockstep(tmp_pat
     program = (run_dir / "program.py").read_text()
     assert "groups=GROUPS" in program and "torch.autocast(device.type, dtype=torch.bfloat16)" in program
     h.assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
+
+
+def test_a_resnets_stem_output_crosses_in_bfloat16_and_the_run_is_exact(tmp_path):
+    """precision bf16, the ResNet-18 stem split by channels beside the rest: the stem's output is
+    bfloat16 under autocast and crosses so (the plan counts 2 bytes an element), so layer1.0's
+    skip add sums two bfloat16 tensors as on one device. Nothing else rounds otherwise (each
+    rank's channels are whole, their BatchNorm statistics too): every parameter matches the
+    one-device bf16 reference at float32's tolerance, not only bf16's."""
+    name, sets = "resnet_stem_channel", ["training.precision=bf16"]
+    spec = MODELS / f"{name}.yaml"
+    program, _, metrics, output = h.checked_run(spec, tmp_path / "run", "--set", sets[0])
+    assert "rtol 0.02" in output and "torch.autocast(device.type, dtype=torch.bfloat16)" in program
+    (row,) = [line for line in program.splitlines() if line.strip().startswith('"maxpool": (')]  # LAYERS
+    assert row.strip() == '"maxpool": (0, "tensor", [([4, 8, 8, 8], "bfloat16")]),'
+    h.assert_sends_what_the_plan_says(name, spec, metrics, sets)

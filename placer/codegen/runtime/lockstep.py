@@ -140,8 +140,8 @@ class Lockstep:
             for i, t in enumerate(leaves):
                 dtype = getattr(torch, traced[i][1]) if traced[i] is not None else None
                 if self.out.get((name, i)) and dtype is not None and t.dtype != dtype:
-                    # autocast's bfloat16 crosses as traced (float32), as between inline segments:
-                    # exact, autocast rounds it again where a layer wants bfloat16
+                    # it crosses as one device holds it (the plan's dtype, learnt under autocast);
+                    # where that was not learnt, as traced (float32), which autocast rounds again
                     t = leaves[i] = t.to(dtype)
                     cast = True
                 for dst, route, grad, x, sends in self.out.get((name, i), ()):
