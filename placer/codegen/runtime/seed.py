@@ -76,3 +76,27 @@ def _fill(modules, model, seed, device, made, only_made=False):
                         value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
                     made[id(t)] = (t, value)  # (t kept: its id stays its own)
                 table[key] = made[id(t)][1]
+
+
+def materialize_cut(stage, seed, device):
+    """A stage that torch.distributed.pipelining cut from the model built on the meta device:
+    each of its meta parameters and buffers takes the seed value of its name (stage modules keep
+    the model's names; a tied parameter's copy in another stage, its own name there). A tensor
+    the stage uses twice stays one."""
+    made = {}
+    for prefix, module in stage.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    name = f"{prefix}.{key}" if prefix else key
+                    if name not in seed:
+                        raise RuntimeError(f"the cut stage's tensor {name!r} has no value in the seed: it is "
+                                           "not a parameter or buffer of the model under that name")
+                    value = torch.empty_like(seed[name], device=device).copy_(seed[name])
+                    if isinstance(t, torch.nn.Parameter):
+                        value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+                    made[id(t)] = (t, value)
+                table[key] = made[id(t)][1]
+    return stage
