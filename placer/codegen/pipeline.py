@@ -59,7 +59,7 @@ class PipelineWriter(TrainWriter):
             c.dedent()
             return
         if self.cut:
-            c(f"model, pipe = cut_model({seg.rows})", f"seg{k} = {seg.func}(model, pipe).to(device)")
+            c(f"model, pipe = cut_model({seg.rows})", f"seg{k} = materialize_cut({seg.func}(model, pipe), seed, device)")
         else:
             c(f"seg{k} = {self.placed(f'{seg.func}(model)')}")
         if seg.has_params:

@@ -131,7 +131,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     used |= {"ties"} if tied else set()
     used |= {"lockstep"} if ls else set()
     cut = not spec.model.inline and len(segs) > 1 and not ls  # torch's pipelining cuts the module model
-    used |= {"seed"} if not cut else set()  # ranks materialise only their segments (TrainWriter.seeded)
+    used |= {"seed"}  # ranks materialise only their segments (TrainWriter.seeded)
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
     used |= {"recompute"} if (pl or ls) and any(s.recompute for s in segs) else set()
     used |= {"precision"} if pl and spec.training.precision == "bf16" else set()
@@ -520,11 +520,13 @@ def stages_source(spec: Spec, segs: list[Seg], cut: bool, lockstep=None) -> str:
         c("", f"SPLIT_SPEC = {{{split}}}  # where segments 1.. begin", "", "",
           "@functools.lru_cache(maxsize=None)",
           "def cut_model(rows):",
-          '    """(model, pipe): the model built from the seed and cut into one stage per segment by',
-          "    torch.distributed.pipelining, traced at `rows` rows (export fixes shapes, so every",
-          '    row count gets its own trace). Stage modules keep the model\'s parameter names."""',
-          "    model = build_model()",
-          f"    example = make_tensor(torch.Generator().manual_seed(SEED), {shape}{dtype})",
+          '    """(model, pipe): the model built on the meta device (it holds no memory) and cut into one',
+          "    stage per segment by torch.distributed.pipelining, traced at `rows` rows (export fixes",
+          "    shapes, so every row count gets its own trace). Stage modules keep the model's parameter",
+          '    names: a rank gives its own stages their seed values (materialize_cut)."""',
+          '    with torch.device("meta"):',
+          "        model = build_model()",
+          f"    example = make_tensor(torch.Generator().manual_seed(SEED), {shape}{dtype}).to(\"meta\")",
           "    pipe = pipeline(model, mb_args=(example,), split_spec=SPLIT_SPEC)",
           "    for node in pipe.split_gm.graph.nodes:",
           '        if node.op == "call_module" and len(node.args) != 1:',

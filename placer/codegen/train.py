@@ -86,9 +86,9 @@ class TrainWriter(TrainingOptions):
     @property
     def seeded(self) -> bool:
         """Whether ranks build the model on the meta device and materialise only their segments
-        from the seed file (runtime/seed.py), in lockstep the parent's glue too: not where torch's
-        pipelining cuts the model."""
-        return not self.cut
+        from the seed file (runtime/seed.py), in lockstep the parent's glue too; where torch's
+        pipelining cuts the model, it cuts the meta model and a rank fills its own stages."""
+        return True
 
     @property
     def beside(self) -> bool:
@@ -191,7 +191,12 @@ class TrainWriter(TrainingOptions):
             copies = [name for t in self.tied for _, _, name in t.copies[1:]]
             if copies:
                 c("untie(model, " + repr(copies) + ")  # each segment using a tied parameter holds a copy")
-        elif not self.cut:
+        elif self.cut:
+            c("", "# the first worker of each machine builds the whole model from the seed once and saves it;",
+              "# every rank cuts the model built on the meta device (cut_model) and fills its own stages",
+              "with uncounted():  # set-up, not training: left out of the bytes sent",
+              "    seed = seed_tensors(build_model, args.out)")
+        else:
             c("", "# the first worker of each machine builds the whole model from the seed once and saves it;",
               "# every rank builds it on the meta device (no memory) and takes its own segments' values",
               "with uncounted():  # set-up, not training: left out of the bytes sent",
@@ -225,6 +230,8 @@ class TrainWriter(TrainingOptions):
             c(*ties.emit_norm_once(self.tied))
         c("", "# every segment this rank computes or keeps, and its optimizers",
           f"modules = [m for m in {self.tuple_of('seg')} if m is not None]")
+        if self.cut:
+            c("note_held(nn.ModuleList(modules))  # what this rank holds, for metrics.json: its own stages")
         if self.checkpoint or self.steps_all or self.scheduled or self.clip is not None:
             c(f"optimizers = [o for o in {self.tuple_of('opt')} if o is not None]")
         if self.scheduled:
@@ -266,7 +273,7 @@ class TrainWriter(TrainingOptions):
         if cond:
             c(f"if {cond}:").indent()
         if self.cut:
-            c(f"model, pipe = cut_model({seg.rows})", f"stage = {seg.func}(model, pipe).to(device)")
+            c(f"model, pipe = cut_model({seg.rows})", f"stage = materialize_cut({seg.func}(model, pipe), seed, device)")
         else:
             c(f"stage = {self.placed(f'{seg.func}(model)')}")
         if seg.has_params and seg not in self.gathered:  # (split parameters are saved through owned())

@@ -76,3 +76,50 @@ def _fill(modules, model, seed, device, made, only_made=False):
                         value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
                     made[id(t)] = (t, value)  # (t kept: its id stays its own)
                 table[key] = made[id(t)][1]
+
+
+def materialize_cut(stage, seed, device):
+    """A stage that torch.distributed.pipelining cut from the model built on the meta device:
+    each of its meta parameters and buffers takes the seed value of its name (stage modules keep
+    the model's names; a tied parameter's copy in another stage, its own name there). A tensor
+    the stage uses twice stays one. Constants that export lifts out of the forward (HF's empty
+    cache tensors, `lifted_tensor_0`) are no model tensors: empty ones are made empty here."""
+    made = {}
+    for prefix, module in stage.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    name = f"{prefix}.{key}" if prefix else key
+                    if name in seed:
+                        value = torch.empty_like(seed[name], device=device).copy_(seed[name])
+                    elif t.numel() == 0:
+                        value = torch.empty_like(t, device=device)
+                    else:
+                        raise RuntimeError(f"the cut stage's tensor {name!r} has no value in the seed: it is "
+                                           "not a parameter or buffer of the model under that name")
+                    if isinstance(t, torch.nn.Parameter):
+                        value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+                    made[id(t)] = (t, value)
+                table[key] = made[id(t)][1]
+    _retarget(stage, device)
+    return stage
+
+
+def _retarget(stage, device):
+    """Traced on the meta device, the stage's graphs name it where the forward makes or moves a
+    tensor (`torch.arange(device=...)`, `.to(...)` in a rotary embedding): this rank's device
+    instead."""
+    def mine(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            node.args = torch.fx.node.map_aggregate(node.args, mine)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, mine)
+        if isinstance(module, torch.fx.GraphModule):
+            module.recompile()

@@ -399,7 +399,7 @@ def tied_names(model):
 
 
 def write_outputs(out, losses, params, seconds, **facts):
-    """OUT/metrics.json (losses, speed, what was measured) and OUT/final_params.pt."""
+    """OUT/metrics.json (losses, speed, what was measured) and OUT/final_params.pt (`params`)."""
     steps = len(losses)
     trained = steps - RESUMED_FROM  # by this process; the losses are those of every step
     metrics = {"spec": SPEC_NAME, "losses": losses, "steps": steps, "batch_size": BATCH_SIZE,
@@ -407,7 +407,8 @@ def write_outputs(out, losses, params, seconds, **facts):
                "wall_s": seconds, "steps_per_s": trained / seconds if seconds else None,
                "samples_per_s": trained * BATCH_SIZE / seconds if seconds else None, **facts}
     replace_atomically(os.path.join(out, "metrics.json"), lambda tmp: write_json(tmp, metrics))
-    replace_atomically(os.path.join(out, "final_params.pt"), lambda tmp: torch.save(dict(sorted(params.items())), tmp))
+    if params is not None:  # (a placed run's rank 0 wrote them as they arrived: write_params)
+        replace_atomically(os.path.join(out, "final_params.pt"), lambda tmp: torch.save(dict(sorted(params.items())), tmp))
 
 
 def write_first_grads(out, grads):
@@ -453,9 +454,15 @@ def finish(args, rank, world, losses, own, seconds, **facts):
             write_first_grads(args.out, {name: g for part in grads for name, g in part.items()})
     if not args.out:  # nothing is written: nothing is gathered
         return
-    merged = gather_params(own, rank, world)
+    listing = [None] * world  # every rank's (name, shape, dtype) of what it owns
+    dist.all_gather_object(listing, [(n, tuple(p.shape), p.dtype) for n, p in own.items()])
     if rank == 0:
-        write_outputs(args.out, losses, merged, seconds, devices=DEVICES, world_size=world,
+        replace_atomically(os.path.join(args.out, "final_params.pt"),
+                           lambda tmp: write_params(tmp, listing, lambda put: gather_params(own, rank, listing, put)))
+    else:
+        gather_params(own, rank, listing)
+    if rank == 0:
+        write_outputs(args.out, losses, None, seconds, devices=DEVICES, world_size=world,
                       bytes_sent={s["device"]: s["bytes_sent"] for s in every},
                       bytes_by_call={s["device"]: s["by_call"] for s in every},
                       time_s={s["device"]: s["time_s"] for s in every},
@@ -465,30 +472,52 @@ def finish(args, rank, world, losses, own, seconds, **facts):
 GATHERED = {}  # name -> split parameter (a DTensor: tensor parallel, FSDP2) of this rank's groups
 
 
-def gather_params(own, rank, world):
-    """Rank 0 gets every rank's parameters {name: tensor on the CPU}, one tensor at a time: the
-    names, shapes and dtypes go as objects, each tensor by send and recv (gather_object would
-    pickle every rank's whole share at once, several copies of the model on rank 0). A split
-    parameter is gathered whole (full_tensor: every rank of its group, walking the same list)
-    only as it is sent, so no rank holds more than one whole at a time."""
-    listing = [None] * world
-    dist.all_gather_object(listing, [(n, tuple(p.shape), p.dtype) for n, p in own.items()])
+def gather_params(own, rank, listing, put=None):
+    """Rank 0 gets every rank's parameters, one tensor at a time, and hands each to put(name,
+    tensor) as it arrives: the names, shapes and dtypes went as objects (`listing`), each tensor
+    goes by send and recv (gather_object would pickle every rank's whole share at once, several
+    copies of the model on rank 0). A split parameter is gathered whole (full_tensor: every rank
+    of its group, walking the same list) only as it is sent, so no rank holds more than one
+    whole at a time."""
     nccl = dist.get_backend() == "nccl"  # it sends device tensors only
     where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    merged = {}
     for r, names in enumerate(listing):  # every rank walks the same list: sends and recvs pair up
         for name, shape, dtype in names:
             split = GATHERED.get(name)
             value = split.full_tensor() if hasattr(split, "full_tensor") else own.get(name)
             if r == rank == 0:
-                merged[name] = value.detach().cpu().clone()
+                put(name, value.detach())
             elif rank == r:
                 dist.send(value.detach().to(where).contiguous(), 0)
             elif rank == 0:
                 value = torch.empty(shape, dtype=dtype, device=where)
                 dist.recv(value, r)
-                merged[name] = value.cpu()
-    return merged
+                put(name, value)
+            del value  # the next one's gathered whole only once this one is let go
+
+
+def write_params(path, listing, gather):
+    """A file torch.load reads back as {name: tensor} (names sorted), written without holding
+    the tensors: torch.save lays it out from fake tensors (skip_data: shapes and dtypes, no
+    bytes), then gather(put) hands over each tensor, copied into its place in the file through
+    a shared memory map that is let go after each one."""
+    import mmap
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        layout = {name: torch.empty(shape, dtype=dtype) for names in listing for name, shape, dtype in names}
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(dict(sorted(layout.items())), path)
+    del layout
+
+    def put(name, value):
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            mapped = torch.load(path, mmap=True, weights_only=True)
+        mapped[name].copy_(value)  # into the file's pages; unmapped (and out of this rank's memory) below
+        del mapped
+
+    gather(put)
 
 
 def load_user(target):
