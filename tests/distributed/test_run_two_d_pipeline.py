@@ -33,7 +33,11 @@ ORDER = "order = {"  # placer's loops in the schedule's order
      "all_reduce_grads(seg0.parameters(), dp0", ORDER),
     # two 2-D stages a rank, the last one's loss on each replica's rows, B split into I and W
     ("tests/cases/valid/pipeline_zero_bubble_tensor_data/spec.yaml", [], "all_reduce_slices(seg3, dp3)", ORDER),
-], ids=["tensor_data_gpipe", "spatial_data_1f1b", "tensor_data_zero_bubble"])
+    # ZeRO-1 over the replicas (ZeroSlices: Adam's state 1/2 a device), stepped once after 1F1B's micro-batches
+    ("specs/mlp_pipeline_tensor_data.yaml", ["pipeline.schedule=1f1b", "placement.0.parallel.shard=optimizer",
+                                             "training.optimizer={op: Adam, lr: 0.01}"],
+     "opt0 = ZeroSlices(seg0.parameters(), dp0, torch.optim.Adam", ORDER),
+], ids=["tensor_data_gpipe", "spatial_data_1f1b", "tensor_data_zero_bubble", "tensor_data_zero1_1f1b"])
 def test_a_2d_stage_in_a_pipeline_matches_one_device_and_sends_what_the_plan_says(spec, sets, call, loops, tmp_path):
     sets = [a for s in sets for a in ("--set", s)]
     program, _, metrics, _ = h.checked_run(ROOT / spec, tmp_path / "run", "--steps", str(STEPS), *sets, min_params=1)
