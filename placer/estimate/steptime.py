@@ -12,7 +12,10 @@ device runs its ops in order on one clock:
 - a pipeline send leaves at once; its receive waits until it has arrived;
 - a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
   gradients are ready, and the optimizer step waits for it;
-- the optimizer step reads and writes each held parameter, gradient and state buffer once.
+- the optimizer step reads and writes each held parameter, gradient and state buffer once;
+- `accumulate: N` replays each device's op list N times, each micro-step on 1/N of the rows: the
+  fixed costs per layer, action and message (pipeline fill and crossings included) repeat N
+  times, while the gradient sync, the step and what follows it run once, in the last.
 
 The step is the last device's finish plus a fixed cost per step. The timeline it yields is the
 plan's critical path, pipeline bubbles included.
@@ -56,9 +59,10 @@ class StepTime:
     """device -> ((start, end, op), ...): what the schedule chart draws."""
 
 
-def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware) -> float:
+def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_steps: int = 1) -> float:
+    """One COMPUTE op; under accumulate, one of its `micro_steps` (1/N of the rows, every fixed cost)."""
     seg = plan.segments[op.segment]
-    share = seg.degree * plan.microbatches
+    share = seg.degree * plan.microbatches * micro_steps
     factor = BACKWARD_FACTOR[op.phase]
     t = 0.0
     for name in plan.chunk_layers(op):
@@ -93,6 +97,27 @@ def fixed_seconds(op: Op, hw: Hardware) -> float:
     if op.kind in COLLECTIVES:
         return hw.collective_s * max(1, len(op.devices) - 1)
     return hw.latency
+
+
+def once_per_step(op: Op) -> bool:
+    """Ops that accumulate does not repeat: the gradient sync (DDP's no_sync, FSDP2's gradient sync
+    off until the last micro-step), the step and the parameters it sends back; a broadcast of the
+    parameters before the first forward."""
+    return (op.phase == "step" or op.tensor == "grads"
+            or (op.kind == OpKind.BROADCAST and op.tensor == "params"))
+
+
+def micro_step_seconds(op: Op, hw: Hardware, n: int) -> float:
+    """A repeated copy or collective's share of one of n micro-steps: its fixed cost whole, its bytes / n."""
+    fixed = fixed_seconds(op, hw)
+    return fixed + (comm_seconds(op, hw) - fixed) / n
+
+
+def micro_steps(plan: Plan, device: str) -> list[tuple[Op, int]]:
+    """`device`'s ops as they run in one step: (op, N) for each of accumulate's N replays of an op
+    that repeats, (op, 1) for one that runs once, in the last micro-step."""
+    n, ops = plan.accumulate, plan.ops.get(device, ())
+    return [(op, 1 if once_per_step(op) else n) for i in range(n) for op in ops if i == n - 1 or not once_per_step(op)]
 
 
 def step_seconds(plan: Plan, graph: ModelGraph, device: str, est, hw: Hardware) -> float:
@@ -130,7 +155,8 @@ def _bucket_ready(op: Op, last_bwd, plan: Plan, graph: ModelGraph) -> float:
 
 
 def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
-    devices = [d for d in plan.devices if plan.ops.get(d)]
+    seq = {d: micro_steps(plan, d) for d in plan.devices}
+    devices = [d for d in plan.devices if seq[d]]
     clock = {d: 0.0 for d in plan.devices}
     comm_free = {d: 0.0 for d in plan.devices}
     at = {d: 0 for d in plan.devices}
@@ -145,11 +171,11 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
         busy[d][what] += seconds
 
     def advance(d: str) -> bool:
-        op = plan.ops[d][at[d]]
+        op, n = seq[d][at[d]]
         k = op.kind
         if k == OpKind.COMPUTE:
             start = clock[d]
-            run(d, compute_seconds(op, plan, graph, hw), "compute", op)
+            run(d, compute_seconds(op, plan, graph, hw, n), "compute", op)
             if op.phase in ("bwd", "bwd_weight"):
                 last_bwd[d] = (start, clock[d], op)
         elif k == OpKind.STEP:
@@ -157,7 +183,7 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
             run(d, step_seconds(plan, graph, d, est, hw) / max(1, _steps_on(plan, d)), "step", op)
         elif k == OpKind.SEND:
             key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
-            arrivals.setdefault(key, []).append(clock[d] + comm_seconds(op, hw))
+            arrivals.setdefault(key, []).append(clock[d] + micro_step_seconds(op, hw, n))
         elif k == OpKind.RECV:
             key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
             if not arrivals.get(key):
@@ -169,9 +195,9 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
                 clock[d] = arrival
         elif k in TRANSFERS or k in COLLECTIVES:
             group = [g for g in op.devices if g in clock]
-            if any(at[g] >= len(plan.ops[g]) or _key(plan.ops[g][at[g]]) != _key(op) for g in group):
+            if any(at[g] >= len(seq[g]) or _key(seq[g][at[g]][0]) != _key(op) for g in group):
                 return False
-            seconds = comm_seconds(op, hw)
+            seconds = micro_step_seconds(op, hw, n)
             if _overlapped(op, plan):
                 start = max(max(_bucket_ready(op, last_bwd[g], plan, graph), comm_free[g]) for g in group)
                 for g in group:
@@ -189,13 +215,13 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
         at[d] += 1
         return True
 
-    while any(at[d] < len(plan.ops[d]) for d in devices):
+    while any(at[d] < len(seq[d]) for d in devices):
         moved = False
         for d in devices:
-            while at[d] < len(plan.ops[d]) and advance(d):
+            while at[d] < len(seq[d]) and advance(d):
                 moved = True
         if not moved:
-            stuck = {d: plan.ops[d][at[d]] for d in devices if at[d] < len(plan.ops[d])}
+            stuck = {d: seq[d][at[d]][0] for d in devices if at[d] < len(seq[d])}
             raise ValueError(f"the plan's op lists wait on each other: {stuck}")
     finish = {d: max(clock[d], comm_free[d]) for d in plan.devices}
     per = {d: DeviceTime(device=d, compute_s=busy[d]["compute"], comm_s=busy[d]["comm"],

@@ -72,7 +72,14 @@ MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2 (FSDP2
     "tensor": "specs/mlp_tensor.yaml",
     "spatial": "specs/cnn_spatial.yaml",
     "lockstep": "specs/tinygpt.yaml",
+    "zero_slices": "tests/models/tinygpt_tensor_data.yaml",
 }
+SETS = {  # TinyGPT's blocks tensor x data with ZeRO-1 over the replicas (runtime ZeroSlices): each
+    # device's momentum for its 1/2 of its slices; its uninterrupted run is --check'ed too
+    "zero_slices": ["--set", "placement.0.parallel.shard=optimizer",
+                    "--set", "training.optimizer={op: SGD, lr: 0.1, kwargs: {momentum: 0.9}}"],
+}
+CHECKED = {"zero_slices"}
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +90,10 @@ def whole_runs(tmp_path_factory):
     def get(mode: str) -> Path:
         if mode not in made:
             run = tmp_path_factory.mktemp(mode) / "whole"
-            r = placer_run(MODES[mode], "--steps", "6", *CKPT, "--run-dir", str(run))
+            check = ["--check"] if mode in CHECKED else []
+            r = placer_run(MODES[mode], "--steps", "6", *CKPT, *SETS.get(mode, ()), *check, "--run-dir", str(run))
             assert r.returncode == 0, r.stderr
+            assert not check or "check passed" in r.stdout
             made[mode] = run
         return made[mode]
     return get
@@ -95,8 +104,9 @@ def test_resume_is_bit_identical(mode, whole_runs, tmp_path):
     whole = whole_runs(mode)
     assert sorted(p.name for p in (whole / "ckpt").iterdir()) == ["step_2", "step_4", "step_6"]
     run = interrupted_copy(whole, tmp_path / "run", keep_upto=2 if mode == "data_overlap" else 4)
-    r = placer_run(MODES[mode], "--steps", "6", *CKPT, "--resume", str(run))
+    r = placer_run(MODES[mode], "--steps", "6", *CKPT, *SETS.get(mode, ()), "--resume", str(run))
     assert r.returncode == 0, r.stderr
+    assert mode != "zero_slices" or "ZeroSlices(seg0.parameters(), dp0, torch.optim.SGD" in (run / "program.py").read_text()
     first = 2 if mode == "data_overlap" else 4
     assert f"resumed from the checkpoint at step {first} of 6" in r.stdout
     assert f"trained steps {first + 1}..6 of 6" in r.stdout

@@ -155,10 +155,11 @@ def test_generate_cli_reports_an_unsupported_stage_without_traceback(tmp_path):
     assert r.exit_code == 0, r.output
     program = (tmp_path / "p.py").read_text()
     assert "order = {" in program and "Replicas([2, 3, 4, 5], 2)" in program
-    # FSDP2 x TP there is refused before any program is written
+    # FSDP2 x TP on a stage tensor parallelism cannot split (three Linears in a row) is refused
+    # before any program is written
     spec_file.write_text(spec_file.read_text().replace("{mode: channel, data: 2}", "{mode: tensor, data: 2, shard: full}"))
     r = CliRunner().invoke(main, ["generate", str(spec_file), "-o", str(tmp_path / "q.py")])
-    assert r.exit_code == 1 and "error[P032]" in r.stderr and "Traceback" not in r.output, r.output
+    assert r.exit_code == 1 and "error[P028]" in r.stderr and "Traceback" not in r.output, r.output
     assert not (tmp_path / "q.py").exists()
     # a data stage that syncs by broadcast: placer's own loops run it in 1F1B's order
     spec_file.write_text(text.replace("parallel: data\n  - name: stage1", "parallel: {mode: data, sync: broadcast}\n"

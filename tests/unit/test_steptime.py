@@ -102,6 +102,54 @@ def test_a_pipeline_is_its_schedules_critical_path(tmp_path):
     assert timeline.unit == "s" and timeline.makespan == pytest.approx(4.5e-3, rel=1e-5)
 
 
+def accumulated(tmp_path, placement: str, n: int, hw: Hardware, extra: str = ""):
+    """The model on 200 rows, `accumulate: n` micro-steps of 200 / n."""
+    spec = MODEL.replace("batch_size: 50,", f"batch_size: 200, accumulate: {n},")
+    path = tmp_path / f"spec{n}.yaml"
+    path.write_text(spec + textwrap.dedent(placement) + extra)
+    graph, plan, est, _ = build_and_plan(load_spec(str(path)))
+    return step_time(plan, graph, est, hw)
+
+
+OVERHEAD = replace(HW, layer_overhead=1e-4)  # 0.1 ms per layer and pass; 1 ms per message
+
+
+def test_accumulate_repeats_the_fixed_costs_of_each_micro_step_and_not_its_work(tmp_path):
+    placement = "placement:\n  - {layers: fc1, device: cpu:0}\n  - {layers: fc2, device: cpu:1}\n"
+    one, four = (accumulated(tmp_path, placement, n, OVERHEAD) for n in (1, 4))
+    # the same FLOPs and bytes in 4 micro-steps: cpu:1's fc2 forward and backward pay their
+    # 0.1 ms overhead 4 times; the chain (4 layer passes, 2 copies) is serial, so each of the
+    # 3 extra micro-steps adds 4 overheads and 2 messages' latency; the update runs once
+    assert four.per_device["cpu:1"].compute_s - one.per_device["cpu:1"].compute_s == pytest.approx(3 * 2e-4)
+    assert four.per_device["cpu:0"].step_s == pytest.approx(one.per_device["cpu:0"].step_s)
+    assert four.step_s - one.step_s == pytest.approx(3 * (4e-4 + 2e-3))
+    # without fixed costs, accumulating costs nothing
+    flat = [accumulated(tmp_path, placement, n, replace(HW, latency=0.0)).step_s for n in (1, 4)]
+    assert flat[0] == pytest.approx(flat[1])
+
+
+def test_accumulate_syncs_data_parallel_gradients_once_per_step(tmp_path):
+    placement = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, overlap: false}}\n"
+    one, four = (accumulated(tmp_path, placement, n, OVERHEAD) for n in (1, 4))
+    for d in ("cpu:0", "cpu:1"):  # one all-reduce of 80,800 B (81.8 ms) either way
+        assert one.per_device[d].comm_s == pytest.approx(81.8e-3)
+        assert four.per_device[d].comm_s == pytest.approx(81.8e-3)
+        assert four.per_device[d].compute_s - one.per_device[d].compute_s == pytest.approx(3 * 4e-4)
+    assert four.step_s - one.step_s == pytest.approx(3 * 4e-4)
+
+
+def test_accumulate_refills_a_pipeline_every_micro_step(tmp_path):
+    placement = "placement:\n  - {layers: fc1, device: cpu:0}\n  - {layers: fc2, device: cpu:1}\n"
+    free = replace(HW, link_bw=1e12, latency=0.0)
+    # micro-batches of 25 rows either way: F 0.5 ms, B 1 ms per stage. GPipe over m of them
+    # ends at (m + 1) * (F + B): 8 in one pipeline 13.5 ms; 4 micro-steps of 2 fill and drain
+    # the pipeline 4 times, 4 * 4.5 ms
+    once = accumulated(tmp_path, placement, 1, free, "pipeline: {microbatches: 8, schedule: gpipe}\n").step_s
+    four = accumulated(tmp_path, placement, 4, free, "pipeline: {microbatches: 2, schedule: gpipe}\n").step_s
+    assert once == pytest.approx(13.5e-3 + 10.1e-6, rel=1e-4)
+    assert four == pytest.approx(18e-3 + 10.1e-6, rel=1e-4)
+
+
 def test_rates_are_interpolated_between_measured_sizes_and_held_beyond():
     hw = replace(HW, rates=((1e6, 1e9, 5e8), (1e8, 1e10, 5e9)))
     assert rate(hw, 1e5) == 1e9 and rate(hw, 1e9) == 1e10

@@ -97,16 +97,43 @@ training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}, seed: 0}
 PIPE = ROOT / "specs" / "mlp_pipeline_tensor_data.yaml"
 
 
-def test_a_2d_stage_runs_under_every_schedule_but_not_with_fsdp2(tmp_path):
+def test_a_2d_stage_runs_under_every_schedule_with_fsdp2_too(tmp_path):
     """placer's loops run a 2-D stage beside others under every schedule (no W005); FSDP2 x TP in a
-    pipeline is refused (P032)."""
+    pipeline too, its first unit's backward prefetch off (it would gather the previous
+    micro-batch's last unit in vain, a gather the plan does not count)."""
     assert "W005" not in _validate(tmp_path, PIPE.read_text())
     one_f = PIPE.read_text().replace("schedule: gpipe", "schedule: 1f1b")
     assert "W005" not in _validate(tmp_path, one_f)
     text = "".join(api.generate(api.load(PIPE, ["pipeline.schedule=1f1b"])).split())
     assert "order={" in text and "relayout_grad(" in text and "pending=sends" in text
     out = _validate(tmp_path, PIPE.read_text().replace("data: 2}", "data: 2, shard: full}"))
-    assert "error[P032]" in out and "shard 'full' in a pipeline" in out, out
+    assert "P032" not in out and "error" not in out, out
+    text = api.generate(api.load(PIPE, ["placement.0.parallel.shard=full", "pipeline.schedule=1f1b"]))
+    assert 'seg0 = fully_shard_segment(stage, mesh0["dp"], device.type)' in text
+    assert "no_prefetch_across_micro_batches(seg0)" in text and "order = {" in text
+
+
+ZERO_PIPE = ["placement.0.parallel.shard=optimizer", "training.optimizer={op: Adam, lr: 0.01}"]
+
+
+def test_a_2d_stage_with_a_sharded_optimizer_runs_in_a_pipeline_under_every_schedule(tmp_path):
+    """ZeRO-1 over a 2-D stage's replicas (ZeroSlices) in a pipeline: no P032 under GPipe, 1F1B
+    or zero bubble; the program makes the ZeroSlices optimizer and steps it once, after every
+    micro-batch; the plan broadcasts each device's part once a step, whatever the micro-batches."""
+    zb = ROOT / "tests" / "cases" / "valid" / "pipeline_zero_bubble_tensor_data" / "spec.yaml"
+    cases = [(PIPE, ZERO_PIPE), (PIPE, [*ZERO_PIPE, "pipeline.schedule=1f1b"]),
+             (zb, ["placement.3.parallel.shard=optimizer"])]
+    for spec, sets in cases:
+        text = api.generate(api.load(spec, sets)).split("# Below: placer's runtime")[0]
+        k = 0 if spec == PIPE else 3
+        assert f"opt{k} = ZeroSlices(seg{k}.parameters(), dp{k}, " in text, spec
+        assert text.count(f"opt{k}.step()") == 1 and text.index(f"opt{k}.step()") > text.rindex("backward(")
+    one, four = (api.plan(api.load(PIPE, [*ZERO_PIPE, f"pipeline.microbatches={m}"])).plan for m in (2, 4))
+    for plan in (one, four):
+        parts = [op for op in plan.ops["cuda:0"] if op.kind == OpKind.BROADCAST and op.phase == "step"]
+        assert [op.devices for op in parts] == [("cuda:0", "cuda:2")] * 2 and parts[0].microbatch is None
+    out = _validate(tmp_path, PIPE.read_text().replace("data: 2}", "data: 2, shard: optimizer}"))
+    assert "P032" not in out, out
 
 
 def test_a_2d_stage_passes_each_micro_batchs_gradient_on_from_its_replicas_first_device():

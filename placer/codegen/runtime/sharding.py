@@ -74,6 +74,16 @@ def fully_shard_segment(module, group, device_type="cpu", reshard_after_forward=
     return module
 
 
+def no_prefetch_across_micro_batches(module):
+    """FSDP2 in placer's micro-batch loops: each micro-batch's backward is its own, and FSDP2
+    reshards every unit after it. The first unit's implicit backward prefetch would gather the
+    previous micro-batch's last unit, to be resharded unused; an explicit prefetch of itself
+    (already gathered then: a no-op) turns that off. One forward a backward never prefetches
+    from the first unit, so this changes nothing there."""
+    units = [unit for _, unit in fsdp_units(module)] or [module]
+    units[0].set_modules_to_backward_prefetch([units[0]])
+
+
 def fully_shard_layers(stage, names, group, device_type="cpu"):
     """FSDP2 over group on each of a lockstep segment's placed layers that has parameters: the
     modules the model's own forward calls (the stage container, which nothing calls, gets no

@@ -42,10 +42,12 @@ class ZeroSlices(torch.optim.Optimizer):
             if key != "params":
                 self.inner.param_groups[0][key] = value
         me = self.roots.index(dist.get_rank())
-        self.part.grad = self._flat(True)[self.bounds[me]:self.bounds[me + 1]].clone()
-        self.inner.step()
+        start, end = self.bounds[me], self.bounds[me + 1]
         flat = self._flat(False)
-        flat[self.bounds[me]:self.bounds[me + 1]] = self.part
+        self.part.copy_(flat[start:end])  # the parameters' values: a resumed run loaded them after __init__
+        self.part.grad = self._flat(True)[start:end].clone()
+        self.inner.step()
+        flat[start:end] = self.part
         for i, root in enumerate(self.roots):  # each part from the device that stepped it
             dist.broadcast(flat[self.bounds[i]:self.bounds[i + 1]], src=root, group=self.group)
         at = 0

@@ -117,7 +117,8 @@ def fits(state, modules, optimizers, schedulers=()):
                 return f"{name} is {list(saved[name].shape)} there, {list(value.shape)} here"
     for opt, saved in zip(optimizers, state["optimizers"]):
         inner = opt.optim if hasattr(opt, "consolidate_state_dict") else opt
-        sizes = [len(g["params"]) for g in inner.param_groups]
+        # (as it saves them: ZeroSlices' state is its part's, one flat parameter)
+        sizes = [len(g["params"]) for g in inner.state_dict()["param_groups"]]
         if sizes != [len(g["params"]) for g in saved["param_groups"]]:
             return "its optimizer holds other parameters"
     return None
