@@ -113,7 +113,7 @@ def compare(run_dir: Path, ref_dir: Path, rtol: float = RTOL, atol: float = ATOL
 
 def _compare_grads(report: CheckReport, run_file: Path, ref_file: Path) -> None:
     """Each first-step gradient the run recorded against the reference's, relative to its scale.
-    (A run records none yet for parameters split by tensor or channel alone; FSDP2's are gathered whole.)"""
+    (A run gathers split parameters' gradients whole: DTensors of tensor parallel and FSDP2, channel slices.)"""
     import torch
 
     if not (run_file.exists() and ref_file.exists()):
