@@ -53,6 +53,8 @@ class PipelineWriter(TrainWriter):
         self.c(f"if {self.cond(seg.ranks)}:").indent()
         if self.replicated:
             c(f"stage = {self.placed(f'{seg.func}(model)')}", *MODES[seg.mode].emit_stage(seg, self.checkpoint))
+            if seg in self.gathered:  # split parameters: their first-step gradients gathered whole
+                c(*MODES[seg.mode].emit_whole_grads(seg))
             if seg.has_params:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
             self.norm_share(seg)

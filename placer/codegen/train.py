@@ -293,9 +293,8 @@ class TrainWriter(TrainingOptions):
               "reduce-scattered in backward")
         else:
             c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
-        if seg.shard == "full" and seg in self.gathered:  # FSDP2 (x TP): shards, their gradients gathered whole
-            c(f"WHOLE_GRADS.update({{n: (p, rank == {seg.owner}) for n, p in named_params(seg{k}, model).items()}})"
-              "  # run --check")
+        if seg in self.gathered:  # DTensors (tensor, FSDP2) or channel slices: their gradients gathered whole
+            c(*MODES[seg.mode].emit_whole_grads(seg))
         if seg.chained:
             c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
               "calls the split chain")

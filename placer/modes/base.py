@@ -159,3 +159,9 @@ class Mode:
         """Lines that set `whole` to the segment's whole parameters (by name) when they are split."""
         return [f"whole = named_params(seg{seg.k}, model)  # segment {seg.k}: DTensors, each gathered whole as finish",
                 "GATHERED.update(whole)  # writes it, one at a time (every rank of the group takes part)"]
+
+    def emit_whole_grads(self, seg) -> list[str]:
+        """Lines that name the split parameters whose first-step gradients run --check gathers whole
+        (WHOLE_GRADS): DTensors here, by full_tensor; the group's first rank keeps them."""
+        return [f"WHOLE_GRADS.update({{n: (p, rank == {seg.owner}) for n, p in named_params(seg{seg.k}, model).items()}})"
+                "  # run --check"]

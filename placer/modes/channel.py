@@ -203,5 +203,9 @@ class Channel(Mode):
         return [f"channel_unshard(seg{seg.k})  # segment {seg.k}: the channel slices back into the full layers",
                 f"whole = named_params(full{seg.k}, model)"]
 
+    def emit_whole_grads(self, seg):
+        return [f"WHOLE_GRADS.update(channel_grads(seg{seg.k}, named_params(full{seg.k}, model), rank == {seg.owner}))"
+                "  # run --check: the slices' first gradients joined as channel_unshard joins their values"]
+
 
 MODE = Channel()

@@ -43,6 +43,7 @@ def test_module_model_split_segment_beside_others_matches_one_device(name, tmp_p
     spec = MODELS / f"{name}.yaml"
     program, _, metrics, _ = h.checked_run(spec, tmp_path / "run")
     assert "import SplitPoint, pipeline" not in program and "groups=GROUPS" in program
+    h.assert_every_gradient_compared(tmp_path / "run")  # the split ones gathered whole
     h.assert_sends_what_the_plan_says(name, spec, metrics)
 
 
@@ -59,6 +60,7 @@ def test_tensor_blocks_under_bf16_match_the_bf16_reference(name, tmp_path):
     assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
     assert "check passed" in result.stdout and "rtol 0.02" in result.stdout
     assert "torch.autocast(device.type, dtype=torch.bfloat16)" in (run_dir / "program.py").read_text()
+    h.assert_every_gradient_compared(run_dir)
     h.assert_sends_what_the_plan_says(name, spec, json.loads((run_dir / "metrics.json").read_text()), sets)
 
 

@@ -18,9 +18,9 @@ from placer import units
 from placer.cli.main import main
 
 try:
-    from ._harness import assert_sends_what_the_plan_says
+    from ._harness import assert_every_gradient_compared, assert_sends_what_the_plan_says
 except ImportError:  # run as a top-level module
-    from _harness import assert_sends_what_the_plan_says
+    from _harness import assert_every_gradient_compared, assert_sends_what_the_plan_says
 
 pytestmark = pytest.mark.distributed
 
@@ -64,6 +64,11 @@ MODES = [
     ("mlp_pipeline_dualpipev", "pipeline, DualPipeV (V layout)", 2),
 ]
 MEASURED: dict[str, tuple] = {}
+# runs whose parameters are split (tensor, channel) or replicated in bands (spatial): run --check
+# compares every first-step gradient, gathered whole or recorded once
+SPLIT = {"cnn_channel", "mlp_tensor", "cnn_spatial", "cnn_spatial_dense", "cnn_mixed_modes", "mlp_pipeline_gpipe_mixed",
+         "mlp_pipeline_tensor_stages", "channel_split", "tensor_parallel", "tensor_data_2d", "spatial_halo",
+         "pipeline_tensor_stages"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,6 +113,8 @@ def test_mode_matches_the_one_device_reference(spec, what, workers, tmp_path):
         grad_bytes = sum(v.numel() * 4 for v in ref_p.values())
         assert all(metrics["bytes_by_call"][d]["all_reduce"] == STEPS * (grad_bytes + 4) for d in metrics["devices"])
     assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", metrics)
+    if spec in SPLIT:
+        assert_every_gradient_compared(run_dir)
     assert_plottable_and_measured(spec, run_dir, metrics, result.stdout)
     MEASURED[spec] = (workers, check["max_loss_abs_diff"], check["max_param_abs_diff"])
 
@@ -227,6 +234,8 @@ def test_every_example_runs_and_matches_one_device(example, tmp_path):
     assert check["ok"] and len(check["steps"]) == 2
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert_sends_what_the_plan_says(example, ROOT / "examples" / example / "spec.yaml", metrics)
+    if example in SPLIT:
+        assert_every_gradient_compared(run_dir)
     if example == "training_options":
         assert_every_option_takes_effect(run_dir)
 

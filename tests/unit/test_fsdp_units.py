@@ -72,4 +72,4 @@ def test_fsdp2_programs_gather_each_first_step_gradient_whole_for_the_check(spec
     text = "".join(generate(load_spec(str(ROOT / spec)), out_dir=str(tmp_path)).text.split())
     for k, first in owners.items():
         assert f"WHOLE_GRADS.update({{n:(p,rank=={first})forn,pinnamed_params(seg{k},model).items()}})" in text
-    assert "p.grad.full_tensor()ifgatherelsep.grad" in text and "withuncounted():" in text
+    assert "how(p.grad)ifhowelsep.grad" in text and "returnt.full_tensor()" in text and "withuncounted():" in text

@@ -9,6 +9,9 @@
 # contributes part of its gradient, so it goes through copy_to_channel_group (identity
 # forward, all-reduce SUM backward; Megatron's "f"). A channel group is therefore
 # "replicated" at both ends: whole input and whole output on every rank (see replicate.py).
+import collections
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -227,15 +230,37 @@ class ChannelSplit(nn.Sequential):
 def unshard_into(full, shard, group, order=None):
     """Write the group's slices of a split layer (parameters and buffers, sliced along dim 0)
     back into the full layer, on every rank of group. A collective: every rank calls it."""
-    d = dist.get_world_size(group)
     for name, t in list(full.named_parameters(recurse=False)) + list(
             full.named_buffers(recurse=False)):
-        mine = getattr(shard, name)
-        if t.dim() == 0:
-            t.copy_(mine)
-        else:
-            t.copy_(_all_gather_uneven(mine.detach(), group, channel_sizes(t.shape[0], d), 0,
-                                       order))
+        t.copy_(whole_of_slices(getattr(shard, name), t, group, order))
+
+
+def whole_of_slices(mine, full, group, order=None):
+    """The whole of a split layer's tensor `full` (or of its gradient) from this rank's slice
+    `mine`: the group's slices, cut along dim 0 as the split cut it, joined in rank order (a
+    0-dim tensor is not cut). A collective: every rank of group calls it."""
+    if full.dim() == 0:
+        return mine.detach()
+    return _all_gather_uneven(mine.detach(), group, channel_sizes(full.shape[0], dist.get_world_size(group)), 0, order)
+
+
+def channel_grads(split, named, keep):
+    """WHOLE_GRADS' entries for a ChannelSplit: each model name of its full layers' parameters
+    (`named`: name -> parameter) -> (the parameter this rank trains, keep, how its gradient is
+    made whole): a shard's slices joined as channel_unshard joins its values; a layer that runs
+    whole has the same gradient on every rank."""
+    names = collections.defaultdict(list)
+    for n, p in named.items():
+        names[id(p)].append(n)
+    entries = {}
+    for name, child in split.named_children():
+        full = split._full[name]
+        for attr, p in full.named_parameters():
+            mine = child.get_parameter(attr)
+            whole = None if child is full else functools.partial(whole_of_slices, full=p, group=split.group,
+                                                                 order=split.ranks)
+            entries.update({n: (mine, keep, whole) for n in names[id(p)]})
+    return entries
 
 
 def channel_unshard(split):

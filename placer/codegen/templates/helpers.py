@@ -351,36 +351,43 @@ def named_params(stage, model):
     return {name: p for name, p in names.items() if id(p) in mine}
 
 
+def full_tensor(t):
+    """A DTensor's whole value (a collective over its mesh); a plain tensor (replicated: a
+    tensor-parallel segment's LayerNorm) is already whole."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 FIRST_GRADS = {}  # name -> its gradient as the first optimizer step that updates it takes it
-WHOLE_GRADS = {}  # name -> (parameter, kept here): FSDP2's DTensor shards, whose first gradients are gathered whole
+WHOLE_GRADS = {}  # name -> (parameter, kept here[, whole]): split parameters, whose first gradients are gathered whole
 
 
 def record_first_grads(named):
     """Keep the gradient of each of `named` (name -> parameter, filled as segments are set up)
     as the first optimizer step takes it: after every sum over ranks, so `run --check` can
-    compare it with the reference's at any learning rate. A parameter of WHOLE_GRADS is a shard:
-    every rank of its group gathers its gradient whole (full_tensor, the ranks walking their
-    optimizer's parameters in the same order), one at a time, and only the rank keeping it holds it."""
+    compare it with the reference's at any learning rate. A parameter of WHOLE_GRADS is split
+    over its group (a DTensor: tensor parallel, FSDP2; or a channel slice, whose `whole` joins
+    the slices): every rank of the group gathers its gradient whole, the ranks walking their
+    optimizer's parameters in the same order, one at a time, and only the rank keeping it holds it."""
     done = set()
 
     def hook(optimizer, args, kwargs):
-        names, whole = collections.defaultdict(list), collections.defaultdict(list)
+        table = collections.defaultdict(list)  # id of a parameter -> (name, kept here, how it is made whole)
         for n, p in named.items():  # a tie shared on this rank: each of its names
-            names[id(p)].append((n, True))
-        for n, (p, keep) in WHOLE_GRADS.items():
-            whole[id(p)].append((n, keep))
+            table[id(p)].append((n, True, None))
+        for n, (p, keep, *whole) in WHOLE_GRADS.items():
+            table[id(p)].append((n, keep, whole[0] if whole else full_tensor))
         for group in optimizer.param_groups:
             for p in group["params"]:
-                for table, gather in ((names, False), (whole, True)):
-                    todo = [(n, keep) for n, keep in table.get(id(p), ()) if n not in done]
-                    if not todo or p.grad is None:
+                made = {}  # how -> the whole gradient: a tie's names share one gather
+                for n, keep, how in table.get(id(p), ()):
+                    if n in done or p.grad is None:
                         continue
-                    with uncounted():  # checking, not training: left out of the bytes sent
-                        grad = (p.grad.full_tensor() if gather else p.grad).detach().cpu().clone()
-                    for n, keep in todo:
-                        done.add(n)
-                        if keep:
-                            FIRST_GRADS[n] = grad
+                    if how not in made:
+                        with uncounted():  # checking, not training: left out of the bytes sent
+                            made[how] = (how(p.grad) if how else p.grad).detach().cpu().clone()
+                    done.add(n)
+                    if keep:
+                        FIRST_GRADS[n] = made[how]
         if len(done) >= len(named) + len(WHOLE_GRADS):
             handle.remove()
 
