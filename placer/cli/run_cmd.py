@@ -90,11 +90,24 @@ def check_lines(report) -> list[str]:
         lines.append(f"  parameters: {len(report.params)} compared, max |diff| {worst[2]:.2e} ({worst[0]})")
     if report.grads:
         g = max(report.grads, key=lambda g: g[2] / g[3] if g[3] else g[2])
-        lines.append(f"  first-step gradients: {len(report.grads)} compared, worst {g[0]}: max |diff| {g[2]:.2e} "
+        of = f" of {len(report.grads) + len(report.grads_unrecorded)}" if report.grads_unrecorded else ""
+        lines.append(f"  first-step gradients: {len(report.grads)}{of} compared, worst {g[0]}: max |diff| {g[2]:.2e} "
                      f"of scale {g[3]:.2e}")
+    if report.grads_unrecorded:  # what the check could not see, said rather than passed over
+        names = report.grads_unrecorded
+        lines.append(f"  first-step gradients not recorded by the run: {', '.join(names[:4])}"
+                     f"{f' and {len(names) - 4} more' if len(names) > 4 else ''}")
     for names in report.tied:
         lines.append(f"  tied: {' = '.join(names)} (each copy compared)")
     return lines
+
+
+def passed_line(report) -> str:
+    if not report.grads_unrecorded:
+        return "check passed: every step's loss, every parameter and every first-step gradient match the reference"
+    n = len(report.grads)
+    return (f"check passed: every step's loss and every parameter match the reference, and the {n} first-step "
+            f"gradients the run recorded (of {n + len(report.grads_unrecorded)})")
 
 
 def check_failure(report) -> str:
@@ -354,8 +367,7 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
                               Loc(spec.file), sensitivity_hint(report, sens, list(program.boundaries)))
             console.say(diag.format(), err=True)
             return outcome
-        console.say("check passed: every step's loss, every parameter and every first-step gradient match the "
-                    "reference", level=RESULT)
+        console.say(passed_line(report), level=RESULT)
     outcome["ok"] = True
     return outcome
 

@@ -44,6 +44,8 @@ class CheckReport:
     grads: list = field(default_factory=list)
     """(name, numel, max abs diff, max abs reference gradient, ok) per first-step gradient compared."""
     first_bad_grad: str | None = None
+    grads_unrecorded: list = field(default_factory=list)
+    """Parameters whose first-step gradient the reference recorded and the run did not."""
     tied: list = field(default_factory=list)
     """Names of each tied parameter (one list per parameter), from the reference."""
     rtol: float = RTOL
@@ -66,6 +68,7 @@ class CheckReport:
             "steps": [dict(zip(("step", "loss", "reference", "abs_diff", "ok"), s)) for s in self.steps],
             "params": [dict(zip(("name", "numel", "max_abs_diff", "max_rel_diff", "ok"), p)) for p in self.params],
             "grads": [dict(zip(("name", "numel", "max_abs_diff", "scale", "ok"), g)) for g in self.grads],
+            "grads_unrecorded": self.grads_unrecorded,
         }
 
     def tie_of(self, name: str | None) -> list[str] | None:
@@ -125,6 +128,7 @@ def _compare_grads(report: CheckReport, run_file: Path, ref_file: Path) -> None:
     run_g = torch.load(run_file, map_location="cpu", weights_only=True)
     ref_g = torch.load(ref_file, map_location="cpu", weights_only=True)
     pairs = [(name, run_g[name].float(), b.float()) for name, b in ref_g.items() if name in run_g]
+    report.grads_unrecorded = [name for name in ref_g if name not in run_g]
     top = max((float(b.abs().max()) for _, _, b in pairs if b.numel()), default=0.0)
     floor = max(GRAD_FLOOR * report.rtol * top, report.atol / 1000)
     for name, a, b in pairs:

@@ -137,3 +137,19 @@ def test_an_fsdp2_gradient_off_by_the_group_size_fails_at_any_learning_rate(tmp_
     assert (report.first_bad_param is None) == (lr_moved < ATOL)
     torch.save({k: v * (1 + 1e-6) for k, v in G.items()}, run / "first_grads.pt")  # a sum in another order
     assert compare(run, ref).first_bad_grad is None
+
+
+def test_a_gradient_the_run_did_not_record_is_said_not_passed_over(tmp_path):
+    """A mode that records no first-step gradient for a parameter cannot be judged on it: the
+    check says how many it compared of how many, which, and never claims "every" gradient."""
+    from placer.cli.run_cmd import check_lines, passed_line
+
+    ref = outputs(tmp_path / "ref")
+    run = outputs(tmp_path / "run")
+    torch.save({"fc.bias": G["fc.bias"]}, run / "first_grads.pt")
+    report = compare(run, ref)
+    assert report.ok and report.grads_unrecorded == ["fc.weight"]
+    assert "  first-step gradients not recorded by the run: fc.weight" in check_lines(report)
+    assert any(line.startswith("  first-step gradients: 1 of 2 compared") for line in check_lines(report))
+    assert "every first-step gradient" not in passed_line(report) and "(of 2)" in passed_line(report)
+    assert "every first-step gradient match" in passed_line(compare(outputs(tmp_path / "whole"), ref))
