@@ -588,7 +588,7 @@ def _check_cut(spec: Spec, module: nn.Module, placed) -> list[Diagnostic]:
             pipe = cut_pipe(module, x, [s.layers[0] for s in placed[1:]])
     except Exception as e:
         seg, layer, inner = _raising_layer(e, module, placed)
-        cause = e
+        cause: BaseException = e
         while cause.__cause__ is not None:  # pipelining wraps export's error in a generic one
             cause = cause.__cause__
         reason = (str(cause).strip().splitlines() or [""])[0].split(". ")[0]  # torch's first sentence
