@@ -15,4 +15,3 @@ def cut_pipe(model, example, starts):
             raise RuntimeError(f"stage {node.target} takes {len(node.args)} tensors from earlier stages; "
                                "this program passes exactly one between segments")
     return pipe
-
