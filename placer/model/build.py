@@ -595,7 +595,7 @@ def _check_cut(spec: Spec, module: nn.Module, placed) -> list[Diagnostic]:
         what = (f"layer {layer!r}{f' (its submodule {inner!r})' if inner != layer else ''} of segment {seg.name!r}"
                 if seg else "the model's own forward (no placed layer)")
         return [_diag("P099", f"torch.distributed.pipelining cannot cut the module model {where} (segments of "
-                      f"different sizes do not run in lockstep): torch.export fails in {what}: "
+                      f"different sizes do not run in lockstep): its trace (torch.export) fails in {what}: "
                       f"{type(cause).__name__}: {reason}", spec.placement[seg.index if seg else 0].loc, hint)]
     finally:
         if hook is not None:

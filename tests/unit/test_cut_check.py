@@ -108,7 +108,7 @@ def test_a_cut_torch_export_cannot_trace_is_refused_by_validate_deep_and_generat
     assert result.exit_code == 1, result.output
     assert "spec.yaml:11:5: error[P099]" in result.output  # the segment holding the layer
     assert "before 'head' (segment 'back')" in result.output
-    assert "torch.export fails in layer 'gate' of segment 'front'" in result.output
+    assert "its trace (torch.export) fails in layer 'gate' of segment 'front'" in result.output
     assert "Cannot access data pointer of Tensor" in result.output and "Traceback" not in result.output
     assert "lockstep" in result.output  # the hint
     with pytest.raises(PlacerError) as e:
@@ -126,8 +126,12 @@ def test_a_stage_constant_the_seed_cannot_fill_is_refused(tmp_path):
 
 def test_data_dependent_control_flow_is_refused_with_the_layer_named_before_the_cut(tmp_path):
     """The meta trace meets it first (M006, naming the layer), on the cut path as in lockstep."""
-    result = CliRunner().invoke(main, ["validate", str(spec_file(tmp_path, "Branch")), "--deep"])
+    path = spec_file(tmp_path, "Branch")
+    result = CliRunner().invoke(main, ["validate", str(path), "--deep"])
     assert result.exit_code == 1 and "error[M006]" in result.output and "in layer 'gate'" in result.output
+    with pytest.raises(PlacerError) as e:
+        generate(load_spec(str(path)), out_dir=str(tmp_path))
+    assert [d.code for d in e.value.diagnostics] == ["M006"]
 
 
 def test_the_shipped_cut_llama_still_validates_and_its_program_cuts_with_the_shared_function(tmp_path):
