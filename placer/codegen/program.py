@@ -131,6 +131,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     used |= {"ties"} if tied else set()
     used |= {"lockstep"} if ls else set()
     cut = not spec.model.inline and len(segs) > 1 and not ls  # torch's pipelining cuts the module model
+    used |= {"cut"} if cut else set()  # validate --deep made the same cut (model/build.py _check_cut)
     used |= {"seed"}  # ranks materialise only their segments (TrainWriter.seeded)
     used |= {"clip"} if spec.training.clip_grad_norm is not None else set()
     used |= {"recompute"} if (pl or ls) and any(s.recompute for s in segs) else set()
@@ -516,8 +517,7 @@ def stages_source(spec: Spec, segs: list[Seg], cut: bool, lockstep=None) -> str:
         shape = "(rows" + "".join(f", {d}" for d in ex.shape[1:]) + ")"
         dtype = "" if ex.dtype == "float32" and ex.high is None else f", torch.{ex.dtype}" + (
             f", {ex.high}" if ex.high is not None else "")
-        split = ", ".join(f"{s.layers[0]!r}: SplitPoint.BEGINNING" for s in segs[1:])
-        c("", f"SPLIT_SPEC = {{{split}}}  # where segments 1.. begin", "", "",
+        c("", f"CUT_BEFORE = {[s.layers[0] for s in segs[1:]]!r}  # where segments 1.. begin", "", "",
           "@functools.lru_cache(maxsize=None)",
           "def cut_model(rows):",
           '    """(model, pipe): the model built on the meta device (it holds no memory) and cut into one',
@@ -527,12 +527,7 @@ def stages_source(spec: Spec, segs: list[Seg], cut: bool, lockstep=None) -> str:
           '    with torch.device("meta"):',
           "        model = build_model()",
           f"    example = make_tensor(torch.Generator().manual_seed(SEED), {shape}{dtype}).to(\"meta\")",
-          "    pipe = pipeline(model, mb_args=(example,), split_spec=SPLIT_SPEC)",
-          "    for node in pipe.split_gm.graph.nodes:",
-          '        if node.op == "call_module" and len(node.args) != 1:',
-          '            raise RuntimeError(f"stage {node.target} takes {len(node.args)} tensors from earlier stages; "',
-          '                               "this program passes exactly one between segments")',
-          "    return model, pipe")
+          "    return model, cut_pipe(model, example, CUT_BEFORE)")
     for seg in segs:
         c("", "")
         if lockstep and not MODES[seg.mode].chain:

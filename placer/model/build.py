@@ -493,6 +493,8 @@ def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[
             if not any(d.severity == "error" for d in diags) and crossings.lockstep(spec, placed):
                 diags += _check_batch_dims(spec, module, graph, placed) + _check_stage_order(spec, module, graph, placed)
                 diags += _check_outside_reads(spec, graph, placed)
+            elif not any(d.severity == "error" for d in diags) and len(placed) > 1:
+                diags += _check_cut(spec, module, placed)
         dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                         and m.p > 0), None)
         if dropout and len(spec.devices) > 1:
@@ -564,6 +566,69 @@ def _check_stage_order(spec: Spec, module: nn.Module, graph: ModelGraph, placed)
                           "use a schedule with one stage per device (gpipe, 1f1b)")]
         top = k
     return []
+
+
+def _check_cut(spec: Spec, module: nn.Module, placed) -> list[Diagnostic]:
+    """P099: a module model that does not run in lockstep is cut by torch.distributed.pipelining
+    in the program (runtime/cut.py cut_pipe, on the meta model); the same cut is made here, so a
+    model torch.export cannot trace (data-dependent control flow, an op it does not take) or a
+    stage tensor that has no seed value (what materialize_cut refuses) is named before any worker
+    starts."""
+    from placer.codegen.runtime.cut import cut_pipe
+    from placer.codegen.runtime.seed import unseeded
+
+    where = ", ".join(f"before {s.layers[0]!r} (segment {s.name!r})" for s in placed[1:])
+    hint = ("place the module model one device per segment, or data parallel over groups of one size (a server on "
+            "a device of the placement): lockstep runs the model's own code uncut; or cut elsewhere")
+    x, _ = meta_batch(spec)
+    hook = module.register_forward_hook(lambda m, a, out: model_output(spec, out)) if spec.model.output else None
+    try:
+        with warnings.catch_warnings(), _import_path(spec):
+            warnings.simplefilter("ignore")
+            pipe = cut_pipe(module, x, [s.layers[0] for s in placed[1:]])
+    except Exception as e:
+        seg, layer, inner = _raising_layer(e, module, placed)
+        cause: BaseException = e
+        while cause.__cause__ is not None:  # pipelining wraps export's error in a generic one
+            cause = cause.__cause__
+        reason = (str(cause).strip().splitlines() or [""])[0].split(". ")[0]  # torch's first sentence
+        what = (f"layer {layer!r}{f' (its submodule {inner!r})' if inner != layer else ''} of segment {seg.name!r}"
+                if seg else "the model's own forward (no placed layer)")
+        return [_diag("P099", f"torch.distributed.pipelining cannot cut the module model {where} (segments of "
+                      f"different sizes do not run in lockstep): its trace (torch.export) fails in {what}: "
+                      f"{type(cause).__name__}: {reason}", spec.placement[seg.index if seg else 0].loc, hint)]
+    finally:
+        if hook is not None:
+            hook.remove()
+    names = {n for n, _ in [*module.named_parameters(remove_duplicate=False),
+                            *module.named_buffers(remove_duplicate=False)]}
+    for s in placed:
+        missing = unseeded(pipe.get_stage_module(s.index), names)
+        if missing:
+            return [_diag("P099", f"torch.distributed.pipelining's stage for segment {s.name!r} holds tensor "
+                          f"{missing[0]!r}, which is neither a parameter or buffer of the model nor empty (a constant "
+                          "torch.export lifted out of the forward): no rank could give it its value", spec.placement[
+                              s.index].loc, hint + "; or make the constant a buffer of its module")]
+    return []
+
+
+def _raising_layer(e: BaseException, module: nn.Module, placed):
+    """(segment, placed layer, module path) of the innermost module of `module` whose forward was
+    running where `e` (or what caused it) was raised, inside a placed layer; Nones for the glue."""
+    paths = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    found = None
+    chain: BaseException | None = e
+    while chain is not None:
+        for frame, _ in traceback.walk_tb(chain.__traceback__):
+            path = paths.get(id(frame.f_locals.get("self")))
+            if path:
+                found = path
+        chain = chain.__cause__ or chain.__context__
+    for s in placed:
+        for layer in s.layers:
+            if found and (found == layer or found.startswith(layer + ".")):
+                return s, layer, found
+    return None, None, None
 
 
 def _check_outside_reads(spec: Spec, graph: ModelGraph, placed) -> list[Diagnostic]:

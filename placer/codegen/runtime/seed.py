@@ -84,6 +84,10 @@ def materialize_cut(stage, seed, device):
     the model's names; a tied parameter's copy in another stage, its own name there). A tensor
     the stage uses twice stays one. Constants that export lifts out of the forward (HF's empty
     cache tensors, `lifted_tensor_0`) are no model tensors: empty ones are made empty here."""
+    missing = unseeded(stage, seed)
+    if missing:
+        raise RuntimeError(f"the cut stage's tensor {missing[0]!r} has no value in the seed: it is "
+                           "not a parameter or buffer of the model under that name")
     made = {}
     for prefix, module in stage.named_modules(remove_duplicate=False):
         for table in (module._parameters, module._buffers):
@@ -94,17 +98,24 @@ def materialize_cut(stage, seed, device):
                     name = f"{prefix}.{key}" if prefix else key
                     if name in seed:
                         value = torch.empty_like(seed[name], device=device).copy_(seed[name])
-                    elif t.numel() == 0:
+                    else:  # empty: unseeded() let nothing else through
                         value = torch.empty_like(t, device=device)
-                    else:
-                        raise RuntimeError(f"the cut stage's tensor {name!r} has no value in the seed: it is "
-                                           "not a parameter or buffer of the model under that name")
                     if isinstance(t, torch.nn.Parameter):
                         value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
                     made[id(t)] = (t, value)
                 table[key] = made[id(t)][1]
     _retarget(stage, device)
     return stage
+
+
+def unseeded(stage, names):
+    """The names of a cut stage's meta parameters and buffers that have no seed value: neither a
+    model tensor of that name (in `names`) nor empty (a constant export lifts out of the forward,
+    such as HF's empty cache tensors). validate --deep and generate refuse a cut that has any."""
+    return [f"{prefix}.{key}" if prefix else key
+            for prefix, module in stage.named_modules(remove_duplicate=False)
+            for table in (module._parameters, module._buffers) for key, t in table.items()
+            if t is not None and t.is_meta and t.numel() and (f"{prefix}.{key}" if prefix else key) not in names]
 
 
 def _retarget(stage, device):
