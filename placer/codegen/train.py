@@ -204,7 +204,7 @@ class TrainWriter(TrainingOptions):
               'with torch.device("meta"):',
               "    model = build_model()")
         c("own = {}  # name -> parameter, for those this rank owns (saved at the end)",
-          "if args.grads and not resuming(args):  # run --check compares the first step's gradients too",
+          "if asked_anywhere(args.grads) and not resuming(args):  # run --check compares first-step gradients",
           "    record_first_grads(own)")
         if self.clip is not None:
             c("norm_params = []  # the parameters whose gradients this rank counts in the global norm")

@@ -19,6 +19,11 @@ from placer.codegen.program import generate
 from placer.launch.check import compare
 from placer.spec.check import load_spec
 
+try:
+    from . import _harness as h
+except ImportError:  # run as a top-level module
+    import _harness as h
+
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,6 +196,7 @@ def test_two_launches_meet_as_two_nodes_on_localhost(tmp_path):
     for p, (out, err) in zip(nodes, outs):
         assert p.returncode == 0, out + err[-3000:]
     assert "node 0 of 2: 2 workers (gloo)" in outs[0][0] and "check passed" in outs[0][0]
+    h.assert_every_gradient_compared(tmp_path / "node0")  # node 1's ranks record theirs unasked
     node1 = json.loads(outs[1][0])
     assert node1["ok"] and node1["simulated"] and node1["world_size"] == 4 and node1["run_dir"] == "node1"
     metrics = json.loads((tmp_path / "node0" / "metrics.json").read_text())

@@ -361,6 +361,15 @@ FIRST_GRADS = {}  # name -> its gradient as the first optimizer step that update
 WHOLE_GRADS = {}  # name -> (parameter, kept here[, whole]): split parameters, whose first gradients are gathered whole
 
 
+def asked_anywhere(flag):
+    """Whether any rank was asked (`placer run --check` on one node of several asks its own
+    ranks only, and the check wants every rank's gradients)."""
+    every = [None] * dist.get_world_size()
+    with uncounted():  # set-up, not training
+        dist.all_gather_object(every, bool(flag))
+    return any(every)
+
+
 def record_first_grads(named):
     """Keep the gradient of each of `named` (name -> parameter, filled as segments are set up)
     as the first optimizer step takes it: after every sum over ranks, so `run --check` can
