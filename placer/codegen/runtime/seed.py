@@ -59,8 +59,10 @@ def materialize_rest(model, seed, device, layers, stages):
 
 
 def _fill(modules, model, seed, device, made, only_made=False):
-    """Each meta parameter and buffer held directly by `modules` replaced by its seed value (one
-    per tensor: `made`, id -> (meta tensor, value)); with only_made, by those already made."""
+    """Each meta parameter and buffer held directly by `modules` replaced by the seed value of its
+    name in `model` (one per tensor: `made`, id -> (meta tensor, value)), an empty one that has
+    none (a constant export lifted out of a cut stage) by an empty tensor; with only_made, by
+    those already made."""
     names = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), name)
@@ -70,8 +72,11 @@ def _fill(modules, model, seed, device, made, only_made=False):
                 if t is None or not t.is_meta or (only_made and id(t) not in made):
                     continue
                 if id(t) not in made:
-                    src = seed[names[id(t)]]
-                    value = torch.empty_like(src, device=device).copy_(src)  # not the mapped file's pages
+                    src = seed.get(names[id(t)]) if not t.numel() else seed[names[id(t)]]
+                    if src is None:  # an empty constant, no model tensor
+                        value = torch.empty_like(t, device=device)
+                    else:
+                        value = torch.empty_like(src, device=device).copy_(src)  # not the mapped file's pages
                     if isinstance(t, torch.nn.Parameter):
                         value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
                     made[id(t)] = (t, value)  # (t kept: its id stays its own)
@@ -88,22 +93,7 @@ def materialize_cut(stage, seed, device):
     if missing:
         raise RuntimeError(f"the cut stage's tensor {missing[0]!r} has no value in the seed: it is "
                            "not a parameter or buffer of the model under that name")
-    made = {}
-    for prefix, module in stage.named_modules(remove_duplicate=False):
-        for table in (module._parameters, module._buffers):
-            for key, t in table.items():
-                if t is None or not t.is_meta:
-                    continue
-                if id(t) not in made:
-                    name = f"{prefix}.{key}" if prefix else key
-                    if name in seed:
-                        value = torch.empty_like(seed[name], device=device).copy_(seed[name])
-                    else:  # empty: unseeded() let nothing else through
-                        value = torch.empty_like(t, device=device)
-                    if isinstance(t, torch.nn.Parameter):
-                        value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
-                    made[id(t)] = (t, value)
-                table[key] = made[id(t)][1]
+    _fill(stage.modules(), stage, seed, device, {})  # stage modules keep the model's names
     _retarget(stage, device)
     return stage
 
