@@ -10,6 +10,7 @@ output are whole on every device of the group.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -147,14 +148,15 @@ def check_chain_replicas(spec, seg) -> list[Diagnostic]:
 
 
 def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes: dict, mode=None,
-                        inner=None) -> None:
+                        inner=None, bf16: bool = False) -> None:
     """A 2-D segment: each replica runs the mode's collectives (`inner`: tensor's pair all-reduces
-    by default) on its rows; after its backward, the devices holding the same slices all-reduce
-    their gradients (one flat message each, as the program's `all_reduce_slices` sends it, before
-    any step and the global gradient norm), or under `shard: full` FSDP2 gathers and
-    reduce-scatters them per layer."""
+    by default; a module model's row sums are bfloat16 under `bf16`, as on one group) on its
+    rows; after its backward, the devices holding the same slices all-reduce their gradients
+    (one flat message each, as the program's `all_reduce_slices` sends it, before any step and
+    the global gradient norm), or under `shard: full` FSDP2 gathers and reduce-scatters them per layer."""
     d, mode = seg.options["data"], mode or MODE
-    inner = inner or (module_collectives if seg.options.get("blocks") else collectives)
+    if inner is None:
+        inner = functools.partial(module_collectives, bf16=bf16) if seg.options.get("blocks") else collectives
     for run in runs(seg.devices, d):
         inner(a, info, grads, op, d, devices=tuple(run))
     for p, group in enumerate(positions(seg.devices, d)):
@@ -363,8 +365,6 @@ class Tensor(Mode):
     lockstep_group = True
 
     def module_model_blocker(self, spec, seg):
-        if seg.parallel.data > 1 and spec.training.precision != "fp32":  # the replicas' plan counts float32
-            return f"with data replicas and precision {spec.training.precision}"
         return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
 
     def check(self, seg, seg_layers, kinds, pipelined):
@@ -385,7 +385,7 @@ class Tensor(Mode):
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
-            replica_collectives(a, seg, info, grads, op, ctx.sizes)
+            replica_collectives(a, seg, info, grads, op, ctx.sizes, bf16=ctx.bf16)
         elif seg.options.get("blocks"):
             module_collectives(a, info, grads, op, bf16=ctx.bf16)
         else:

@@ -390,11 +390,13 @@ def test_a_split_group_is_refused_beside_replica_pipelines_or_with_replicas_of_i
                          "parallel: {mode: tensor, data: 2}}")
     (d,) = deep(write(tmp_path, two_d))[1]
     assert d.code == "P086" and "with data replicas beside other segments" in d.message, d
-    # the whole model as one 2-D tensor segment still runs, but not under bf16 (its plan counts float32)
+    # the whole model as one 2-D tensor segment runs, under bf16 too (each replica's row sums bfloat16)
     whole = whole_tensor(four).replace("devices: [cuda:0, cuda:1], parallel: tensor",
                                        "devices: [cuda:0, cuda:1, cuda:2, cuda:3], parallel: {mode: tensor, data: 2}")
     whole = whole.replace("devices: [cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "devices: [cuda:0, cuda:1, cuda:2, cuda:3]")
     assert deep(write(tmp_path, whole))[1] == []
     bf16 = whole.replace("optimizer: {op: SGD, lr: 0.1}}", "optimizer: {op: SGD, lr: 0.1}, precision: bf16}")
-    (d,) = deep(write(tmp_path, bf16))[1]
-    assert d.code == "P086" and "with data replicas and precision bf16" in d.message, d
+    assert deep(write(tmp_path, bf16))[1] == []
+    for shard in ("optimizer", "full"):
+        sharded = bf16.replace("data: 2}", f"data: 2, shard: {shard}}}")
+        assert sharded != bf16 and deep(write(tmp_path, sharded))[1] == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from placer import api
 from placer.plan.ir import OpKind
 
@@ -63,3 +65,53 @@ def test_under_bf16_the_blocks_sum_bfloat16_and_all_reduce_float32_input_gradien
     ops = [op for op in report.plan.unique_ops() if op.kind == OpKind.ALL_REDUCE]
     assert {op.bytes for op in ops if op.phase == "fwd"} == {TOKENS * D * 2}
     assert {op.bytes for op in ops if op.phase == "bwd"} == {TOKENS * D * 4}
+
+
+def _by_kind(report) -> dict:
+    """{(kind, phase, tensor, devices): the sizes of those collectives, sorted} of the plan."""
+    out: dict = {}
+    for op in report.plan.unique_ops():
+        if op.kind in (OpKind.ALL_REDUCE, OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.BROADCAST):
+            out.setdefault((op.kind, op.phase, op.tensor, op.devices), []).append(op.bytes)
+    return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+def test_under_bf16_each_data_replica_sums_its_blocks_in_bfloat16():
+    """tensor x data (`data: 2`, no shard, shard: optimizer and shard: full) under bf16: each
+    replica's row sums are bfloat16 on its half of the rows, as one group's are; the input
+    gradients, the replicas' gradient sums, ZeRO's broadcasts and FSDP2's gathers of the float32
+    parameters stay 4 bytes an element, the same ops and bytes as under fp32.
+    tests/distributed/test_run_two_d.py measures it."""
+    two_d = os.path.join(os.path.dirname(SPEC), "tinygpt_tensor_data.yaml")
+    for shard in ("none", "optimizer", "full"):
+        sets = [f"placement.0.parallel.shard={shard}"]
+        fp32, bf16 = (_by_kind(api.plan(two_d, overrides=sets + [f"training.precision={p}"])) for p in ("fp32", "bf16"))
+        rows = {k: v for k, v in bf16.items() if k[1:3] == ("fwd", "act")}
+        assert set(rows) == {(OpKind.ALL_REDUCE, "fwd", "act", r) for r in (("cpu", "cpu:1"), ("cpu:2", "cpu:3"))}
+        assert set(rows.values()) == {(TOKENS * D * 2 // 2,) * 4}, (shard, rows)  # 2 per block, half the batch
+        assert {k: v for k, v in fp32.items() if k not in rows} == {k: v for k, v in bf16.items() if k not in rows}
+        assert {v for k, v in bf16.items() if k[1:3] == ("bwd", "grad")} == {(TOKENS * D * 4 // 2,) * 8}  # q, k, v, fc
+
+
+def test_under_bf16_llamas_fsdp_tp_halves_its_row_sums_only():
+    """Hugging Face Llama (rotary, grouped-query attention) as FSDP2 x TP under bf16: o_proj's and
+    down_proj's sums are bfloat16 in each replica, every other collective as under fp32."""
+    pytest.importorskip("transformers")
+    llama = os.path.join(os.path.dirname(SPEC), "hf_llama_fsdp_tp.yaml")
+    fp32, bf16 = (_by_kind(api.plan(llama, overrides=[f"training.precision={p}"])) for p in ("fp32", "bf16"))
+    rows = {k for k in fp32 if k[1:3] == ("fwd", "act")}
+    assert {k[3] for k in rows} == {("cpu", "cpu:1"), ("cpu:2", "cpu:3")}
+    assert {k: tuple(b // 2 for b in v) for k, v in fp32.items() if k in rows} == {k: bf16[k] for k in rows}
+    assert {(2 * 16) * 32 * 2} == {b for k in rows for b in bf16[k]}  # a replica's 2 rows x 16 positions x d 32
+    assert {k: v for k, v in fp32.items() if k not in rows} == {k: v for k, v in bf16.items() if k not in rows}
+
+
+def test_under_bf16_the_2d_program_runs_each_replicas_blocks_under_autocast():
+    """The program split by the plan (the generate step P086 stopped before): autocast around the
+    forward and loss, the blocks split over each replica g0, float32 gradients summed over dp0."""
+    two_d = os.path.join(os.path.dirname(SPEC), "tinygpt_tensor_data.yaml")
+    program = api.generate(two_d, overrides=["training.precision=bf16"])
+    assert program.count("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16") >= 2
+    flat = "".join(program.split())
+    assert 'tensor_parallelize_blocks(stage,g0,[(("blocks.0.attn.q","blocks.0.attn.k","blocks.0.attn.v"),' in flat
+    assert "all_reduce_slices(seg0,dp0)" in flat and 'PRECISION="bf16"' in flat
