@@ -32,7 +32,9 @@ SANDWICH = """placement:
 training:"""
 RUNS = {  # name: (spec, text replaced in it, the copies the plan has per step: forward, gradient)
     "gpt2-direct": ("hf_gpt2_layerwise", {}, (1, 1)),
-    "gpt2-via-host": ("hf_gpt2_layerwise", {"devices:": "copies: {route: via_host}\ndevices:"}, (1, 1)),
+    # GPT-2 as it ships (lm_head IS wte) via host: the tie's gradient sum crosses beside the copies
+    "gpt2-tied-via-host": ("hf_gpt2_layerwise", {"devices:": "copies: {route: via_host}\ndevices:",
+                                                 "n_heads: 2}": "n_heads: 2, tied: true}"}, (1, 1)),
     "llama-direct": ("hf_llama_layerwise", {}, (3, 1)),  # hidden state, cos, sin; a gradient for the first
     "llama-via-host": ("hf_llama_layerwise", {"devices:": "copies: {route: via_host}\ndevices:"}, (3, 1)),
     "llama-sandwich": ("hf_llama_layerwise", {"placement:": SANDWICH, "training:": ""}, (4, 2)),
@@ -69,4 +71,5 @@ def test_layerwise_module_model_matches_one_device(name, tmp_path):
     assert (len(fwd), len(bwd)) == RUNS[name][2], (fwd, bwd)
     program, run_p, metrics, _ = h.checked_run(spec, run_dir)
     assert "import SplitPoint, pipeline" not in program and "crossing.backward(loss, " in program
+    assert ("sum_tied_grads(" in program) == ("tied" in name)
     h.assert_sends_what_the_plan_says(name, spec, metrics)

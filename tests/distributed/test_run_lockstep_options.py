@@ -37,7 +37,8 @@ ALL = """seed: 0
   lr_schedule: {op: LinearLR, kwargs: {start_factor: 0.25, total_iters: 4}}"""
 RUNS = {  # name: (spec, {text: its replacement}, recomputed segments, micro-steps)
     "gpt2-tied-layerwise-every-option": (MODELS / "hf_gpt2_layerwise.yaml", {
-        "seed: 0": ALL, "device: cpu}": "device: cpu, recompute: true}"}, 1, 2),
+        "seed: 0": ALL, "device: cpu}": "device: cpu, recompute: true}",
+        "n_heads: 2}": "n_heads: 2, tied: true}"}, 1, 2),
     "llama-layerwise": (MODELS / "hf_llama_layerwise.yaml", {
         "seed: 0": "seed: 0\n  precision: bf16\n  accumulate: 2", "device: cpu:1}": "device: cpu:1, recompute: true}"},
         1, 2),
@@ -75,6 +76,7 @@ def test_lockstep_runs_the_training_options_as_one_device_does(name, tmp_path):
     assert "check passed" in result.stdout and "(rtol 0.02, atol 0.002)" in result.stdout  # bf16's stated tolerance
     program = (run_dir / "program.py").read_text()
     assert "crossing = Lockstep(" in program
+    assert ("sum_tied_grads(" in program) == ("tied" in name)  # a "tied" run keeps a real tie
     assert program.count("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16") >= 2
     assert program.count("recompute_layers(") - 1 == recomputed  # (and its def)
     assert (f"for micro in range({micro}):" in program) == (micro > 1)

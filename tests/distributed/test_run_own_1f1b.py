@@ -59,7 +59,8 @@ RUNS = {  # name: (spec, text replaced in it, the order the first rank runs)
                                 "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"),
     "zbv-uneven": (EXAMPLE, {"placement:": FOUR.format(ONE, TWO, TWO, ONE, "zbv_zero_bubble")},
                    "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3"),
-    "gpt2-tied-3-ranks": (MODELS / "hf_gpt2_layerwise.yaml", {"placement:": GPT2_3}, ONE_F_ONE_B),
+    "gpt2-tied-3-ranks": (MODELS / "hf_gpt2_layerwise.yaml", {"placement:": GPT2_3,
+                                                           "n_heads: 2}": "n_heads: 2, tied: true}"}, ONE_F_ONE_B),
     "llama": (MODELS / "hf_llama_layerwise.yaml", {"training:": "pipeline: {microbatches: 2, schedule: 1f1b}\n"
                                                                 "training:"}, "0F0 0F1 0B0 0B1"),
 }
@@ -86,6 +87,7 @@ def test_own_1f1b_matches_one_device(name, tmp_path):
     bf16 = "precision: bf16" in spec.read_text()  # (run --check states and applies its looser tolerance)
     program, _, metrics, _ = h.checked_run(spec, run_dir, rtol=2e-2 if bf16 else 1e-5, atol=2e-3 if bf16 else 4e-5)
     assert "make_pipeline_schedule" not in program and "for action in order:" in program
+    assert ("sum_tied_grads(" in program) == ("tied" in name)  # a "tied" run keeps a real tie
     assert "for mb in range" not in program  # not GPipe's loops
     order = re.search(r"order = \{\s*0: \"([^\"]*)\"", program)
     assert order and order.group(1) == RUNS[name][2], order
