@@ -113,7 +113,8 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
     d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
     if shard != "none" and d == 1:
         return [Diagnostic("P033", f"segment {seg.name!r}: {seg.parallel.mode} with shard {shard!r} needs data replicas to shard "
-                           "over", seg.parallel.loc, "add `data: D` (2-D: FSDP2 x TP over D replicas), or drop shard")]
+                           "over", seg.parallel.loc, "add `data: D` (2-D: ZeRO-1, or for tensor FSDP2 x TP, over D "
+                           "replicas), or drop shard")]
     if d == 1:
         return []
     loc = spec.doc.loc(("placement", seg.index, "parallel", "data"))
