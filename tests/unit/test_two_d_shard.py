@@ -68,3 +68,27 @@ def test_fsdp_over_the_replicas_is_refused_with_what_to_use(spec, k, tmp_path):
     assert "use shard: optimizer" in result.output and "S008" not in result.output
     path.write_text(text.replace("data: 2}", "shard: optimizer}"))  # no replicas to shard over
     assert "error[P033]" in CliRunner().invoke(main, ["validate", str(path)]).output
+
+
+@pytest.mark.parametrize("mode", ["channel", "spatial"])
+def test_zero1_on_a_module_models_2d_segment_in_lockstep(mode, tmp_path):
+    """A module model's chain run in lockstep (ReplicaRows) takes ZeroSlices the same way."""
+    (tmp_path / "net.py").write_text("import torch.nn as nn\n\n\ndef make():\n    return nn.Sequential(\n"
+                                     "        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))\n")
+    (tmp_path / "spec.yaml").write_text(f"""placer: 1
+name: m
+model: {{module: net.py:make, input: {{shape: [B, 3, 8, 8]}}, target: {{shape: [B, 4, 8, 8]}}, loss: MSELoss}}
+devices: [cpu, cpu:1, cpu:2, cpu:3, cpu:4]
+placement:
+  - {{layers: "0", device: cpu}}
+  - {{layers: "1..2", devices: [cpu:1, cpu:2, cpu:3, cpu:4], parallel: {{mode: {mode}, data: 2, shard: optimizer}}}}
+training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1, kwargs: {{momentum: 0.9}}}}, seed: 0}}
+""")
+    spec = api.load(tmp_path / "spec.yaml")
+    text = api.generate(spec)
+    assert "opt1 = ZeroSlices(seg1.parameters(), dp1, torch.optim.SGD" in text and "ReplicaRows(" in text
+    # conv 4 -> 4, 3x3: channel halves it on each device, spatial keeps it whole; each position broadcasts halves
+    held = 4 * (4 * 4 * 9 + 4) // (2 if mode == "channel" else 1)
+    parts = [o for o in api.plan(spec).plan.unique_ops() if o.kind == OpKind.BROADCAST]
+    assert sorted((o.devices, o.bytes) for o in parts) == sorted(
+        [(("cpu:1", "cpu:3"), held // 2)] * 2 + [(("cpu:2", "cpu:4"), held // 2)] * 2)
