@@ -129,7 +129,7 @@ def chain_check(seg, info, locs) -> list[Diagnostic]:
 
 class Channel(Mode):
     name = "channel"
-    options_keys = ("data",)
+    options_keys = ("data", "shard")
     whole_on_each = True
     forward_sends_activations = True
 
@@ -162,7 +162,8 @@ class Channel(Mode):
         return replicas
 
     def options(self, p, layers, graph):
-        return {"axis": out_axis(layers, graph)} | ({"data": p.data} if p.data > 1 else {})
+        return {"axis": out_axis(layers, graph)} | ({"data": p.data} if p.data > 1 else {}) | (
+            {"shard": p.shard} if p.shard != "none" else {})
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
@@ -187,7 +188,8 @@ class Channel(Mode):
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
     def runtime(self, seg, torch_pipeline):
-        return ({"channel", "tensor"} | ({"bands"} if seg.chained else set()) if seg.replicas > 1  # (ReplicaRows)
+        return ({"channel", "tensor"} | ({"bands"} if seg.chained else set())  # (ReplicaRows)
+                | ({"zero_slices"} if seg.shard == "optimizer" else set()) if seg.replicas > 1
                 else {"channel"})  # (replica_slice, all_reduce_slices)
 
     def chain_call(self, seg):

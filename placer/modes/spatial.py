@@ -159,6 +159,8 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) 
     bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
     for group in runs + tensor.positions(seg.devices, d):
         a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(group), "bwd", "grads", bks)
+    for group in tensor.positions(seg.devices, d):  # every device holds the whole weights
+        tensor.zero_broadcasts(a, seg, group, sum(b for b, _ in bks) + ctx.tied_bytes, op)
 
 
 def axis_of(dim, in_shape) -> int:
@@ -171,7 +173,7 @@ def axis_of(dim, in_shape) -> int:
 
 class Spatial(Mode):
     name = "spatial"
-    options_keys = ("dim", "data")
+    options_keys = ("dim", "data", "shard")
     forward_sends_activations = True
     lockstep_group = True
     chain = True
@@ -223,7 +225,7 @@ class Spatial(Mode):
 
     def options(self, p, layers, graph):
         return {"dim": p.dim, "axis": axis_of(p.dim, graph.layer(layers[0]).in_shape if layers else None)} | (
-            {"data": p.data} if p.data > 1 else {})
+            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {})
 
     def layout_dim(self, seg):
         return seg.options.get("axis", 2)
@@ -259,7 +261,8 @@ class Spatial(Mode):
 
     def runtime(self, seg, torch_pipeline):
         return {"spatial", "buckets"} | ({"bands"} if seg.chained else set()) | (
-            {"tensor"} if seg.replicas > 1 else set())  # (replica_slice)
+            {"tensor"} if seg.replicas > 1 else set()) | (  # (replica_slice)
+            {"zero_slices"} if seg.shard == "optimizer" else set())
 
     def chain_call(self, seg):
         return tensor.replica_rows(seg, f"SpatialWhole(seg{seg.k})")

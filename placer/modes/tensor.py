@@ -113,7 +113,8 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
     d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
     if shard != "none" and d == 1:
         return [Diagnostic("P033", f"segment {seg.name!r}: {seg.parallel.mode} with shard {shard!r} needs data replicas to shard "
-                           "over", seg.parallel.loc, "add `data: D` (2-D: FSDP2 x TP over D replicas), or drop shard")]
+                           "over", seg.parallel.loc, "add `data: D` (2-D: ZeRO-1, or for tensor FSDP2 x TP, over D "
+                           "replicas), or drop shard")]
     if d == 1:
         return []
     loc = spec.doc.loc(("placement", seg.index, "parallel", "data"))
@@ -143,7 +144,15 @@ def norms_in_replicas(seg, seg_layers) -> list[Diagnostic]:
 
 def check_chain_replicas(spec, seg) -> list[Diagnostic]:
     """channel and spatial: check_replicas (a module model's run in lockstep beside one-device
-    segments: crossings.group_blocker)."""
+    segments: crossings.group_blocker), and P034 for `shard: full`: FSDP2 over the replicas
+    would have to shard the slices ChannelSplit / SpatialSplit hold as plain tensors, which no
+    unit of the program does yet (ZeRO-1, `shard: optimizer`, steps them as tensor x data's)."""
+    if seg.parallel.shard == "full" and seg.parallel.data > 1:
+        return [Diagnostic("P034", f"segment {seg.name!r}: {seg.parallel.mode} x data with shard 'full' (FSDP2 over "
+                           "the data replicas) is not supported", spec.doc.loc(("placement", seg.index, "parallel",
+                                                                                "shard")),
+                           "use shard: optimizer (ZeRO-1: the devices holding the same slices each step 1/D of "
+                           "them), or mode tensor with data and shard: full (FSDP2 x TP)")]
     return check_replicas(spec, seg)
 
 
@@ -176,11 +185,18 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
             continue
         a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(layer_bytes), devices=tuple(group),
                                  attrs={"replicas": d}))
-        if seg.options.get("shard") == "optimizer":  # ZeroSlices: each steps 1/D of the elements, broadcasts it
-            elems = sum(layer_bytes) // 4  # (float32 parameters)
-            a.step_post += [op(OpKind.BROADCAST, "step", "params", 4 * (elems // d + (k < elems % d)),
-                               devices=tuple(group), attrs={"root": root, "shard": k, "replicas": d})
-                            for k, root in enumerate(group)]
+        zero_broadcasts(a, seg, group, sum(layer_bytes), op)
+
+
+def zero_broadcasts(a: Attached, seg, group, nbytes: int, op) -> None:
+    """`shard: optimizer` on a 2-D segment (ZeroSlices): after the step, each device of a
+    position's group broadcasts the 1/D of the `nbytes` of parameters it stepped."""
+    if seg.options.get("shard") != "optimizer":
+        return
+    d, elems = seg.options["data"], nbytes // 4  # (float32 parameters)
+    a.step_post += [op(OpKind.BROADCAST, "step", "params", 4 * (elems // d + (k < elems % d)),
+                       devices=tuple(group), attrs={"root": root, "shard": k, "replicas": d})
+                    for k, root in enumerate(group)]
 
 
 # -- module models: a parallel plan per transformer block -------------------------------------------

@@ -1,5 +1,6 @@
 """2-D segments under `placer run --check`: tensor x data (`parallel: {mode: tensor, data: D}`),
-FSDP2 x TP (`shard: full` with it), channel x data and spatial x data train exactly as one device does (rtol 1e-5, atol 4e-5;
+FSDP2 x TP (`shard: full` with it), channel x data and spatial x data (also with ZeRO-1 over
+the replicas, `shard: optimizer`) train exactly as one device does (rtol 1e-5, atol 4e-5;
 TinyGPT's split blocks under bf16 at bf16's stated tolerance, their sums rounded per rank),
 and every device sends what the plan says, whether the 2-D segment sits between one-device
 segments (its input arrives through the replicas' first devices) or holds the whole model
@@ -39,6 +40,12 @@ RUNS = [
     ("tests/models/tinygpt_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0.02),
     ("tests/models/hf_llama_fsdp_tp.yaml", [], 4, 'fully_shard_segment(stage, mesh0["dp"]', 0),
     ("specs/cnn_channel_data.yaml", [], 4, "all_reduce_slices(seg0, dp0)", 0),  # channel x data: Conv channels
+    # ... and spatial x data with ZeRO-1 over the replicas: each position steps 1/2 of its slices (or of
+    # its whole weights) and broadcasts them; SGD with momentum keeps a state the halves must split right
+    ("specs/cnn_channel_data.yaml", ["--set", "placement.0.parallel.shard=optimizer"], 4,
+     "ZeroSlices(seg0.parameters(), dp0", 0),
+    ("specs/cnn_spatial_data.yaml", ["--set", "placement.1.parallel.shard=optimizer"], 4,
+     "ZeroSlices(seg1.parameters(), dp1", 0),
     # the global norm counts each slice once: on the first replica, or each (dp, tp) piece under FSDP2 x TP
     ("specs/mlp_tensor_data.yaml", CLIP, 4, "if rank in (0, 1):  # counted on the first data replica", 0),
     ("specs/mlp_tensor_data.yaml", FSDP + CLIP, 4, "norm_share_2d(seg1, tp_first=rank in (0, 2))", 0),
@@ -61,7 +68,7 @@ RUNS = [
 
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
                          ids=["mlp", "whole_model", "tinygpt", "tinygpt_bf16_zero", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
-                              "cnn_channel", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
+                              "cnn_channel", "cnn_channel_zero", "cnn_spatial_zero", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
                               "cnn_spatial_options", "spatial_whole_model"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):

@@ -128,9 +128,10 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
                 by_mode[m] = _allowed(rule["then"])
     assert set(by_mode) == set(defs["parallel_mode"]["enum"])
     assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
-    assert by_mode["spatial"] == {"mode", "dim", "data"}  # data replicas, each split into bands
-    assert by_mode["tensor"] == {"mode", "data", "shard"}  # data replicas (a 2-D segment), FSDP2 over them
-    assert by_mode["channel"] == {"mode", "data"}
+    # data replicas (a 2-D segment), each split by the mode; shard over them (ZeRO-1; FSDP2 x TP for tensor)
+    assert by_mode["spatial"] == {"mode", "dim", "data", "shard"}
+    assert by_mode["tensor"] == {"mode", "data", "shard"}
+    assert by_mode["channel"] == {"mode", "data", "shard"}
     assert by_mode["none"] == {"mode"}
 
 
@@ -325,6 +326,8 @@ VALID_CHANGES = {
     ),
     "spatial with integer dim": group({"mode": "spatial", "dim": -1}),
     "tensor mapping": group({"mode": "tensor"}),
+    "channel x data, ZeRO-1": group({"mode": "channel", "data": 2, "shard": "optimizer"}),
+    "spatial x data, ZeRO-1": group({"mode": "spatial", "dim": "H", "data": 2, "shard": "optimizer"}),
     "simulate true": lambda s: s.update(runtime={"simulate": True}),
     "simulate never": lambda s: s.update(runtime={"simulate": "never"}),
     "every schedule": lambda s: s.update(pipeline={"microbatches": 2, "schedule": "dualpipev"}),

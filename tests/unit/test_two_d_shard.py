@@ -1,0 +1,94 @@
+"""`shard` on channel x data and spatial x data: ZeRO-1 (`shard: optimizer`) over the replicas as
+tensor x data runs it (runtime ZeroSlices over each position's group), and FSDP2 (`shard: full`)
+refused at validate time (P034) with what to use instead."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from placer import api
+from placer.cli.main import main
+from placer.plan.ir import OpKind
+
+ROOT = Path(__file__).resolve().parents[2]
+CHANNEL, SPATIAL = ROOT / "specs" / "cnn_channel_data.yaml", ROOT / "specs" / "cnn_spatial_data.yaml"
+# (spec, its 2-D segment's index, float32 bytes of the parameters each device of it holds:
+# channel, half of conv1's and conv2's output channels; spatial, conv2 whole on every band)
+CASES = [(CHANNEL, 0, 4 * ((16 * 3 * 9 + 16) + (16 * 16 * 9 + 16)) // 2),
+         (SPATIAL, 1, 4 * (16 * 8 * 9 + 16))]
+IDS = ["channel", "spatial"]
+
+
+def _zero(k: int) -> list[str]:
+    return [f"placement.{k}.parallel.shard=optimizer"]
+
+
+@pytest.mark.parametrize("spec,k,held", CASES, ids=IDS)
+def test_zero1_keeps_half_the_state_and_each_position_broadcasts_the_half_it_stepped(spec, k, held):
+    plain, zero = api.plan(spec), api.plan(api.load(spec, _zero(k)))
+    for d in ("cuda:2", "cuda:3"):  # devices of the 2-D segment alone
+        assert plain.estimate.memory[d].param_bytes == held
+        assert zero.estimate.memory[d].optimizer_bytes * 2 == plain.estimate.memory[d].optimizer_bytes == held
+    parts = [o for o in zero.plan.unique_ops() if o.kind == OpKind.BROADCAST]
+    for group in (("cuda:0", "cuda:2"), ("cuda:1", "cuda:3")):  # the devices holding the same slices
+        mine = [o for o in parts if o.devices == group]
+        assert [o.attrs["root"] for o in mine] == list(group) and all(o.phase == "step" for o in mine)
+        assert [o.bytes for o in mine] == [held // 2] * 2
+    assert len(parts) == 4 and not [o for o in plain.plan.unique_ops() if o.kind == OpKind.BROADCAST]
+    # the gradients are still summed over the replicas before the step, as without the shard
+    sums = sorted(o.devices for o in zero.plan.unique_ops() if o.kind == OpKind.ALL_REDUCE and o.tensor == "grads")
+    assert sums == sorted(o.devices for o in plain.plan.unique_ops()
+                          if o.kind == OpKind.ALL_REDUCE and o.tensor == "grads")
+
+
+@pytest.mark.parametrize("spec,k,held", CASES, ids=IDS)
+def test_zero1_is_zero_slices_over_each_position_stepped_after_the_sums(spec, k, held):
+    text = api.generate(api.load(spec, [*_zero(k), "training.checkpoint.every=2"]))
+    body = text.split("# Below: placer's runtime")[0]
+    assert f"opt{k} = ZeroSlices(seg{k}.parameters(), dp{k}, torch.optim.SGD, lr=0.01, momentum=0.9)" in body
+    assert "class ZeroSlices(torch.optim.Optimizer):" in text
+    assert body.index(f"opt{k}.step()") > body.index(f", dp{k}")  # summed over the replicas first
+    # checkpointed as tensor x data's: each rank saves its part's optimizer state with its slices
+    saved = next(line for line in body.splitlines() if "optimizers = [o for o in (" in line)
+    assert f"opt{k}" in saved and "save_checkpoint(args.out, step, rank, modules, optimizers" in body
+    assert "ZeroSlices" not in api.generate(spec)
+
+
+@pytest.mark.parametrize("spec,k", [(CHANNEL, 0), (SPATIAL, 1)], ids=IDS)
+def test_fsdp_over_the_replicas_is_refused_with_what_to_use(spec, k, tmp_path):
+    path = tmp_path / "spec.yaml"
+    text = spec.read_text()
+    path.write_text(text.replace("data: 2}", "data: 2, shard: optimizer}"))
+    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+    path.write_text(text.replace("data: 2}", "data: 2, shard: full}"))
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code != 0 and "error[P034]" in result.output and "shard 'full'" in result.output
+    assert "use shard: optimizer" in result.output and "S008" not in result.output
+    path.write_text(text.replace("data: 2}", "shard: optimizer}"))  # no replicas to shard over
+    assert "error[P033]" in CliRunner().invoke(main, ["validate", str(path)]).output
+
+
+@pytest.mark.parametrize("mode", ["channel", "spatial"])
+def test_zero1_on_a_module_models_2d_segment_in_lockstep(mode, tmp_path):
+    """A module model's chain run in lockstep (ReplicaRows) takes ZeroSlices the same way."""
+    (tmp_path / "net.py").write_text("import torch.nn as nn\n\n\ndef make():\n    return nn.Sequential(\n"
+                                     "        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))\n")
+    (tmp_path / "spec.yaml").write_text(f"""placer: 1
+name: m
+model: {{module: net.py:make, input: {{shape: [B, 3, 8, 8]}}, target: {{shape: [B, 4, 8, 8]}}, loss: MSELoss}}
+devices: [cpu, cpu:1, cpu:2, cpu:3, cpu:4]
+placement:
+  - {{layers: "0", device: cpu}}
+  - {{layers: "1..2", devices: [cpu:1, cpu:2, cpu:3, cpu:4], parallel: {{mode: {mode}, data: 2, shard: optimizer}}}}
+training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1, kwargs: {{momentum: 0.9}}}}, seed: 0}}
+""")
+    spec = api.load(tmp_path / "spec.yaml")
+    text = api.generate(spec)
+    assert "opt1 = ZeroSlices(seg1.parameters(), dp1, torch.optim.SGD" in text and "ReplicaRows(" in text
+    # conv 4 -> 4, 3x3: channel halves it on each device, spatial keeps it whole; each position broadcasts halves
+    held = 4 * (4 * 4 * 9 + 4) // (2 if mode == "channel" else 1)
+    parts = [o for o in api.plan(spec).plan.unique_ops() if o.kind == OpKind.BROADCAST]
+    assert sorted((o.devices, o.bytes) for o in parts) == sorted(
+        [(("cpu:1", "cpu:3"), held // 2)] * 2 + [(("cpu:2", "cpu:4"), held // 2)] * 2)
