@@ -139,10 +139,6 @@ class Channel(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
-        if spec.pipeline and seg.parallel.data > 1:  # (ReplicaRows cuts a step's rows, untried on micro-batches)
-            return "with data replicas in a pipeline"
-        if len(spec.placement) == 1:
-            return "as the only segment (the model's own forward may still work on its output)"
         why = group_blocker(spec.placement, seg.index)  # else cut by torch.distributed.pipelining
         if why and seg.index == len(spec.placement) - 1:
             return f"as the last segment {why} (the model's own forward may still work on its output)"

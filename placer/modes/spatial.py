@@ -181,10 +181,6 @@ class Spatial(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
-        if spec.pipeline and seg.parallel.data > 1:  # (ReplicaRows cuts a step's rows, untried on micro-batches)
-            return "with data replicas in a pipeline"
-        if len(spec.placement) == 1:
-            return "as the only segment (the model's own forward may still work on its output)"
         return group_blocker(spec.placement, seg.index)  # lockstep only
 
     def check_module(self, seg, info, locs, degree):

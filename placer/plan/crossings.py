@@ -81,14 +81,23 @@ def lockstep(spec, segments) -> bool:
     or under any schedule (placer's micro-batch loops; a rank holding several stages runs each
     micro-batch's forward in a thread that waits for the schedule's action of its next stage);
     or split-mode groups that `group_blocker` lets run beside one-device segments (tensor,
-    channel, spatial), likewise."""
-    if spec.model.inline or len(segments) < 2:
+    channel, spatial), likewise; or a chain group alone (`_chain_alone`)."""
+    if spec.model.inline or len(segments) < 2 and not _chain_alone(segments):
         return False
     if has_groups(segments):
         return all(len(s.devices) == 1 or group_blocker(segments, s.index) is None for s in segments)
     if len({len(s.devices) for s in segments}) != 1:
         return False
     return len(segments[0].devices) == 1 or replica_blocker(spec, segments) is None
+
+
+def _chain_alone(segments) -> bool:
+    """A chain group (channel, spatial) as the only segment: its split runs as the model's layers
+    inside the model's own forward (lockstep), so the parent's glue after them runs too (a tensor
+    segment alone splits the model's own modules in place)."""
+    from placer.modes import MODES
+
+    return len(segments) == 1 and len(segments[0].devices) > 1 and MODES[segments[0].mode].chain
 
 
 def has_groups(segments) -> bool:
@@ -235,7 +244,7 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
     runs it instead would have to pass more than one tensor into a stage."""
     from placer.modes import MODES
 
-    if spec.model.inline or len(segments) < 2:
+    if spec.model.inline or len(segments) < 2 and not _chain_alone(segments):
         return []
     seg_of = {layer: s for s in segments for layer in s.layers}
     if lockstep(spec, segments):
@@ -259,6 +268,12 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
                     "parallel with shard 'full': in lockstep FSDP2 shards each placed layer (what the model's forward "
                     "calls), and nothing would gather it", spec.placement[held.index].loc,
                     "move it into a submodule and place that, or use shard none or optimizer on that segment"))
+            if r.trainable and held is not None and len(held.devices) > 1 and MODES[held.mode].chain:
+                out.append(Diagnostic(
+                    "P082", f"parameter {r.name!r} belongs to no placed layer, and segment {held.name!r} (mode "
+                    f"{held.mode!r}) runs as a split of its layers alone: nothing would train it",
+                    spec.placement[held.index].loc, "move it into a submodule and place that in a segment of "
+                    "its own (one device), or use mode data or none on that segment"))
             if r.trainable and len(users) > 1:
                 out.append(Diagnostic(
                     "P082", f"parameter {r.name!r} belongs to no placed layer, and the parent's forward feeds it to "

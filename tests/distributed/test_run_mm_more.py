@@ -5,7 +5,8 @@ interleaved 1F1B with a tensor stage and a channel head on the same two ranks (e
 stages: each micro-batch's forward runs in a thread that waits for the schedule's action of its
 next stage); a ResNet-style stem (stem_net.py) split spatially as a GPipe stage, and with a
 channel classifier on the same ranks under a V schedule with bf16; the stem split spatially and
-the classifier by channels, each over two data replicas (2-D groups, no pipeline). Each `placer run --check`
+the classifier by channels, each over two data replicas (2-D groups), and the 2-D stem as
+the first stage of 1F1B; a spatial segment as a module model's only one. Each `placer run --check`
 matches the one-device reference (losses, every parameter, first-step gradients; rtol 1e-5,
 atol 4e-5, bf16's stated tolerance under bf16), and each device sends, per step, what its plan
 says."""
@@ -33,6 +34,8 @@ RUNS = {  # spec under tests/models: what its program must run
     "stem_spatial_gpipe": ("GPipe in lockstep", "SpatialWhole(seg0)"),
     # 2-D chain groups: each rank takes its replica's rows, the replicas' outputs gathered by rows
     "stem_split_data": ("ReplicaRows(SpatialWhole(seg0), dp0,", "all_reduce_slices(seg2, dp2)"),
+    # a 2-D group as a 1F1B stage: each micro-batch's rows cut over the replicas
+    "stem_split_data_1f1b": ("ReplicaRows(SpatialWhole(seg0), dp0,", "crossing.backward_own(loss, crossed)"),
 }
 
 
@@ -57,3 +60,13 @@ def test_spatial_and_channel_groups_under_a_v_schedule_run_bf16(tmp_path):
     assert "crossing.forward_stage(stage, mb, forward, xs[mb].to(device))" in program
     assert "SpatialWhole(seg0)" in program and "ChannelSplit" in program
     h.assert_sends_what_the_plan_says("stem_split_v", spec, json.loads((run_dir / "metrics.json").read_text()))
+
+
+def test_a_spatial_segment_alone_runs_the_models_glue_around_it(tmp_path):
+    """glue_net.py's layers all in one spatial segment: both ranks run the model's own forward, the
+    split inside it, so the glue after the last layer (a mean over H and W) runs on the gathered
+    output; --check matches the one-device reference and each device sends what the plan says."""
+    spec = MODELS / "glue_spatial_alone.yaml"
+    program, _, metrics, _ = h.checked_run(spec, tmp_path / "run", min_params=4)
+    assert "run_as_chain(model, [\"conv1\", \"relu1\", \"conv2\", \"relu2\"], SpatialWhole(seg0))" in program
+    h.assert_sends_what_the_plan_says("glue_spatial_alone", spec, metrics)
