@@ -129,7 +129,7 @@ def chain_check(seg, info, locs) -> list[Diagnostic]:
 
 class Channel(Mode):
     name = "channel"
-    options_keys = ("data",)
+    options_keys = ("data", "sync", "server")
     whole_on_each = True
     forward_sends_activations = True
 
@@ -162,7 +162,7 @@ class Channel(Mode):
         return replicas
 
     def options(self, p, layers, graph):
-        return {"axis": out_axis(layers, graph)} | ({"data": p.data} if p.data > 1 else {})
+        return {"axis": out_axis(layers, graph)} | ({"data": p.data} if p.data > 1 else {}) | tensor.sync_option(p)
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:

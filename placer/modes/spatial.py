@@ -157,8 +157,13 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) 
     if ctx.lockstep:  # ... then the replicas' rows over each position
         tensor.lockstep_rows(a, seg, info, grads, op)
     bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
-    for group in runs + tensor.positions(seg.devices, d):
+    broadcast = seg.options.get("sync") == "broadcast"
+    for group in runs + ([] if broadcast else tensor.positions(seg.devices, d)):
         a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(group), "bwd", "grads", bks)
+    for group in tensor.positions(seg.devices, d) if broadcast else []:  # data's broadcast sync, per position
+        a.seg_pre_fwd += bucket_ops(OpKind.BROADCAST, seg, tuple(group), "fwd", "params", bks, root=group[0],
+                                    reverse=True)
+        a.step_pre += bucket_ops(OpKind.REDUCE, seg, tuple(group), "step", "grads", bks, root=group[0])
 
 
 def axis_of(dim, in_shape) -> int:
@@ -171,7 +176,7 @@ def axis_of(dim, in_shape) -> int:
 
 class Spatial(Mode):
     name = "spatial"
-    options_keys = ("dim", "data")
+    options_keys = ("dim", "data", "sync", "server")
     forward_sends_activations = True
     lockstep_group = True
     chain = True
@@ -223,7 +228,7 @@ class Spatial(Mode):
 
     def options(self, p, layers, graph):
         return {"dim": p.dim, "axis": axis_of(p.dim, graph.layer(layers[0]).in_shape if layers else None)} | (
-            {"data": p.data} if p.data > 1 else {})
+            {"data": p.data} if p.data > 1 else {}) | tensor.sync_option(p)
 
     def layout_dim(self, seg):
         return seg.options.get("axis", 2)

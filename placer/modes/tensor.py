@@ -107,13 +107,33 @@ def replica_rows(seg, call: str) -> str:
     return f"ReplicaRows({call}, dp{seg.k}, next(p for p in {positions(seg.ranks, seg.replicas)} if rank in p))"
 
 
+def sync_option(p) -> dict:
+    """A 2-D segment's plan option `sync` (data's, across its replicas), where not the default all-reduce."""
+    return {"sync": p.sync} if p.sync != "allreduce" else {}
+
+
 def check_replicas(spec, seg) -> list[Diagnostic]:
-    """P033 for `shard` without replicas; P031 unless `data: D` cuts the group into replicas of
-    at least 2 devices; P030 unless D divides the batch."""
-    d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
-    if shard != "none" and d == 1:
-        return [Diagnostic("P033", f"segment {seg.name!r}: {seg.parallel.mode} with shard {shard!r} needs data replicas to shard "
-                           "over", seg.parallel.loc, "add `data: D` (2-D: FSDP2 x TP over D replicas), or drop shard")]
+    """P033 for `shard` or `sync` without replicas; P034 for `sync: parameter_server` (not run on
+    slices); P025 for `shard` with `sync: broadcast`, as for data; P031 unless `data: D` cuts the
+    group into replicas of at least 2 devices; P030 unless D divides the batch."""
+    p = seg.parallel
+    d, n, shard = p.data, len(seg.devices), p.shard
+    if (shard != "none" or p.sync != "allreduce") and d == 1:
+        what, why = (f"shard {shard!r}", "shard over") if shard != "none" else (f"sync {p.sync!r}", "sync")
+        return [Diagnostic("P033", f"segment {seg.name!r}: {p.mode} with {what} needs data replicas to {why}",
+                           p.loc, f"add `data: D` ({'2-D: FSDP2 x TP over D replicas' if shard != 'none' else '2-D'}), "
+                           f"or drop {what.split()[0]}")]
+    if p.sync == "parameter_server":
+        # a server would hold every position's slices: a copy of the segment split as no replica splits it
+        return [Diagnostic("P034", f"segment {seg.name!r}: sync 'parameter_server' is not run on a 2-D {p.mode} "
+                           f"segment: each replica holds the parameters as {n // d} slices, so a server would "
+                           "have to keep and step every position's slices and send each device its own",
+                           spec.doc.loc(("placement", seg.index, "parallel", "sync")),
+                           "use sync broadcast (the first replica sums, steps and sends the slices back) or "
+                           "allreduce (the default)")]
+    if shard != "none" and p.sync != "allreduce":
+        return [Diagnostic("P025", f"segment {seg.name!r}: shard {shard!r} needs sync 'allreduce', not {p.sync!r}",
+                           p.loc, "sharding splits what all-reduce replicas hold")]
     if d == 1:
         return []
     loc = spec.doc.loc(("placement", seg.index, "parallel", "data"))
@@ -153,7 +173,10 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
     by default; a module model's row sums are bfloat16 under `bf16`, as on one group) on its
     rows; after its backward, the devices holding the same slices all-reduce their gradients
     (one flat message each, as the program's `all_reduce_slices` sends it, before any step and
-    the global gradient norm), or under `shard: full` FSDP2 gathers and reduce-scatters them per layer."""
+    the global gradient norm), or under `shard: full` FSDP2 gathers and reduce-scatters them per layer,
+    or under `sync: broadcast` (data's, per position) the first replica's device takes their sum
+    (`reduce_slices`), steps, and sends its slices to the others before the next forward
+    (`broadcast_slices`), each one flat message."""
     d, mode = seg.options["data"], mode or MODE
     if inner is None:
         inner = functools.partial(module_collectives, bf16=bf16) if seg.options.get("blocks") else collectives
@@ -173,6 +196,12 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
                     a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name, **kw), scale=False)
                     a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name, **kw), scale=False,
                           weight=True)
+            continue
+        if seg.options.get("sync") == "broadcast":
+            a.seg_pre_fwd.append(op(OpKind.BROADCAST, "fwd", "params", sum(layer_bytes), devices=tuple(group),
+                                    attrs={"root": group[0], "replicas": d}))
+            a.step_pre.append(op(OpKind.REDUCE, "step", "grads", sum(layer_bytes), devices=tuple(group),
+                                 attrs={"root": group[0], "replicas": d}))
             continue
         a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(layer_bytes), devices=tuple(group),
                                  attrs={"replicas": d}))
@@ -358,7 +387,7 @@ def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
 
 class Tensor(Mode):
     name = "tensor"
-    options_keys = ("data", "shard")
+    options_keys = ("data", "shard", "sync", "server")
     whole_on_each = True
     forward_sends_activations = True
 
@@ -381,7 +410,7 @@ class Tensor(Mode):
 
     def options(self, p, layers, graph):
         return ({} if graph.traced_with == "inline" else {"blocks": True}) | (
-            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {})
+            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {}) | sync_option(p)
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
