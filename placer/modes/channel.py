@@ -183,7 +183,8 @@ class Channel(Mode):
     def describe(self, seg, devices):
         if seg.replicas > 1:
             return (f"channel x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
-                    "splitting every Linear/Conv's output channels; gradients summed over the replicas after backward")
+                    "splitting every Linear/Conv's output channels; " + (tensor.SUMMED_ON_FIRST if seg.sync == "broadcast"
+                                                                         else "gradients summed over the replicas after backward"))
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
     def runtime(self, seg, torch_pipeline):

@@ -132,13 +132,19 @@ def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1) -> list[s
     return [f"seg{k} = SpatialSplit(stage, g{k}, {over}, dim={axis}, size={size})"]
 
 
-def emit_sync(k: int, bucket_mb: float, replicas: int = 1) -> list[str]:
+def emit_sync(k: int, bucket_mb: float, replicas: int = 1, broadcast: bool = False) -> list[str]:
     """After backward: every device's weight gradients (from its bands only) summed, then the step;
-    a 2-D segment's over its replica's bands, then over the replicas (the ranks at its position)."""
+    a 2-D segment's over its replica's bands, then over the replicas (the ranks at its position;
+    `broadcast`: data's broadcast sync, summed and stepped on the first replica's rank only)."""
     across = [f"    all_reduce_grads(seg{k}.parameters(), dp{k}, bucket_mb={bucket_mb!r})  # and over the "
               f"{replicas} data replicas"] if replicas > 1 else []
+    step = [f"opt{k}.step()"]
+    if broadcast:
+        across = [f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, dp{k}, "
+                  f"root={tensor.ROOT.format(k=k)}, bucket_mb={bucket_mb!r})  # the first replica sums and steps"]
+        step = []
     return ["# each rank's weight gradients cover its bands only", 'with timer("comm"):',
-            f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", *across, f"opt{k}.step()"]
+            f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", *across, *step]
 
 
 def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) -> None:
@@ -259,12 +265,15 @@ class Spatial(Mode):
         if seg.replicas > 1:
             return (f"spatial x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
                     f"splitting dim {seg.dim} of its rows into bands (halo rows exchanged before every Conv/Pool); "
-                    "gradients summed over each replica's bands, then over the replicas")
+                    "gradients summed over each replica's bands, then " + (
+                        "on the first replica, which steps and sends its parameters back" if seg.sync == "broadcast"
+                        else "over the replicas"))
         return f"spatial split, 1/{len(seg.ranks)} of dim {seg.dim} each, halo rows exchanged before every Conv/Pool"
 
     def runtime(self, seg, torch_pipeline):
         return {"spatial", "buckets"} | ({"bands"} if seg.chained else set()) | (
-            {"tensor"} if seg.replicas > 1 else set())  # (replica_slice)
+            {"tensor"} if seg.replicas > 1 else set()) | (  # (replica_slice)
+            {"broadcast_sync"} if seg.sync == "broadcast" else set())
 
     def chain_call(self, seg):
         return tensor.replica_rows(seg, f"SpatialWhole(seg{seg.k})")
@@ -274,7 +283,7 @@ class Spatial(Mode):
         return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim], seg.replicas)
 
     def emit_sync(self, seg):
-        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas)
+        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas, seg.sync == "broadcast")
 
 
 MODE = Spatial()

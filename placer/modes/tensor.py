@@ -376,10 +376,33 @@ def emit_zero_slices(k: int, replicas: int, zero_args: str) -> list[str]:
     return [f"opt{k} = ZeroSlices(seg{k}.parameters(), dp{k}, {zero_args})  # each steps 1/{replicas} of its slices"]
 
 
+SUMMED_ON_FIRST = "gradients summed on the first replica, which steps and sends its parameters back"
+"""What a 2-D segment under `sync: broadcast` does with its gradients, in the program's comments."""
+
+ROOT = "dist.get_global_rank(dp{k}, 0)"
+"""The program's root of this rank's position under `sync: broadcast`: the first replica's rank in dp{k}."""
+
+
+def emit_broadcast(seg) -> list[str]:
+    """`sync: broadcast` before the forward: each position's root sends its slices (spatial: its whole
+    parameters, bucketed as data's) to the other replicas."""
+    root = ROOT.format(k=seg.k)
+    if seg.mode == "spatial":
+        return [f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), dp{seg.k}, root={root}, "
+                f"bucket_mb={seg.bucket_mb!r})"]
+    return [f"    broadcast_slices(seg{seg.k}, dp{seg.k}, root={root})"]
+
+
 def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
-    """A 2-D segment's gradient sync (the same slices summed over the replicas) and step."""
+    """A 2-D segment's gradient sync (the same slices summed over the replicas) and step (under
+    `sync: broadcast` the sum on the first replica, whose ranks alone hold an optimizer)."""
     if seg.shard == "full":  # FSDP2 reduce-scattered them in backward
         return seg.ranks, [f"opt{seg.k}.step()"]
+    if seg.sync == "broadcast":
+        return seg.ranks, ['with timer("comm"):',
+                           f"    reduce_slices(seg{seg.k}, dp{seg.k}, root={ROOT.format(k=seg.k)})  # summed on the "
+                           f"first of the {seg.replicas} data replicas",
+                           f"if opt{seg.k} is not None:  # the first replica's ranks step", f"    opt{seg.k}.step()"]
     return seg.ranks, ['with timer("comm"):',
                        f"    all_reduce_slices(seg{seg.k}, dp{seg.k})  # summed over the {seg.replicas} data replicas",
                        f"opt{seg.k}.step()"]
@@ -442,7 +465,7 @@ class Tensor(Mode):
         if seg.replicas > 1:
             what = "each block's projections" if seg.blocks else "the Linear pairs"
             how = ("parameters sharded over the replicas by FSDP2 (FSDP2 x TP)" if seg.shard == "full" else
-                   "gradients summed over the replicas after backward")
+                   SUMMED_ON_FIRST if seg.sync == "broadcast" else "gradients summed over the replicas after backward")
             return (f"tensor x data: {seg.replicas} data replicas {runs(seg.ranks, seg.replicas)}, each splitting "
                     f"{what} by columns then rows; {how}")
         if seg.blocks:
