@@ -128,9 +128,10 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
                 by_mode[m] = _allowed(rule["then"])
     assert set(by_mode) == set(defs["parallel_mode"]["enum"])
     assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
-    assert by_mode["spatial"] == {"mode", "dim", "data"}  # data replicas, each split into bands
-    assert by_mode["tensor"] == {"mode", "data", "shard"}  # data replicas (a 2-D segment), FSDP2 over them
-    assert by_mode["channel"] == {"mode", "data"}
+    two_d_sync = {"sync", "server"}  # data's sync across a 2-D segment's replicas (parameter_server: P034)
+    assert by_mode["spatial"] == {"mode", "dim", "data"} | two_d_sync  # data replicas, each split into bands
+    assert by_mode["tensor"] == {"mode", "data", "shard"} | two_d_sync  # data replicas (a 2-D segment), FSDP2 over them
+    assert by_mode["channel"] == {"mode", "data"} | two_d_sync
     assert by_mode["none"] == {"mode"}
 
 
@@ -416,8 +417,8 @@ INVALID = {
         ["placement", 0, "parallel"], "additionalProperties", "'sink'",
     ),
     "data option under channel": (
-        seg(parallel={"mode": "channel", "sync": "allreduce"}),
-        ["placement", 0, "parallel"], "additionalProperties", "'sync'",
+        seg(parallel={"mode": "channel", "bucket_mb": 10}),
+        ["placement", 0, "parallel"], "additionalProperties", "'bucket_mb'",
     ),
     "dim under data": (
         seg(parallel={"mode": "data", "dim": "H"}), ["placement", 0, "parallel"], "additionalProperties", "'dim'",
