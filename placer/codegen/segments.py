@@ -121,6 +121,8 @@ class Seg:
     @property
     def steppers(self) -> tuple[int, ...]:
         """Ranks that keep an optimizer for the segment."""
+        if self.sync == "broadcast" and self.replicas > 1:  # each position's root: the first replica
+            return tuple(tensor.runs(self.ranks, self.replicas)[0])
         if self.sync in ("parameter_server", "broadcast"):
             return (self.owner,)
         return self.ranks

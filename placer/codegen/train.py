@@ -305,7 +305,8 @@ class TrainWriter(TrainingOptions):
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
         elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
-                c(f"if rank == {seg.owner}:  # it alone keeps the optimizer")
+                c(f"if rank == {seg.owner}:  # it alone keeps the optimizer" if len(seg.steppers) == 1 else
+                  f"if rank in {seg.steppers}:  # the first data replica alone keeps the optimizer")
                 c(f"    opt{k} = make_optimizer(seg{k}.parameters())")
             else:
                 c(f"opt{k} = make_optimizer(seg{k}.parameters())")
@@ -319,7 +320,10 @@ class TrainWriter(TrainingOptions):
           'with timer("data"):', "    x, y = next(data)  # the whole batch of this step, on every rank",
           "for m in modules:", "    m.zero_grad(set_to_none=True)")
         for seg in segs:
-            if seg.sync == "broadcast" and seg.has_params:
+            if seg.sync == "broadcast" and seg.has_params and seg.replicas > 1:
+                self.when(seg.ranks, "# every replica starts from the first replica's weights", 'with timer("comm"):',
+                          *tensor.emit_broadcast(seg))
+            elif seg.sync == "broadcast" and seg.has_params:
                 self.when(seg.ranks, '# every replica starts from the root\'s weights', 'with timer("comm"):',
                           f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), g{seg.k}, "
                           f"root={seg.ranks[0]}, bucket_mb={seg.bucket_mb!r})")

@@ -106,7 +106,10 @@ class Mode:
         return None
 
     def steppers(self, seg) -> tuple[str, ...]:
-        """Devices that run the optimizer step for the segment's parameters."""
+        """Devices that run the optimizer step for the segment's parameters (a 2-D segment's
+        under `sync: broadcast`: its first replica, the first n / D devices)."""
+        if seg.options.get("sync") == "broadcast":
+            return seg.devices[:len(seg.devices) // seg.options["data"]]
         return seg.devices
 
     def collectives(self, a: Attached, seg, info, grads: Sequence[bool], op, ctx: Lowering) -> None:

@@ -129,7 +129,7 @@ def chain_check(seg, info, locs) -> list[Diagnostic]:
 
 class Channel(Mode):
     name = "channel"
-    options_keys = ("data", "shard")
+    options_keys = ("data", "shard", "sync", "server")
     whole_on_each = True
     forward_sends_activations = True
 
@@ -159,7 +159,7 @@ class Channel(Mode):
 
     def options(self, p, layers, graph):
         return {"axis": out_axis(layers, graph)} | ({"data": p.data} if p.data > 1 else {}) | (
-            {"shard": p.shard} if p.shard != "none" else {})
+            {"shard": p.shard} if p.shard != "none" else {}) | tensor.sync_option(p)
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
@@ -180,7 +180,8 @@ class Channel(Mode):
     def describe(self, seg, devices):
         if seg.replicas > 1:
             return (f"channel x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
-                    "splitting every Linear/Conv's output channels; gradients summed over the replicas after backward")
+                    "splitting every Linear/Conv's output channels; " + (tensor.SUMMED_ON_FIRST if seg.sync == "broadcast"
+                                                                         else "gradients summed over the replicas after backward"))
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
     def runtime(self, seg, torch_pipeline):

@@ -132,13 +132,19 @@ def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1) -> list[s
     return [f"seg{k} = SpatialSplit(stage, g{k}, {over}, dim={axis}, size={size})"]
 
 
-def emit_sync(k: int, bucket_mb: float, replicas: int = 1) -> list[str]:
+def emit_sync(k: int, bucket_mb: float, replicas: int = 1, broadcast: bool = False) -> list[str]:
     """After backward: every device's weight gradients (from its bands only) summed, then the step;
-    a 2-D segment's over its replica's bands, then over the replicas (the ranks at its position)."""
+    a 2-D segment's over its replica's bands, then over the replicas (the ranks at its position;
+    `broadcast`: data's broadcast sync, summed and stepped on the first replica's rank only)."""
     across = [f"    all_reduce_grads(seg{k}.parameters(), dp{k}, bucket_mb={bucket_mb!r})  # and over the "
               f"{replicas} data replicas"] if replicas > 1 else []
+    step = [f"opt{k}.step()"]
+    if broadcast:
+        across = [f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, dp{k}, "
+                  f"root={tensor.ROOT.format(k=k)}, bucket_mb={bucket_mb!r})  # the first replica sums and steps"]
+        step = []
     return ["# each rank's weight gradients cover its bands only", 'with timer("comm"):',
-            f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", *across, f"opt{k}.step()"]
+            f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", *across, *step]
 
 
 def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) -> None:
@@ -157,10 +163,16 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) 
     if ctx.lockstep:  # ... then the replicas' rows over each position
         tensor.lockstep_rows(a, seg, info, grads, op)
     bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
-    for group in runs + tensor.positions(seg.devices, d):
+    broadcast = seg.options.get("sync") == "broadcast"
+    for group in runs + ([] if broadcast else tensor.positions(seg.devices, d)):
         a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(group), "bwd", "grads", bks)
-    for group in tensor.positions(seg.devices, d):  # every device holds the whole weights
-        tensor.zero_broadcasts(a, seg, group, sum(b for b, _ in bks) + ctx.tied_bytes, op)
+    for group in tensor.positions(seg.devices, d):
+        if broadcast:  # data's broadcast sync, per position
+            a.seg_pre_fwd += bucket_ops(OpKind.BROADCAST, seg, tuple(group), "fwd", "params", bks, root=group[0],
+                                        reverse=True)
+            a.step_pre += bucket_ops(OpKind.REDUCE, seg, tuple(group), "step", "grads", bks, root=group[0])
+        else:  # every device holds the whole weights
+            tensor.zero_broadcasts(a, seg, group, sum(b for b, _ in bks) + ctx.tied_bytes, op)
 
 
 def axis_of(dim, in_shape) -> int:
@@ -173,7 +185,7 @@ def axis_of(dim, in_shape) -> int:
 
 class Spatial(Mode):
     name = "spatial"
-    options_keys = ("dim", "data", "shard")
+    options_keys = ("dim", "data", "shard", "sync", "server")
     forward_sends_activations = True
     lockstep_group = True
     chain = True
@@ -221,7 +233,8 @@ class Spatial(Mode):
 
     def options(self, p, layers, graph):
         return {"dim": p.dim, "axis": axis_of(p.dim, graph.layer(layers[0]).in_shape if layers else None)} | (
-            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {})
+            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {}) | (
+            tensor.sync_option(p))
 
     def layout_dim(self, seg):
         return seg.options.get("axis", 2)
@@ -252,13 +265,16 @@ class Spatial(Mode):
         if seg.replicas > 1:
             return (f"spatial x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
                     f"splitting dim {seg.dim} of its rows into bands (halo rows exchanged before every Conv/Pool); "
-                    "gradients summed over each replica's bands, then over the replicas")
+                    "gradients summed over each replica's bands, then " + (
+                        "on the first replica, which steps and sends its parameters back" if seg.sync == "broadcast"
+                        else "over the replicas"))
         return f"spatial split, 1/{len(seg.ranks)} of dim {seg.dim} each, halo rows exchanged before every Conv/Pool"
 
     def runtime(self, seg, torch_pipeline):
         return {"spatial", "buckets"} | ({"bands"} if seg.chained else set()) | (
             {"tensor"} if seg.replicas > 1 else set()) | (  # (replica_slice)
-            {"zero_slices"} if seg.shard == "optimizer" else set())
+            {"zero_slices"} if seg.shard == "optimizer" else set()) | (
+            {"broadcast_sync"} if seg.sync == "broadcast" else set())
 
     def chain_call(self, seg):
         return tensor.replica_rows(seg, f"SpatialWhole(seg{seg.k})")
@@ -268,7 +284,7 @@ class Spatial(Mode):
         return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim], seg.replicas)
 
     def emit_sync(self, seg):
-        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas)
+        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas, seg.sync == "broadcast")
 
 
 MODE = Spatial()

@@ -107,14 +107,33 @@ def replica_rows(seg, call: str) -> str:
     return f"ReplicaRows({call}, dp{seg.k}, next(p for p in {positions(seg.ranks, seg.replicas)} if rank in p))"
 
 
+def sync_option(p) -> dict:
+    """A 2-D segment's plan option `sync` (data's, across its replicas), where not the default all-reduce."""
+    return {"sync": p.sync} if p.sync != "allreduce" else {}
+
+
 def check_replicas(spec, seg) -> list[Diagnostic]:
-    """P033 for `shard` without replicas; P031 unless `data: D` cuts the group into replicas of
-    at least 2 devices; P030 unless D divides the batch."""
-    d, n, shard = seg.parallel.data, len(seg.devices), seg.parallel.shard
-    if shard != "none" and d == 1:
-        return [Diagnostic("P033", f"segment {seg.name!r}: {seg.parallel.mode} with shard {shard!r} needs data replicas to shard "
-                           "over", seg.parallel.loc, "add `data: D` (2-D: ZeRO-1, or for tensor FSDP2 x TP, over D "
-                           "replicas), or drop shard")]
+    """P033 for `shard` or `sync` without replicas; P035 for `sync: parameter_server` (not run on
+    slices); P025 for `shard` with `sync: broadcast`, as for data; P031 unless `data: D` cuts the
+    group into replicas of at least 2 devices; P030 unless D divides the batch."""
+    p = seg.parallel
+    d, n, shard = p.data, len(seg.devices), p.shard
+    if (shard != "none" or p.sync != "allreduce") and d == 1:
+        what, why = (f"shard {shard!r}", "shard over") if shard != "none" else (f"sync {p.sync!r}", "sync")
+        return [Diagnostic("P033", f"segment {seg.name!r}: {p.mode} with {what} needs data replicas to {why}",
+                           p.loc, f"add `data: D` ({'2-D: ZeRO-1, or for tensor FSDP2 x TP, over D replicas' if shard != 'none' else '2-D'}), "
+                           f"or drop {what.split()[0]}")]
+    if p.sync == "parameter_server":
+        # a server would hold every position's slices: a copy of the segment split as no replica splits it
+        return [Diagnostic("P035", f"segment {seg.name!r}: sync 'parameter_server' is not run on a 2-D {p.mode} "
+                           f"segment: each replica holds the parameters as {n // d} slices, so a server would "
+                           "have to keep and step every position's slices and send each device its own",
+                           spec.doc.loc(("placement", seg.index, "parallel", "sync")),
+                           "use sync broadcast (the first replica sums, steps and sends the slices back) or "
+                           "allreduce (the default)")]
+    if shard != "none" and p.sync != "allreduce":
+        return [Diagnostic("P025", f"segment {seg.name!r}: shard {shard!r} needs sync 'allreduce', not {p.sync!r}",
+                           p.loc, "sharding splits what all-reduce replicas hold")]
     if d == 1:
         return []
     loc = spec.doc.loc(("placement", seg.index, "parallel", "data"))
@@ -162,7 +181,10 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
     by default; a module model's row sums are bfloat16 under `bf16`, as on one group) on its
     rows; after its backward, the devices holding the same slices all-reduce their gradients
     (one flat message each, as the program's `all_reduce_slices` sends it, before any step and
-    the global gradient norm), or under `shard: full` FSDP2 gathers and reduce-scatters them per layer."""
+    the global gradient norm), or under `shard: full` FSDP2 gathers and reduce-scatters them per layer,
+    or under `sync: broadcast` (data's, per position) the first replica's device takes their sum
+    (`reduce_slices`), steps, and sends its slices to the others before the next forward
+    (`broadcast_slices`), each one flat message."""
     d, mode = seg.options["data"], mode or MODE
     if inner is None:
         inner = functools.partial(module_collectives, bf16=bf16) if seg.options.get("blocks") else collectives
@@ -182,6 +204,12 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
                     a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name, **kw), scale=False)
                     a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name, **kw), scale=False,
                           weight=True)
+            continue
+        if seg.options.get("sync") == "broadcast":
+            a.seg_pre_fwd.append(op(OpKind.BROADCAST, "fwd", "params", sum(layer_bytes), devices=tuple(group),
+                                    attrs={"root": group[0], "replicas": d}))
+            a.step_pre.append(op(OpKind.REDUCE, "step", "grads", sum(layer_bytes), devices=tuple(group),
+                                 attrs={"root": group[0], "replicas": d}))
             continue
         a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(layer_bytes), devices=tuple(group),
                                  attrs={"replicas": d}))
@@ -363,10 +391,33 @@ def emit_zero_slices(k: int, replicas: int, zero_args: str) -> list[str]:
     return [f"opt{k} = ZeroSlices(seg{k}.parameters(), dp{k}, {zero_args})  # each steps 1/{replicas} of its slices"]
 
 
+SUMMED_ON_FIRST = "gradients summed on the first replica, which steps and sends its parameters back"
+"""What a 2-D segment under `sync: broadcast` does with its gradients, in the program's comments."""
+
+ROOT = "dist.get_global_rank(dp{k}, 0)"
+"""The program's root of this rank's position under `sync: broadcast`: the first replica's rank in dp{k}."""
+
+
+def emit_broadcast(seg) -> list[str]:
+    """`sync: broadcast` before the forward: each position's root sends its slices (spatial: its whole
+    parameters, bucketed as data's) to the other replicas."""
+    root = ROOT.format(k=seg.k)
+    if seg.mode == "spatial":
+        return [f"    broadcast_sync_before_forward(seg{seg.k}.parameters(), dp{seg.k}, root={root}, "
+                f"bucket_mb={seg.bucket_mb!r})"]
+    return [f"    broadcast_slices(seg{seg.k}, dp{seg.k}, root={root})"]
+
+
 def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
-    """A 2-D segment's gradient sync (the same slices summed over the replicas) and step."""
+    """A 2-D segment's gradient sync (the same slices summed over the replicas) and step (under
+    `sync: broadcast` the sum on the first replica, whose ranks alone hold an optimizer)."""
     if seg.shard == "full":  # FSDP2 reduce-scattered them in backward
         return seg.ranks, [f"opt{seg.k}.step()"]
+    if seg.sync == "broadcast":
+        return seg.ranks, ['with timer("comm"):',
+                           f"    reduce_slices(seg{seg.k}, dp{seg.k}, root={ROOT.format(k=seg.k)})  # summed on the "
+                           f"first of the {seg.replicas} data replicas",
+                           f"if opt{seg.k} is not None:  # the first replica's ranks step", f"    opt{seg.k}.step()"]
     return seg.ranks, ['with timer("comm"):',
                        f"    all_reduce_slices(seg{seg.k}, dp{seg.k})  # summed over the {seg.replicas} data replicas",
                        f"opt{seg.k}.step()"]
@@ -374,7 +425,7 @@ def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
 
 class Tensor(Mode):
     name = "tensor"
-    options_keys = ("data", "shard")
+    options_keys = ("data", "shard", "sync", "server")
     whole_on_each = True
     forward_sends_activations = True
 
@@ -397,7 +448,7 @@ class Tensor(Mode):
 
     def options(self, p, layers, graph):
         return ({} if graph.traced_with == "inline" else {"blocks": True}) | (
-            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {})
+            {"data": p.data} if p.data > 1 else {}) | ({"shard": p.shard} if p.shard != "none" else {}) | sync_option(p)
 
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
@@ -429,7 +480,7 @@ class Tensor(Mode):
         if seg.replicas > 1:
             what = "each block's projections" if seg.blocks else "the Linear pairs"
             how = ("parameters sharded over the replicas by FSDP2 (FSDP2 x TP)" if seg.shard == "full" else
-                   "gradients summed over the replicas after backward")
+                   SUMMED_ON_FIRST if seg.sync == "broadcast" else "gradients summed over the replicas after backward")
             return (f"tensor x data: {seg.replicas} data replicas {runs(seg.ranks, seg.replicas)}, each splitting "
                     f"{what} by columns then rows; {how}")
         if seg.blocks:

@@ -365,7 +365,7 @@ def _check_training(spec: Spec) -> list[Diagnostic]:
                        "use one that takes plain values: CosineAnnealingLR, StepLR, LinearLR, OneCycleLR, ..."))
     if t.clip_grad_norm is not None:
         for seg in spec.placement:
-            if seg.parallel.sync in ("parameter_server", "broadcast"):  # (data's options only)
+            if seg.parallel.sync in ("parameter_server", "broadcast"):  # (data's, and a 2-D segment's)
                 diags.append(D("P092", f"segment {seg.name!r}: clip_grad_norm needs every gradient before any step, "
                                f"and sync {seg.parallel.sync!r} steps as it syncs", seg.parallel.loc,
                                "use sync allreduce (the default) in this segment, or leave clip_grad_norm out"))

@@ -63,13 +63,22 @@ RUNS = [
     ("specs/cnn_spatial_dense.yaml", ["--set", "devices=[cuda:0, cuda:1, cuda:2, cuda:3]", "--set",
                                       "placement.0.devices=[cuda:0, cuda:1, cuda:2, cuda:3]", "--set",
                                       "placement.0.parallel.data=2"], 4, "replica_slice(x, [[0, 1], [2, 3]], rank),", 0),
+    # sync broadcast: each position's gradients summed on the first replica's device, which alone steps
+    # (Adam: a step on the others' half sums, or a stale copy not overwritten, would differ) and sends its slices back
+    ("specs/mlp_tensor_data.yaml", ["--set", "placement.1.parallel.sync=broadcast", "--set",
+                                    "training.optimizer={op: Adam, lr: 0.01}"], 4,
+     "reduce_slices(seg1, dp1, root=dist.get_global_rank(dp1, 0))", 0),
+    # ... channel x data's Conv channel slices, over two micro-steps a step (summed once, after the second)
+    ("specs/cnn_channel_data.yaml", ["--set", "placement.0.parallel.sync=broadcast", "--set", "training.accumulate=2"],
+     4, "broadcast_slices(seg0, dp0, root=dist.get_global_rank(dp0, 0))", 0),
 ]
 
 
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
                          ids=["mlp", "whole_model", "tinygpt", "tinygpt_bf16_zero", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
                               "cnn_channel", "cnn_channel_zero", "cnn_spatial_zero", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
-                              "cnn_spatial_options", "spatial_whole_model"])
+                              "cnn_spatial_options", "spatial_whole_model", "mlp_broadcast",
+                              "cnn_channel_broadcast_accumulate"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):
     # autocast rounds each rank's partial row sum to bfloat16 where one device rounds the whole

@@ -129,9 +129,10 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
     assert set(by_mode) == set(defs["parallel_mode"]["enum"])
     assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
     # data replicas (a 2-D segment), each split by the mode; shard over them (ZeRO-1; FSDP2 x TP for tensor)
-    assert by_mode["spatial"] == {"mode", "dim", "data", "shard"}
-    assert by_mode["tensor"] == {"mode", "data", "shard"}
-    assert by_mode["channel"] == {"mode", "data", "shard"}
+    two_d_sync = {"sync", "server"}  # data's sync across a 2-D segment's replicas (parameter_server: P035)
+    assert by_mode["spatial"] == {"mode", "dim", "data", "shard"} | two_d_sync
+    assert by_mode["tensor"] == {"mode", "data", "shard"} | two_d_sync
+    assert by_mode["channel"] == {"mode", "data", "shard"} | two_d_sync
     assert by_mode["none"] == {"mode"}
 
 
@@ -419,8 +420,8 @@ INVALID = {
         ["placement", 0, "parallel"], "additionalProperties", "'sink'",
     ),
     "data option under channel": (
-        seg(parallel={"mode": "channel", "sync": "allreduce"}),
-        ["placement", 0, "parallel"], "additionalProperties", "'sync'",
+        seg(parallel={"mode": "channel", "bucket_mb": 10}),
+        ["placement", 0, "parallel"], "additionalProperties", "'bucket_mb'",
     ),
     "dim under data": (
         seg(parallel={"mode": "data", "dim": "H"}), ["placement", 0, "parallel"], "additionalProperties", "'dim'",

@@ -89,15 +89,35 @@ def replica_slice(x, replicas, rank):
     return x.narrow(0, i * size, size)
 
 
+def _slices(tensors, op, write_back=True):
+    """op(flat) on the tensors (a DTensor's local slice) in one flat message, copied back unless not `write_back`."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in local])
+    op(flat)
+    if write_back:
+        for t, v in zip(local, flat.split([t.numel() for t in local])):
+            t.copy_(v.view_as(t))
+
+
 @torch.no_grad()
 def all_reduce_slices(module, group):
-    """SUM each parameter's gradient (a DTensor's local slice) over group, the ranks that hold
-    the same slices in every data replica of a 2-D segment, in one flat message."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in module.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    for g, v in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(v.view_as(g))
+    """SUM each parameter's gradient over group, the ranks that hold the same slices in every
+    data replica of a 2-D segment, in one flat message."""
+    _slices([p.grad for p in module.parameters()], lambda f: dist.all_reduce(f, group=group))
+
+
+@torch.no_grad()
+def reduce_slices(module, group, root):
+    """`sync: broadcast` after backward: rank root (global, the first replica's in group) ends
+    with the SUM of group's gradients of the slices, which it alone then steps."""
+    _slices([p.grad for p in module.parameters()], lambda f: dist.reduce(f, root, group=group),
+            write_back=dist.get_rank() == root)
+
+
+@torch.no_grad()
+def broadcast_slices(module, group, root):
+    """`sync: broadcast` before the forward: every rank of group ends with root's slices."""
+    _slices(list(module.parameters()), lambda f: dist.broadcast(f, root, group=group))
 
 
 def norm_share_2d(module, tp_first):

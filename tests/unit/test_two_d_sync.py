@@ -1,0 +1,103 @@
+"""2-D segments with data's `sync` across their replicas: `broadcast` (each position's gradients
+summed on the first replica's device, which alone steps and sends its slices back before the
+next forward) in the plan, its memory and the program; `parameter_server` refused (P035)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from placer import api
+from placer.cli.main import main
+from placer.plan.ir import OpKind
+
+ROOT = Path(__file__).resolve().parents[2]
+TENSOR = ROOT / "specs" / "mlp_tensor_data.yaml"  # segment 1: tensor, data 2, on cuda:0..3
+CHANNEL = ROOT / "specs" / "cnn_channel_data.yaml"  # segment 0: channel, data 2
+SPATIAL = ROOT / "specs" / "cnn_spatial_data.yaml"  # segment 1: spatial, data 2
+BROADCAST = "placement.{}.parallel.sync=broadcast"
+POSITIONS = {("cuda:0", "cuda:2"): "cuda:0", ("cuda:1", "cuda:3"): "cuda:1"}  # group: the first replica's device
+
+
+def _ops(plan, k):
+    return [op for op in plan.unique_ops() if op.segment == k]
+
+
+def _validate(spec, *sets):
+    return CliRunner().invoke(main, ["validate", str(spec), *[a for s in sets for a in ("--set", s)]])
+
+
+def test_validate_takes_sync_broadcast_on_each_2d_mode():
+    for spec, k in ((TENSOR, 1), (CHANNEL, 0), (SPATIAL, 1)):
+        result = _validate(spec, BROADCAST.format(k))
+        assert result.exit_code == 0, result.output
+
+
+def test_each_position_sums_on_its_first_replica_as_much_as_the_all_reduce_moves():
+    for spec, k in ((TENSOR, 1), (CHANNEL, 0)):
+        summed = {op.devices: op.bytes for op in _ops(api.plan(spec).plan, k)
+                  if op.kind == OpKind.ALL_REDUCE and op.attrs.get("replicas")}
+        ops = _ops(api.plan(api.load(spec, [BROADCAST.format(k)])).plan, k)
+        assert not [op for op in ops if op.kind == OpKind.ALL_REDUCE and op.attrs.get("replicas")]
+        for kind, phase, tensor in ((OpKind.REDUCE, "step", "grads"), (OpKind.BROADCAST, "fwd", "params")):
+            got = {op.devices: (op.bytes, op.attrs["root"]) for op in ops if op.kind == kind}
+            assert {op.phase for op in ops if op.kind == kind} == {phase}
+            assert {op.tensor for op in ops if op.kind == kind} == {tensor}
+            # one flat message of the position's slices, as all_reduce_slices sends them
+            assert got == {g: (summed[g], root) for g, root in POSITIONS.items()}, (spec.name, kind)
+
+
+def test_only_the_first_replica_steps_and_keeps_optimizer_state():
+    adam = "training.optimizer={op: Adam, lr: 0.01}"
+    report = api.plan(api.load(TENSOR, [BROADCAST.format(1), adam]))
+    steps = {op.devices[0] for op in _ops(report.plan, 1) if op.kind == OpKind.STEP}
+    assert steps == {"cuda:0", "cuda:1"}
+    mem, allreduce = report.estimate.memory, api.plan(api.load(TENSOR, [adam])).estimate.memory
+    assert mem["cuda:2"].optimizer_bytes == mem["cuda:3"].optimizer_bytes == 0  # no stage elsewhere on them
+    assert allreduce["cuda:3"].optimizer_bytes == 2 * allreduce["cuda:3"].param_bytes  # Adam's two buffers
+    assert mem["cuda:1"].optimizer_bytes == allreduce["cuda:1"].optimizer_bytes > 0
+
+
+def test_accumulate_sums_once_a_step():
+    one = {op.devices: op.bytes for op in _ops(api.plan(api.load(TENSOR, [BROADCAST.format(1)])).plan, 1)
+           if op.kind in (OpKind.REDUCE, OpKind.BROADCAST)}
+    two = {op.devices: op.bytes for op in _ops(api.plan(api.load(TENSOR, [BROADCAST.format(1), "training.accumulate=2"]))
+                                              .plan, 1) if op.kind in (OpKind.REDUCE, OpKind.BROADCAST)}
+    assert one == two and len(one) == 2
+
+
+def test_spatial_sums_its_bands_then_reduces_each_position_on_the_first_replica():
+    ops = _ops(api.plan(api.load(SPATIAL, [BROADCAST.format(1)])).plan, 1)
+    sums = sorted(op.devices for op in ops if op.kind == OpKind.ALL_REDUCE and op.tensor == "grads")
+    assert sums == [("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")]  # the bands of each replica only
+    for kind in (OpKind.REDUCE, OpKind.BROADCAST):
+        assert {(op.devices, op.attrs["root"]) for op in ops if op.kind == kind} == set(POSITIONS.items())
+
+
+def test_the_program_broadcasts_before_the_forward_and_reduces_before_the_step():
+    text = api.generate(api.load(TENSOR, [BROADCAST.format(1)]))
+    flat = "".join(text.split())
+    assert "ifrankin(0,1):#thefirstdatareplicaalonekeepstheoptimizeropt1=make_optimizer(seg1.parameters())" in flat
+    before, reduce = "broadcast_slices(seg1,dp1,root=dist.get_global_rank(dp1,0))", \
+        "reduce_slices(seg1,dp1,root=dist.get_global_rank(dp1,0))"
+    assert flat.index(before) < flat.index("#forward,segmentbysegment") < flat.index(reduce)
+    assert f"{reduce}ifopt1isnotNone:#thefirstreplica'sranksstepopt1.step()" in flat
+    assert "all_reduce_slices(seg1,dp1)" not in flat
+    flat = "".join(api.generate(api.load(SPATIAL, [BROADCAST.format(1)])).split())
+    assert "broadcast_sync_before_forward(seg1.parameters(),dp1,root=dist.get_global_rank(dp1,0)" in flat
+    assert ("all_reduce_grads(seg1.parameters(),g1,bucket_mb=25.0)#thefirstreplicasumsandsteps"
+            "broadcast_sync_after_backward(seg1.parameters(),"
+            "opt1,dp1,root=dist.get_global_rank(dp1,0)") in flat
+
+
+def test_parameter_server_sync_without_data_shard_and_clipping_are_refused():
+    ps = _validate(TENSOR, "placement.1.parallel.sync=parameter_server", "placement.1.parallel.server=cuda:0")
+    assert ps.exit_code == 1 and "error[P035]" in ps.output and "use sync broadcast" in ps.output, ps.output
+    assert "error[P035]" in _validate(CHANNEL, "placement.0.parallel.sync=parameter_server",
+                                      "placement.0.parallel.server=cuda:0").output
+    alone = _validate(TENSOR, BROADCAST.format(1), "placement.1.parallel.data=1")
+    assert alone.exit_code == 1 and "error[P033]" in alone.output and "sync 'broadcast'" in alone.output
+    sharded = _validate(TENSOR, BROADCAST.format(1), "placement.1.parallel.shard=optimizer")
+    assert sharded.exit_code == 1 and "error[P025]" in sharded.output, sharded.output
+    clipped = _validate(SPATIAL, BROADCAST.format(1), "training.clip_grad_norm=1.0")
+    assert clipped.exit_code == 1 and "error[P092]" in clipped.output, clipped.output
