@@ -102,7 +102,8 @@ def emit_stage(k: int, shard: str, ddp: bool, bucket_mb: float, resumable: bool)
     """The program's line that wraps segment k's `stage` for its group g{k}: FSDP2 for `shard: full`,
     DDP summing gradients (`ddp`: allreduce with overlap), else the stage itself."""
     if shard == "full":
-        return [f"seg{k} = fully_shard_segment(stage, g{k}, device.type)  # gradients reduce-scattered in backward"]
+        return [f"seg{k} = fully_shard_segment(stage, g{k}, device.type)  # gradients reduce-scattered in backward",
+                f"no_prefetch_across_micro_batches(seg{k})  # (a gather the plan does not count, in a pipeline)"]
     if ddp:
         return [f"seg{k} = ddp_sum(stage, g{k}, bucket_mb={bucket_mb!r}, device_ids=device_ids, timing=TIME"
                 + (", resumable=True)" if resumable else ")")]

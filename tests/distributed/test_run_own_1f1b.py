@@ -52,6 +52,13 @@ RUNS = {  # name: (spec, text replaced in it, the order the first rank runs)
     "uneven-broadcast-via-host": (EXAMPLE, {
         "parallel: data}": "parallel: {mode: data, sync: broadcast}}", "devices:": "copies: {route: via_host}\ndevices:"},
         ONE_F_ONE_B),
+    # the data stage's other syncs and shards: ZeRO-1 and FSDP2 under Adam, a parameter server on the last stage's device
+    "uneven-zero-adam": (EXAMPLE, {"parallel: data}": "parallel: {mode: data, shard: optimizer}}",
+                                   "{op: SGD, lr: 0.05}": "{op: Adam, lr: 0.01}"}, ONE_F_ONE_B),
+    "uneven-fsdp-adam": (EXAMPLE, {"parallel: data}": "parallel: {mode: data, shard: full}}",
+                                   "{op: SGD, lr: 0.05}": "{op: Adam, lr: 0.01}"}, ONE_F_ONE_B),
+    "uneven-server": (EXAMPLE, {"parallel: data}": "parallel: {mode: data, sync: parameter_server, server: 'cpu:3'}}"},
+                      ONE_F_ONE_B),
     "interleaved-uneven": (EXAMPLE, {"placement:": FOUR.format(ONE, TWO, ONE, TWO, "interleaved_1f1b")},
                            "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"),
     "interleaved-uneven-bf16": (EXAMPLE, {"placement:": FOUR.format(ONE, TWO, ONE, TWO, "interleaved_1f1b"),
