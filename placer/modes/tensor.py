@@ -147,7 +147,7 @@ def check_chain_replicas(spec, seg) -> list[Diagnostic]:
     segments: crossings.group_blocker), and P034 for `shard: full`: FSDP2 over the replicas
     would have to shard the slices ChannelSplit / SpatialSplit hold as plain tensors, which no
     unit of the program does yet (ZeRO-1, `shard: optimizer`, steps them as tensor x data's)."""
-    if seg.parallel.shard == "full" and seg.parallel.data > 1:
+    if seg.parallel.shard == "full" and seg.parallel.data > 1 and seg.parallel.mode == "spatial":
         return [Diagnostic("P034", f"segment {seg.name!r}: {seg.parallel.mode} x data with shard 'full' (FSDP2 over "
                            "the data replicas) is not supported", spec.doc.loc(("placement", seg.index, "parallel",
                                                                                 "shard")),
