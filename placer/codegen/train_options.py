@@ -28,8 +28,12 @@ class TrainingOptions:
         """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
         if self.clip is not None and seg.has_params:
             line = f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})"
-            if seg.replicas > 1 and seg.shard == "full":  # FSDP2 x TP: each (dp, tp) piece once
-                leaders = tuple(seg.ranks[::len(seg.ranks) // seg.replicas])
+            leaders = tuple(seg.ranks[::len(seg.ranks) // seg.replicas])
+            if seg.replicas > 1 and seg.shard == "full" and seg.mode == "channel":  # FSDP2 over channel slices:
+                # each rank's shards of its slices, and of the layers run whole in its replica on its first rank
+                self.c(f"norm_params += seg{seg.k}.sliced_parameters() + (list(seg{seg.k}.parameters()) "
+                       f"if rank in {leaders} else [])")
+            elif seg.replicas > 1 and seg.shard == "full":  # FSDP2 x TP: each (dp, tp) piece once
                 self.c(f"norm_params += norm_share_2d(seg{seg.k}, tp_first=rank in {leaders})")
             elif seg.replicas > 1:  # a 2-D segment's replicas hold the same gradients
                 first = tuple(seg.ranks[:len(seg.ranks) // seg.replicas])

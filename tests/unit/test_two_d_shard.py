@@ -1,6 +1,7 @@
 """`shard` on channel x data and spatial x data: ZeRO-1 (`shard: optimizer`) over the replicas as
-tensor x data runs it (runtime ZeroSlices over each position's group), and FSDP2 (`shard: full`)
-refused at validate time (P034) with what to use instead."""
+tensor x data runs it (runtime ZeroSlices over each position's group), and FSDP2 (`shard: full`):
+channel x data's slices sharded over each position's replicas, spatial x data's refused at
+validate time (P034) with what to use instead."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,7 +57,31 @@ def test_zero1_is_zero_slices_over_each_position_stepped_after_the_sums(spec, k,
     assert "ZeroSlices" not in api.generate(spec)
 
 
-@pytest.mark.parametrize("spec,k", [(CHANNEL, 0), (SPATIAL, 1)], ids=IDS)
+def test_fsdp_over_channel_replicas_gathers_and_reduce_scatters_each_slice_per_layer():
+    """`shard: full` on channel x data: FSDP2 over each position's replicas, a unit per layer; the
+    devices hold 1/2 of their slices' parameters, gradients and optimizer state."""
+    plain, full = api.plan(CHANNEL), api.plan(api.load(CHANNEL, ["placement.0.parallel.shard=full"]))
+    slices = {"conv1": 4 * (16 * 3 * 9 + 16) // 2, "conv2": 4 * (16 * 16 * 9 + 16) // 2}  # a device's half
+    for d in ("cuda:0", "cuda:2", "cuda:3"):  # (cuda:1 also holds the classifier)
+        was, now = plain.estimate.memory[d], full.estimate.memory[d]
+        assert now.param_bytes * 2 == now.grad_bytes * 2 == now.optimizer_bytes * 2 == was.param_bytes == sum(
+            slices.values())
+    ops = [o for o in full.plan.unique_ops() if o.segment == 0 and o.tensor in ("params", "grads") and o.kind != OpKind.STEP]
+    for group in (("cuda:0", "cuda:2"), ("cuda:1", "cuda:3")):  # the devices holding the same slices
+        mine = sorted((o.kind.name, o.phase, o.attrs["layer"], o.bytes) for o in ops if o.devices == group)
+        assert mine == sorted((kind, phase, layer, b) for layer, b in slices.items() for kind, phase in (
+            ("ALL_GATHER", "fwd"), ("ALL_GATHER", "bwd"), ("REDUCE_SCATTER", "bwd")))
+    assert len(ops) == 12  # no all-reduce of the gradients over the replicas after backward
+    text = api.generate(api.load(CHANNEL, ["placement.0.parallel.shard=full", "training.clip_grad_norm=1"]))
+    body = text.split("# Below: placer's runtime")[0]
+    assert body.index("seg0 = ChannelSplit(") < body.index("seg0 = fully_shard_segment(seg0, dp0, device.type)") \
+        < body.index("opt0 = make_optimizer(seg0.parameters())")
+    assert "all_reduce_slices" not in body and "whole = whole_params(named_params(full0, model))" in body
+    # the norm counts each rank's shards of its slices, and a layer run whole once a replica
+    assert "norm_params += seg0.sliced_parameters() + (list(seg0.parameters()) if rank in (0, 2) else [])" in body
+
+
+@pytest.mark.parametrize("spec,k", [(SPATIAL, 1)], ids=["spatial"])
 def test_fsdp_over_the_replicas_is_refused_with_what_to_use(spec, k, tmp_path):
     path = tmp_path / "spec.yaml"
     text = spec.read_text()
