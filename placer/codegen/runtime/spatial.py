@@ -215,8 +215,13 @@ def _apply_on_rows(layer, x, dim, lo, hi, pads, n):
     if isinstance(layer, SPATIAL_CONVS):  # zero padding: explicit on every spatial dim
         for i in range(n):
             x = _pad_dim(x, 2 + i, *((lo, hi) if i == j else pads[i]))
-        conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
-        return conv(x, layer.weight, layer.bias, layer.stride, 0, layer.dilation, layer.groups)
+        # called as a module (its padding 0 meanwhile), so hooks on it run: FSDP2's gather of its
+        # weights before its forward and its backward (a unit per layer), its gradients' reduce-scatter
+        padding, layer.padding = layer.padding, (0,) * n
+        try:
+            return layer(x)
+        finally:
+            layer.padding = padding
     padding = tuple(0 if i == j else pads[i][0] for i in range(n))
     if isinstance(layer, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
         x = _pad_dim(x, dim, lo, hi, float("-inf"))  # max pooling pads with -inf
