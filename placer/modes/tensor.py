@@ -144,7 +144,15 @@ def norms_in_replicas(seg, seg_layers) -> list[Diagnostic]:
 
 def check_chain_replicas(spec, seg) -> list[Diagnostic]:
     """channel and spatial: check_replicas (a module model's run in lockstep beside one-device
-    segments: crossings.group_blocker)."""
+    segments: crossings.group_blocker), and P034 for `shard: full` on a module model: FSDP2 over
+    the replicas shards an inline model's ChannelSplit / SpatialSplit (a unit per layer), while a
+    module model's chain in lockstep gets units per placed layer, untried around the split."""
+    if seg.parallel.shard == "full" and seg.parallel.data > 1 and spec.model.module:
+        return [Diagnostic("P034", f"segment {seg.name!r}: {seg.parallel.mode} x data with shard 'full' (FSDP2 over "
+                           "the data replicas) is not supported on a module model", spec.doc.loc((
+                               "placement", seg.index, "parallel", "shard")),
+                           "use shard: optimizer (ZeRO-1: the devices holding the same slices each step 1/D of "
+                           "them), or an inline model (`model.layers`)")]
     return check_replicas(spec, seg)
 
 

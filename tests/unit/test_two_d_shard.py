@@ -1,7 +1,6 @@
 """`shard` on channel x data and spatial x data: ZeRO-1 (`shard: optimizer`) over the replicas as
-tensor x data runs it (runtime ZeroSlices over each position's group), and FSDP2 (`shard: full`):
-channel x data's slices sharded over each position's replicas, spatial x data's refused at
-validate time (P034) with what to use instead."""
+tensor x data runs it (runtime ZeroSlices over each position's group), and FSDP2 (`shard: full`)
+over each position's replicas: channel x data's slices, spatial x data's whole weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -81,17 +80,33 @@ def test_fsdp_over_channel_replicas_gathers_and_reduce_scatters_each_slice_per_l
     assert "norm_params += seg0.sliced_parameters() + (list(seg0.parameters()) if rank in (0, 2) else [])" in body
 
 
-@pytest.mark.parametrize("spec,k", [(SPATIAL, 1)], ids=["spatial"])
-def test_fsdp_over_the_replicas_is_refused_with_what_to_use(spec, k, tmp_path):
+def test_fsdp_over_spatial_replicas_shards_the_whole_weights_and_the_bands_sum_their_shards():
+    """`shard: full` on spatial x data: FSDP2 over each position (conv2, whole on every band), then
+    each replica's bands sum their half of its gradients; no all-reduce over the replicas."""
+    full = api.plan(api.load(SPATIAL, ["placement.1.parallel.shard=full"]))
+    conv2 = 4 * (16 * 8 * 9 + 16)
+    for d in ("cuda:2", "cuda:3"):
+        m = full.estimate.memory[d]
+        assert m.param_bytes * 2 == m.grad_bytes * 2 == m.optimizer_bytes * 2 == conv2
+    ops = [o for o in full.plan.unique_ops() if o.segment == 1 and o.tensor in ("params", "grads")
+           and o.kind != OpKind.STEP]
+    assert sorted((o.kind.name, o.phase, o.devices, o.bytes) for o in ops) == sorted(
+        [(k, p, g, conv2) for g in (("cuda:0", "cuda:2"), ("cuda:1", "cuda:3"))
+         for k, p in (("ALL_GATHER", "fwd"), ("ALL_GATHER", "bwd"), ("REDUCE_SCATTER", "bwd"))]
+        + [("ALL_REDUCE", "bwd", g, conv2 // 2) for g in (("cuda:0", "cuda:1"), ("cuda:2", "cuda:3"))])
+    body = api.generate(api.load(SPATIAL, ["placement.1.parallel.shard=full"])).split("# Below: placer's runtime")[0]
+    assert body.index("seg1 = SpatialSplit(") < body.index("seg1 = fully_shard_segment(seg1, dp1, device.type)")
+    assert "all_reduce_grads(seg1.parameters(), g1, bucket_mb=25.0)" in body and "dp1, bucket_mb" not in body
+
+
+@pytest.mark.parametrize("spec,k", [(CHANNEL, 0), (SPATIAL, 1)], ids=IDS)
+def test_every_shard_validates_over_replicas_and_none_without(spec, k, tmp_path):
     path = tmp_path / "spec.yaml"
     text = spec.read_text()
-    path.write_text(text.replace("data: 2}", "data: 2, shard: optimizer}"))
-    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
-    path.write_text(text.replace("data: 2}", "data: 2, shard: full}"))
-    result = CliRunner().invoke(main, ["validate", str(path)])
-    assert result.exit_code != 0 and "error[P034]" in result.output and "shard 'full'" in result.output
-    assert "use shard: optimizer" in result.output and "S008" not in result.output
-    path.write_text(text.replace("data: 2}", "shard: optimizer}"))  # no replicas to shard over
+    for shard in ("optimizer", "full"):
+        path.write_text(text.replace("data: 2}", f"data: 2, shard: {shard}}}"))
+        assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+    path.write_text(text.replace("data: 2}", "shard: full}"))  # no replicas to shard over
     assert "error[P033]" in CliRunner().invoke(main, ["validate", str(path)]).output
 
 
@@ -109,6 +124,9 @@ placement:
   - {{layers: "1..2", devices: [cpu:1, cpu:2, cpu:3, cpu:4], parallel: {{mode: {mode}, data: 2, shard: optimizer}}}}
 training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1, kwargs: {{momentum: 0.9}}}}, seed: 0}}
 """)
+    full = (tmp_path / "spec.yaml").read_text().replace("shard: optimizer", "shard: full")
+    (tmp_path / "full.yaml").write_text(full)  # FSDP2 there: inline models only
+    assert "error[P034]" in CliRunner().invoke(main, ["validate", str(tmp_path / "full.yaml")]).output
     spec = api.load(tmp_path / "spec.yaml")
     text = api.generate(spec)
     assert "opt1 = ZeroSlices(seg1.parameters(), dp1, torch.optim.SGD" in text and "ReplicaRows(" in text
