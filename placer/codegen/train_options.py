@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from placer.codegen.segments import Seg
-from placer.modes import data
+from placer.modes import MODES, data
 
 if TYPE_CHECKING:
     from placer.codegen.train import Code
@@ -28,9 +28,9 @@ class TrainingOptions:
         """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
         if self.clip is not None and seg.has_params:
             line = f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})"
-            if seg.replicas > 1 and seg.shard == "full":  # FSDP2 x TP: each (dp, tp) piece once
-                leaders = tuple(seg.ranks[::len(seg.ranks) // seg.replicas])
-                self.c(f"norm_params += norm_share_2d(seg{seg.k}, tp_first=rank in {leaders})")
+            leaders = tuple(seg.ranks[::len(seg.ranks) // seg.replicas])
+            if seg.replicas > 1 and seg.shard == "full":  # FSDP2 over the replicas: each piece once
+                self.c(MODES[seg.mode].emit_norm_share_sharded(seg, leaders))
             elif seg.replicas > 1:  # a 2-D segment's replicas hold the same gradients
                 first = tuple(seg.ranks[:len(seg.ranks) // seg.replicas])
                 self.c(f"if rank in {first}:  # counted on the first data replica", f"    {line}")

@@ -153,6 +153,12 @@ class Mode:
         """(ranks that run them, lines): the gradient sync and optimizer step after backward."""
         return seg.ranks, [f"opt{seg.k}.step()"]
 
+    def emit_norm_share_sharded(self, seg, leaders: tuple[int, ...]) -> str:
+        """Under `clip_grad_norm`, the line adding a 2-D segment's `shard: full` gradients (FSDP2
+        over its replicas) to `norm_params`, each piece once; `leaders`: each replica's first rank.
+        FSDP2 x TP's pieces: norm_share_2d."""
+        return f"norm_params += norm_share_2d(seg{seg.k}, tp_first=rank in {leaders})"
+
     def chain_call(self, seg) -> str:
         """In lockstep, what the model's forward calls for a chain group (`run_as_chain`): its
         split, taking and giving the whole activation on each rank."""

@@ -88,13 +88,16 @@ def held(l) -> bool:
     return l.op == "Linear" or l.op.startswith(("Conv", "BatchNorm"))
 
 
-def emit_stage(k: int, ranks, replicas: int = 1) -> list[str]:
+def emit_stage(k: int, ranks, replicas: int = 1, shard: str = "none") -> list[str]:
     """The program's lines that split segment k's `stage` by channels over group g{k} (a 2-D
-    segment's: this rank's replica)."""
+    segment's: this rank's replica; under `shard: full` each slice then sharded by FSDP2 over
+    dp{k}, the ranks holding the same slices, a unit per layer as the plan gathers them)."""
     over = f"{list(ranks)}" if replicas == 1 else \
         f"next(r for r in {tensor.runs(ranks, replicas)} if rank in r)"
     return [f"full{k} = stage  # the whole layers: trained values are gathered back into them to be saved",
-            f"seg{k} = ChannelSplit(stage, g{k}, {over})"]
+            f"seg{k} = ChannelSplit(stage, g{k}, {over})"] + (
+        [f"seg{k} = fully_shard_segment(seg{k}, dp{k}, device.type)  # gradients reduce-scattered over dp{k}"]
+        if shard == "full" else [])
 
 
 def out_axis(layers, graph) -> int:
@@ -179,28 +182,44 @@ class Channel(Mode):
 
     def describe(self, seg, devices):
         if seg.replicas > 1:
+            how = (tensor.SUMMED_ON_FIRST if seg.sync == "broadcast" else "each slice sharded over the replicas by "
+                   "FSDP2" if seg.shard == "full" else "gradients summed over the replicas after backward")
             return (f"channel x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
-                    "splitting every Linear/Conv's output channels; " + (tensor.SUMMED_ON_FIRST if seg.sync == "broadcast"
-                                                                         else "gradients summed over the replicas after backward"))
+                    f"splitting every Linear/Conv's output channels; {how}")
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
     def runtime(self, seg, torch_pipeline):
         return ({"channel", "tensor"} | ({"bands"} if seg.chained else set())  # (ReplicaRows)
-                | ({"zero_slices"} if seg.shard == "optimizer" else set()) if seg.replicas > 1
+                | ({"zero_slices"} if seg.shard == "optimizer" else set())
+                | ({"sharding"} if seg.shard == "full" else set()) if seg.replicas > 1
                 else {"channel"})  # (replica_slice, all_reduce_slices)
+
+    def recompute_blocker(self, p):
+        return tensor.MODE.recompute_blocker(p)
+
+    def comm_buffers(self, seg, held, largest):
+        return tensor.MODE.comm_buffers(seg, held, largest)
+
+    def emit_norm_share_sharded(self, seg, leaders):
+        # FSDP2 over channel slices: each rank's shards of its slices, and of the layers run whole
+        # in its replica on its first rank
+        return (f"norm_params += seg{seg.k}.sliced_parameters() + (list(seg{seg.k}.parameters()) "
+                f"if rank in {leaders} else [])")
 
     def chain_call(self, seg):
         return tensor.replica_rows(seg, f"seg{seg.k}")
 
     def emit_stage(self, seg, resumable):
-        return emit_stage(seg.k, seg.ranks, seg.replicas)
+        return emit_stage(seg.k, seg.ranks, seg.replicas, seg.shard)
 
     def emit_sync(self, seg):
         return tensor.emit_sync(seg) if seg.replicas > 1 else super().emit_sync(seg)
 
     def emit_gather(self, seg):
+        whole = f"named_params(full{seg.k}, model)"
         return [f"channel_unshard(seg{seg.k})  # segment {seg.k}: the channel slices back into the full layers",
-                f"whole = named_params(full{seg.k}, model)"]
+                f"whole = whole_params({whole})  # (a layer run whole: FSDP2's shards gathered)"
+                if seg.shard == "full" else f"whole = {whole}"]
 
     def emit_whole_grads(self, seg):
         return [f"WHOLE_GRADS.update(channel_grads(seg{seg.k}, named_params(full{seg.k}, model), rank == {seg.owner}))"

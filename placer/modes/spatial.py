@@ -125,19 +125,23 @@ def lockstep_gathers(a: Attached, info, grads: Sequence[bool], op, axis: int, re
                                 dim=axis, attrs={"rows": info[0].in_shape[axis]}))
 
 
-def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1) -> list[str]:
+def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1, shard: str = "none") -> list[str]:
     """The program's line that cuts segment k's `stage` into bands of dim `axis` over group g{k}
-    (a 2-D segment's: this rank's replica, which runs every BatchNorm over its own bands)."""
+    (a 2-D segment's: this rank's replica, which runs every BatchNorm over its own bands; under
+    `shard: full` its weights then sharded by FSDP2 over dp{k}, a unit per layer)."""
     over = f"{list(ranks)}" if replicas == 1 else f"next(r for r in {tensor.runs(ranks, replicas)} if rank in r)"
-    return [f"seg{k} = SpatialSplit(stage, g{k}, {over}, dim={axis}, size={size})"]
+    return [f"seg{k} = SpatialSplit(stage, g{k}, {over}, dim={axis}, size={size})"] + (
+        [f"seg{k} = fully_shard_segment(seg{k}, dp{k}, device.type)  # gradients reduce-scattered over dp{k}"]
+        if shard == "full" else [])
 
 
-def emit_sync(k: int, bucket_mb: float, replicas: int = 1, broadcast: bool = False) -> list[str]:
+def emit_sync(k: int, bucket_mb: float, replicas: int = 1, broadcast: bool = False, shard: str = "none") -> list[str]:
     """After backward: every device's weight gradients (from its bands only) summed, then the step;
     a 2-D segment's over its replica's bands, then over the replicas (the ranks at its position;
-    `broadcast`: data's broadcast sync, summed and stepped on the first replica's rank only)."""
+    `broadcast`: data's broadcast sync, summed and stepped on the first replica's rank only; under
+    `shard: full` FSDP2 reduce-scattered them over those, so the bands sum their shards)."""
     across = [f"    all_reduce_grads(seg{k}.parameters(), dp{k}, bucket_mb={bucket_mb!r})  # and over the "
-              f"{replicas} data replicas"] if replicas > 1 else []
+              f"{replicas} data replicas"] if replicas > 1 and shard != "full" else []
     step = [f"opt{k}.step()"]
     if broadcast:
         across = [f"    broadcast_sync_after_backward(seg{k}.parameters(), opt{k}, dp{k}, "
@@ -163,6 +167,13 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) 
     if ctx.lockstep:  # ... then the replicas' rows over each position
         tensor.lockstep_rows(a, seg, info, grads, op)
     bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
+    if seg.options.get("shard") == "full":  # FSDP2 over each position: the bands then sum their shards
+        for group in tensor.positions(seg.devices, d):
+            tensor.fsdp_ops(a, info, [ctx.sizes[l.name] for l in info], group, d, op)
+        for r, run in enumerate(runs):  # replica r holds shard r (torch.chunk's: even here when d divides)
+            shard = [(b // d + (r < b % d), names) for b, names in bks]
+            a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(run), "bwd", "grads", shard)
+        return
     broadcast = seg.options.get("sync") == "broadcast"
     for group in runs + ([] if broadcast else tensor.positions(seg.devices, d)):
         a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(group), "bwd", "grads", bks)
@@ -273,18 +284,24 @@ class Spatial(Mode):
     def runtime(self, seg, torch_pipeline):
         return {"spatial", "buckets"} | ({"bands"} if seg.chained else set()) | (
             {"tensor"} if seg.replicas > 1 else set()) | (  # (replica_slice)
-            {"zero_slices"} if seg.shard == "optimizer" else set()) | (
+            {"zero_slices"} if seg.shard == "optimizer" else set()) | ({"sharding"} if seg.shard == "full" else set()) | (
             {"broadcast_sync"} if seg.sync == "broadcast" else set())
+
+    def recompute_blocker(self, p):
+        return tensor.MODE.recompute_blocker(p)
+
+    def comm_buffers(self, seg, held, largest):
+        return tensor.MODE.comm_buffers(seg, held, largest)
 
     def chain_call(self, seg):
         return tensor.replica_rows(seg, f"SpatialWhole(seg{seg.k})")
 
     def emit_stage(self, seg, resumable):
         assert seg.dim is not None and seg.in_shape is not None  # set for every spatial segment
-        return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim], seg.replicas)
+        return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim], seg.replicas, seg.shard)
 
     def emit_sync(self, seg):
-        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas, seg.sync == "broadcast")
+        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas, seg.sync == "broadcast", seg.shard)
 
 
 MODE = Spatial()

@@ -163,15 +163,15 @@ def norms_in_replicas(seg, seg_layers) -> list[Diagnostic]:
 
 def check_chain_replicas(spec, seg) -> list[Diagnostic]:
     """channel and spatial: check_replicas (a module model's run in lockstep beside one-device
-    segments: crossings.group_blocker), and P034 for `shard: full`: FSDP2 over the replicas
-    would have to shard the slices ChannelSplit / SpatialSplit hold as plain tensors, which no
-    unit of the program does yet (ZeRO-1, `shard: optimizer`, steps them as tensor x data's)."""
-    if seg.parallel.shard == "full" and seg.parallel.data > 1:
+    segments: crossings.group_blocker), and P034 for `shard: full` on a module model: FSDP2 over
+    the replicas shards an inline model's ChannelSplit / SpatialSplit (a unit per layer), while a
+    module model's chain in lockstep gets units per placed layer, untried around the split."""
+    if seg.parallel.shard == "full" and seg.parallel.data > 1 and spec.model.module:
         return [Diagnostic("P034", f"segment {seg.name!r}: {seg.parallel.mode} x data with shard 'full' (FSDP2 over "
-                           "the data replicas) is not supported", spec.doc.loc(("placement", seg.index, "parallel",
-                                                                                "shard")),
+                           "the data replicas) is not supported on a module model", spec.doc.loc((
+                               "placement", seg.index, "parallel", "shard")),
                            "use shard: optimizer (ZeRO-1: the devices holding the same slices each step 1/D of "
-                           "them), or mode tensor with data and shard: full (FSDP2 x TP)")]
+                           "them), or an inline model (`model.layers`)")]
     return check_replicas(spec, seg)
 
 
@@ -195,15 +195,8 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
         held_elems = mode.held(seg, info, len(seg.devices), p, lambda n, k, r: n // k + (r < n % k))
         layer_bytes = [sizes[l.name] - (l.params - k) * l.param_bytes // max(l.params, 1)
                        for l, (k, _) in zip(info, held_elems)]
-        if seg.options.get("shard") == "full":  # FSDP2 over the replicas, a unit per layer, as for data
-            for i, (l, pb) in enumerate(zip(info, layer_bytes)):
-                if pb:
-                    a.cuts |= {i, i + 1}
-                    kw = dict(devices=tuple(group), attrs={"replicas": d})
-                    a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name, **kw), scale=False)
-                    a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name, **kw), scale=False)
-                    a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name, **kw), scale=False,
-                          weight=True)
+        if seg.options.get("shard") == "full":
+            fsdp_ops(a, info, layer_bytes, group, d, op)
             continue
         if seg.options.get("sync") == "broadcast":
             a.seg_pre_fwd.append(op(OpKind.BROADCAST, "fwd", "params", sum(layer_bytes), devices=tuple(group),
@@ -214,6 +207,20 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
         a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(layer_bytes), devices=tuple(group),
                                  attrs={"replicas": d}))
         zero_broadcasts(a, seg, group, sum(layer_bytes), op)
+
+
+def fsdp_ops(a: Attached, info, layer_bytes: Sequence[int], group, d: int, op) -> None:
+    """`shard: full` on a 2-D segment: FSDP2 over a position's `group` of replicas, a unit per layer
+    (`layer_bytes`: what a device of the group holds of each), as for data: its parameters
+    gathered before its forward and its backward, its gradients reduce-scattered after."""
+    for i, (l, pb) in enumerate(zip(info, layer_bytes)):
+        if pb:
+            a.cuts |= {i, i + 1}
+            kw = dict(devices=tuple(group), attrs={"replicas": d})
+            a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name, **kw), scale=False)
+            a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name, **kw), scale=False)
+            a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name, **kw), scale=False,
+                  weight=True)
 
 
 def zero_broadcasts(a: Attached, seg, group, nbytes: int, op) -> None:

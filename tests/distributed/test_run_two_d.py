@@ -46,6 +46,12 @@ RUNS = [
      "ZeroSlices(seg0.parameters(), dp0", 0),
     ("specs/cnn_spatial_data.yaml", ["--set", "placement.1.parallel.shard=optimizer"], 4,
      "ZeroSlices(seg1.parameters(), dp1", 0),
+    # ... and FSDP2 over the replicas: each channel slice sharded over the ranks holding it, a unit per layer
+    ("specs/cnn_channel_data.yaml", ["--set", "placement.0.parallel.shard=full"], 4,
+     "fully_shard_segment(seg0, dp0, device.type)", 0),
+    # ... and spatial's whole weights: the bands then sum their shards of the gradients
+    ("specs/cnn_spatial_data.yaml", ["--set", "placement.1.parallel.shard=full"], 4,
+     "fully_shard_segment(seg1, dp1, device.type)", 0),
     # the global norm counts each slice once: on the first replica, or each (dp, tp) piece under FSDP2 x TP
     ("specs/mlp_tensor_data.yaml", CLIP, 4, "if rank in (0, 1):  # counted on the first data replica", 0),
     ("specs/mlp_tensor_data.yaml", FSDP + CLIP, 4, "norm_share_2d(seg1, tp_first=rank in (0, 2))", 0),
@@ -76,7 +82,8 @@ RUNS = [
 
 @pytest.mark.parametrize("spec,sets,workers,call,slack", RUNS,
                          ids=["mlp", "whole_model", "tinygpt", "tinygpt_bf16_zero", "mlp_fsdp", "tinygpt_fsdp", "llama_fsdp",
-                              "cnn_channel", "cnn_channel_zero", "cnn_spatial_zero", "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
+                              "cnn_channel", "cnn_channel_zero", "cnn_spatial_zero", "cnn_channel_fsdp", "cnn_spatial_fsdp",
+                              "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
                               "cnn_spatial_options", "spatial_whole_model", "mlp_broadcast",
                               "cnn_channel_broadcast_accumulate"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,

@@ -1,6 +1,6 @@
 """`shard` on channel x data and spatial x data: ZeRO-1 (`shard: optimizer`) over the replicas as
 tensor x data runs it (runtime ZeroSlices over each position's group), and FSDP2 (`shard: full`)
-refused at validate time (P034) with what to use instead."""
+over each position's replicas: channel x data's slices, spatial x data's whole weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,17 +56,57 @@ def test_zero1_is_zero_slices_over_each_position_stepped_after_the_sums(spec, k,
     assert "ZeroSlices" not in api.generate(spec)
 
 
+def test_fsdp_over_channel_replicas_gathers_and_reduce_scatters_each_slice_per_layer():
+    """`shard: full` on channel x data: FSDP2 over each position's replicas, a unit per layer; the
+    devices hold 1/2 of their slices' parameters, gradients and optimizer state."""
+    plain, full = api.plan(CHANNEL), api.plan(api.load(CHANNEL, ["placement.0.parallel.shard=full"]))
+    slices = {"conv1": 4 * (16 * 3 * 9 + 16) // 2, "conv2": 4 * (16 * 16 * 9 + 16) // 2}  # a device's half
+    for d in ("cuda:0", "cuda:2", "cuda:3"):  # (cuda:1 also holds the classifier)
+        was, now = plain.estimate.memory[d], full.estimate.memory[d]
+        assert now.param_bytes * 2 == now.grad_bytes * 2 == now.optimizer_bytes * 2 == was.param_bytes == sum(
+            slices.values())
+    ops = [o for o in full.plan.unique_ops() if o.segment == 0 and o.tensor in ("params", "grads") and o.kind != OpKind.STEP]
+    for group in (("cuda:0", "cuda:2"), ("cuda:1", "cuda:3")):  # the devices holding the same slices
+        mine = sorted((o.kind.name, o.phase, o.attrs["layer"], o.bytes) for o in ops if o.devices == group)
+        assert mine == sorted((kind, phase, layer, b) for layer, b in slices.items() for kind, phase in (
+            ("ALL_GATHER", "fwd"), ("ALL_GATHER", "bwd"), ("REDUCE_SCATTER", "bwd")))
+    assert len(ops) == 12  # no all-reduce of the gradients over the replicas after backward
+    text = api.generate(api.load(CHANNEL, ["placement.0.parallel.shard=full", "training.clip_grad_norm=1"]))
+    body = text.split("# Below: placer's runtime")[0]
+    assert body.index("seg0 = ChannelSplit(") < body.index("seg0 = fully_shard_segment(seg0, dp0, device.type)") \
+        < body.index("opt0 = make_optimizer(seg0.parameters())")
+    assert "all_reduce_slices" not in body and "whole = whole_params(named_params(full0, model))" in body
+    # the norm counts each rank's shards of its slices, and a layer run whole once a replica
+    assert "norm_params += seg0.sliced_parameters() + (list(seg0.parameters()) if rank in (0, 2) else [])" in body
+
+
+def test_fsdp_over_spatial_replicas_shards_the_whole_weights_and_the_bands_sum_their_shards():
+    """`shard: full` on spatial x data: FSDP2 over each position (conv2, whole on every band), then
+    each replica's bands sum their half of its gradients; no all-reduce over the replicas."""
+    full = api.plan(api.load(SPATIAL, ["placement.1.parallel.shard=full"]))
+    conv2 = 4 * (16 * 8 * 9 + 16)
+    for d in ("cuda:2", "cuda:3"):
+        m = full.estimate.memory[d]
+        assert m.param_bytes * 2 == m.grad_bytes * 2 == m.optimizer_bytes * 2 == conv2
+    ops = [o for o in full.plan.unique_ops() if o.segment == 1 and o.tensor in ("params", "grads")
+           and o.kind != OpKind.STEP]
+    assert sorted((o.kind.name, o.phase, o.devices, o.bytes) for o in ops) == sorted(
+        [(k, p, g, conv2) for g in (("cuda:0", "cuda:2"), ("cuda:1", "cuda:3"))
+         for k, p in (("ALL_GATHER", "fwd"), ("ALL_GATHER", "bwd"), ("REDUCE_SCATTER", "bwd"))]
+        + [("ALL_REDUCE", "bwd", g, conv2 // 2) for g in (("cuda:0", "cuda:1"), ("cuda:2", "cuda:3"))])
+    body = api.generate(api.load(SPATIAL, ["placement.1.parallel.shard=full"])).split("# Below: placer's runtime")[0]
+    assert body.index("seg1 = SpatialSplit(") < body.index("seg1 = fully_shard_segment(seg1, dp1, device.type)")
+    assert "all_reduce_grads(seg1.parameters(), g1, bucket_mb=25.0)" in body and "dp1, bucket_mb" not in body
+
+
 @pytest.mark.parametrize("spec,k", [(CHANNEL, 0), (SPATIAL, 1)], ids=IDS)
-def test_fsdp_over_the_replicas_is_refused_with_what_to_use(spec, k, tmp_path):
+def test_every_shard_validates_over_replicas_and_none_without(spec, k, tmp_path):
     path = tmp_path / "spec.yaml"
     text = spec.read_text()
-    path.write_text(text.replace("data: 2}", "data: 2, shard: optimizer}"))
-    assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
-    path.write_text(text.replace("data: 2}", "data: 2, shard: full}"))
-    result = CliRunner().invoke(main, ["validate", str(path)])
-    assert result.exit_code != 0 and "error[P034]" in result.output and "shard 'full'" in result.output
-    assert "use shard: optimizer" in result.output and "S008" not in result.output
-    path.write_text(text.replace("data: 2}", "shard: optimizer}"))  # no replicas to shard over
+    for shard in ("optimizer", "full"):
+        path.write_text(text.replace("data: 2}", f"data: 2, shard: {shard}}}"))
+        assert CliRunner().invoke(main, ["validate", str(path)]).exit_code == 0
+    path.write_text(text.replace("data: 2}", "shard: full}"))  # no replicas to shard over
     assert "error[P033]" in CliRunner().invoke(main, ["validate", str(path)]).output
 
 
@@ -84,6 +124,9 @@ placement:
   - {{layers: "1..2", devices: [cpu:1, cpu:2, cpu:3, cpu:4], parallel: {{mode: {mode}, data: 2, shard: optimizer}}}}
 training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1, kwargs: {{momentum: 0.9}}}}, seed: 0}}
 """)
+    full = (tmp_path / "spec.yaml").read_text().replace("shard: optimizer", "shard: full")
+    (tmp_path / "full.yaml").write_text(full)  # FSDP2 there: inline models only
+    assert "error[P034]" in CliRunner().invoke(main, ["validate", str(tmp_path / "full.yaml")]).output
     spec = api.load(tmp_path / "spec.yaml")
     text = api.generate(spec)
     assert "opt1 = ZeroSlices(seg1.parameters(), dp1, torch.optim.SGD" in text and "ReplicaRows(" in text

@@ -25,7 +25,8 @@ def _grads(params):
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]
+    # an FSDP2 shard's gradient (a DTensor): its local piece, summed with the same piece elsewhere
+    return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
 
 
 def _collective(tensors, bucket_mb, op, write_back=True):

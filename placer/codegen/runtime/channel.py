@@ -238,10 +238,18 @@ def unshard_into(full, shard, group, order=None):
 def whole_of_slices(mine, full, group, order=None):
     """The whole of a split layer's tensor `full` (or of its gradient) from this rank's slice
     `mine`: the group's slices, cut along dim 0 as the split cut it, joined in rank order (a
-    0-dim tensor is not cut). A collective: every rank of group calls it."""
+    0-dim tensor is not cut). A collective: every rank of group calls it. Under FSDP2 over the
+    data replicas `mine` is a DTensor: its slice is first gathered over the replicas."""
+    mine = _whole(mine)
     if full.dim() == 0:
         return mine.detach()
     return _all_gather_uneven(mine.detach(), group, channel_sizes(full.shape[0], dist.get_world_size(group)), 0, order)
+
+
+def _whole(t):
+    """A DTensor (FSDP2's shard of a slice, or of a layer run whole) gathered whole over its
+    mesh, a collective; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def channel_grads(split, named, keep):
@@ -257,8 +265,8 @@ def channel_grads(split, named, keep):
         full = split._full[name]
         for attr, p in full.named_parameters():
             mine = child.get_parameter(attr)
-            whole = None if child is full else functools.partial(whole_of_slices, full=p, group=split.group,
-                                                                 order=split.ranks)
+            whole = (_whole if hasattr(mine, "full_tensor") else None) if child is full else functools.partial(
+                whole_of_slices, full=p, group=split.group, order=split.ranks)
             entries.update({n: (mine, keep, whole) for n in names[id(p)]})
     return entries
 

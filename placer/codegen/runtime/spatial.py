@@ -8,6 +8,8 @@
 # on every rank and each rank's weight gradient covers its rows only: sum them over the
 # group after backward (buckets.all_reduce_grads). BatchNorm runs as CPUSyncBatchNorm over
 # the group (statistics of every band together), elementwise layers run on the band.
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -215,8 +217,17 @@ def _apply_on_rows(layer, x, dim, lo, hi, pads, n):
     if isinstance(layer, SPATIAL_CONVS):  # zero padding: explicit on every spatial dim
         for i in range(n):
             x = _pad_dim(x, 2 + i, *((lo, hi) if i == j else pads[i]))
-        conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
-        return conv(x, layer.weight, layer.bias, layer.stride, 0, layer.dilation, layer.groups)
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # (a layer cannot be FSDP2's before it is imported)
+        if fsdp is None or not isinstance(layer, fsdp.FSDPModule):
+            conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]  # not the module: a placed layer's hooks stay out
+            return conv(x, layer.weight, layer.bias, layer.stride, 0, layer.dilation, layer.groups)
+        # an FSDP2 unit is called as a module (its padding 0 meanwhile), so its hooks run: the gather
+        # of its weights before its forward and its backward, its gradients' reduce-scatter
+        padding, layer.padding = layer.padding, (0,) * n
+        try:
+            return layer(x)
+        finally:
+            layer.padding = padding
     padding = tuple(0 if i == j else pads[i][0] for i in range(n))
     if isinstance(layer, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
         x = _pad_dim(x, dim, lo, hi, float("-inf"))  # max pooling pads with -inf
