@@ -181,6 +181,8 @@ class Channel(Mode):
         if seg.replicas > 1:
             return (f"channel x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
                     "splitting every Linear/Conv's output channels; " + (tensor.SUMMED_ON_FIRST if seg.sync == "broadcast"
+                                                                         else tensor.SUMMED_ON_SERVER.format(server=seg.server)
+                                                                         if seg.sync == "parameter_server"
                                                                          else "gradients summed over the replicas after backward"))
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"
 
