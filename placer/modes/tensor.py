@@ -434,14 +434,13 @@ def emit_server(seg, cond) -> list[str]:
     """`sync: parameter_server` set-up, on every rank (groups are made by all): the groups, and on
     theirs the SliceServer, whose server's optimizer is opt{k} (`cond(ranks)`: the guard for ranks)."""
     k, ranks = seg.k, sorted({*seg.ranks, seg.server})
+    body = ["with uncounted():  # set-up, not training: each position's first slices copied to the server",
+            f"    srv{k} = SliceServer(seg{k}, ps{k}, {positions(seg.ranks, seg.replicas)}, server={seg.server}, "
+            "make_optimizer=make_optimizer)", f"opt{k} = srv{k}.optimizer  # (None but on the server)"]
     return [f"# the parameter server, rank {seg.server}, keeps a copy of every position's slices and steps them",
             f"ps{k} = [dist.new_group(ranks, timeout=timedelta(seconds=TIMEOUT_S)) for ranks in {server_groups(seg)}]",
             f"record{k} = asked_anywhere(args.grads) and not resuming(args)  # run --check: the first gradients",
-            *([f"if {cond(ranks)}:"] if cond(ranks) else ["if True:"]),
-            "    with uncounted():  # set-up, not training: each position's first slices copied to the server",
-            f"        srv{k} = SliceServer(seg{k}, ps{k}, {positions(seg.ranks, seg.replicas)}, server={seg.server}, "
-            "make_optimizer=make_optimizer)",
-            f"    opt{k} = srv{k}.optimizer  # (None but on the server)"]
+            *([f"if {cond(ranks)}:", *("    " + line for line in body)] if cond(ranks) else body)]
 
 
 def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
