@@ -107,13 +107,14 @@ class Seg:
     @property
     def holders(self) -> tuple[int, ...]:
         """Ranks that keep a copy of the segment's layers (a parameter server outside the group too)."""
-        extra = (self.server,) if self.server is not None and self.server not in self.ranks else ()
+        extra = (self.server,) if self.server is not None and self.server not in self.ranks and \
+            self.replicas == 1 else ()  # (a 2-D segment's server keeps copies of slices: SliceServer)
         return self.ranks + extra
 
     @property
     def owner(self) -> int:
         """The rank whose parameters are the result (the one that steps, or the first replica)."""
-        if self.sync != "parameter_server":
+        if self.sync != "parameter_server" or self.replicas > 1:  # (a 2-D server sends every slice back)
             return self.ranks[0]
         assert self.server is not None  # set with sync parameter_server
         return self.server
@@ -121,6 +122,9 @@ class Seg:
     @property
     def steppers(self) -> tuple[int, ...]:
         """Ranks that keep an optimizer for the segment."""
+        if self.sync == "parameter_server" and self.replicas > 1:  # stepping its copies of the slices
+            assert self.server is not None  # set with sync parameter_server
+            return (self.server,)
         if self.sync == "broadcast" and self.replicas > 1:  # each position's root: the first replica
             return tuple(tensor.runs(self.ranks, self.replicas)[0])
         if self.sync in ("parameter_server", "broadcast"):

@@ -303,6 +303,8 @@ class TrainWriter(TrainingOptions):
             c(*tensor.emit_zero_slices(k, seg.replicas, self.zero_args))
         elif seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
+        elif seg.has_params and seg.sync == "parameter_server" and seg.replicas > 1:
+            pass  # the server's optimizer steps copies of the slices (tensor.emit_server, below)
         elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
                 c(f"if rank == {seg.owner}:  # it alone keeps the optimizer" if len(seg.steppers) == 1 else
@@ -313,6 +315,8 @@ class TrainWriter(TrainingOptions):
         self.norm_share(seg)
         if cond:
             c.dedent()
+        if seg.has_params and seg.sync == "parameter_server" and seg.replicas > 1:
+            c(*tensor.emit_server(seg, self.cond))
 
     def step(self) -> None:
         c, segs = self.c, self.segs

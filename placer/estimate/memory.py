@@ -3,7 +3,7 @@
 - Parameters and gradients: the segment's trainable parameters on every device
   that holds them; channel and tensor modes hold 1/d of each split layer,
   `shard: full` 1/d of everything; a parameter server holds a full copy and
-  a gradient buffer.
+  a gradient buffer (a 2-D segment's: a copy of every slice position's slices).
 - Optimizer state: `state_slots(optimizer)` parameter-sized buffers on every
   device that steps the segment (the server for parameter_server, the first
   device for broadcast sync), 1/d of it with `shard: optimizer` or `full`.
@@ -169,9 +169,14 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
         server = seg.server
         holders = seg.devices + ((server,) if server and server not in seg.devices else ())
         stepping = steppers(seg)
+        # the slices at each position (the first replica's devices), which a 2-D segment's server copies
+        copies = [held_params(seg, graph, dev)[:2] for dev in seg.devices[:len(seg.devices) // seg.options["data"]]] \
+            if server and seg.options.get("data", 1) > 1 else []
         shard = seg.options.get("shard", "none")  # (data's option, and a 2-D tensor segment's)
         for dev in holders:
-            n, b, buf = held_params(seg, graph, dev)
+            n, b, buf = held_params(seg, graph, dev) if dev in seg.devices or not copies else (0, 0, 0)
+            if dev == server and copies:  # a 2-D segment's server: a copy of every position's slices too
+                n, b = n + sum(k for k, _ in copies), b + sum(kb for _, kb in copies)
             a = acc[dev]
             a["params"] += n
             a["param_bytes"] += b
@@ -181,7 +186,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
             a["comm_bytes"] += MODES[seg.mode].comm_buffers(seg, b, largest)
             if dev in stepping:
                 r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
-                state = slots * b
+                state = slots * (sum(kb for _, kb in copies) if copies else b)  # (a server steps its copies only)
                 reps = seg.options.get("data", d)  # a 2-D segment shards over its replicas (ZeroSlices)
                 a["optimizer_bytes"] += _share(state, reps, r // (d // reps)) if shard == "optimizer" else state
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest

@@ -107,7 +107,10 @@ class Mode:
 
     def steppers(self, seg) -> tuple[str, ...]:
         """Devices that run the optimizer step for the segment's parameters (a 2-D segment's
-        under `sync: broadcast`: its first replica, the first n / D devices)."""
+        under `sync: broadcast`: its first replica, the first n / D devices; under
+        `sync: parameter_server`: the server, which steps a copy of every position's slices)."""
+        if seg.options.get("sync") == "parameter_server":
+            return (seg.options["server"],)
         if seg.options.get("sync") == "broadcast":
             return seg.devices[:len(seg.devices) // seg.options["data"]]
         return seg.devices

@@ -182,8 +182,10 @@ class Channel(Mode):
 
     def describe(self, seg, devices):
         if seg.replicas > 1:
-            how = (tensor.SUMMED_ON_FIRST if seg.sync == "broadcast" else "each slice sharded over the replicas by "
-                   "FSDP2" if seg.shard == "full" else "gradients summed over the replicas after backward")
+            how = (tensor.SUMMED_ON_FIRST if seg.sync == "broadcast" else
+                   tensor.SUMMED_ON_SERVER.format(server=seg.server) if seg.sync == "parameter_server" else
+                   "each slice sharded over the replicas by FSDP2" if seg.shard == "full" else
+                   "gradients summed over the replicas after backward")
             return (f"channel x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
                     f"splitting every Linear/Conv's output channels; {how}")
         return f"channel split, 1/{len(seg.ranks)} of every Linear/Conv's output channels each, gathered after"

@@ -14,11 +14,11 @@ import functools
 import math
 from collections.abc import Sequence
 
-from placer.diagnostics import Diagnostic
+from placer.diagnostics import Diagnostic, name_hint
 from placer.modes.base import Mode
 from placer.plan.attach import Attached
 from placer.plan.crossings import group_blocker
-from placer.plan.ir import OpKind
+from placer.plan.ir import OpKind, union
 from placer.spec.shapes import op_kind
 
 BETWEEN = frozenset({"elementwise", "dropout"})
@@ -108,8 +108,10 @@ def replica_rows(seg, call: str) -> str:
 
 
 def sync_option(p) -> dict:
-    """A 2-D segment's plan option `sync` (data's, across its replicas), where not the default all-reduce."""
-    return {"sync": p.sync} if p.sync != "allreduce" else {}
+    """A 2-D segment's plan options `sync` (data's, across its replicas), where not the default
+    all-reduce, and its `server`."""
+    return ({"sync": p.sync} if p.sync != "allreduce" else {}) | (
+        {"server": p.server} if p.sync == "parameter_server" else {})
 
 
 def check_replicas(spec, seg) -> list[Diagnostic]:
@@ -123,14 +125,16 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
         return [Diagnostic("P033", f"segment {seg.name!r}: {p.mode} with {what} needs data replicas to {why}",
                            p.loc, f"add `data: D` ({'2-D: ZeRO-1, or for tensor FSDP2 x TP, over D replicas' if shard != 'none' else '2-D'}), "
                            f"or drop {what.split()[0]}")]
-    if p.sync == "parameter_server":
-        # a server would hold every position's slices: a copy of the segment split as no replica splits it
-        return [Diagnostic("P035", f"segment {seg.name!r}: sync 'parameter_server' is not run on a 2-D {p.mode} "
-                           f"segment: each replica holds the parameters as {n // d} slices, so a server would "
-                           "have to keep and step every position's slices and send each device its own",
-                           spec.doc.loc(("placement", seg.index, "parallel", "sync")),
-                           "use sync broadcast (the first replica sums, steps and sends the slices back) or "
-                           "allreduce (the default)")]
+    if p.sync == "parameter_server" and p.mode == "spatial":
+        # spatial's sync is bucketed all-reduces of whole weights (data's pieces): no server written yet
+        return [Diagnostic("P035", f"segment {seg.name!r}: sync 'parameter_server' is not run on a 2-D spatial "
+                           "segment", spec.doc.loc(("placement", seg.index, "parallel", "sync")),
+                           "use sync broadcast (the first replica sums, steps and sends the weights back) or "
+                           "allreduce (the default), or mode tensor / channel with the server")]
+    if p.server and p.server not in spec.devices:
+        return [Diagnostic("P012", f"segment {seg.name!r}: server {p.server!r} is not a listed device",
+                           spec.doc.loc(("placement", seg.index, "parallel", "server")),
+                           name_hint("devices", p.server, spec.devices))]
     if shard != "none" and p.sync != "allreduce":
         return [Diagnostic("P025", f"segment {seg.name!r}: shard {shard!r} needs sync 'allreduce', not {p.sync!r}",
                            p.loc, "sharding splits what all-reduce replicas hold")]
@@ -197,6 +201,15 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
                        for l, (k, _) in zip(info, held_elems)]
         if seg.options.get("shard") == "full":
             fsdp_ops(a, info, layer_bytes, group, d, op)
+            continue
+        if seg.options.get("sync") == "parameter_server":  # data's, per position, over it and the server
+            server = seg.options["server"]
+            ps = tuple(group) + (() if server in group else (server,))
+            a.step_devices = union(a.step_devices, ps)
+            a.step_pre.append(op(OpKind.REDUCE, "step", "grads", sum(layer_bytes), devices=ps,
+                                 attrs={"root": server, "replicas": d}))
+            a.step_post.append(op(OpKind.BROADCAST, "step", "params", sum(layer_bytes), devices=ps,
+                                  attrs={"root": server, "replicas": d}))
             continue
         if seg.options.get("sync") == "broadcast":
             a.seg_pre_fwd.append(op(OpKind.BROADCAST, "fwd", "params", sum(layer_bytes), devices=tuple(group),
@@ -401,6 +414,10 @@ def emit_zero_slices(k: int, replicas: int, zero_args: str) -> list[str]:
 SUMMED_ON_FIRST = "gradients summed on the first replica, which steps and sends its parameters back"
 """What a 2-D segment under `sync: broadcast` does with its gradients, in the program's comments."""
 
+SUMMED_ON_SERVER = ("gradients summed on the parameter server, rank {server}, which steps a copy of every "
+                    "position's slices and sends each its own back")
+"""What a 2-D segment under `sync: parameter_server` does with its gradients."""
+
 ROOT = "dist.get_global_rank(dp{k}, 0)"
 """The program's root of this rank's position under `sync: broadcast`: the first replica's rank in dp{k}."""
 
@@ -415,11 +432,38 @@ def emit_broadcast(seg) -> list[str]:
     return [f"    broadcast_slices(seg{seg.k}, dp{seg.k}, root={root})"]
 
 
+def server_groups(seg) -> list[list[int]]:
+    """`sync: parameter_server`: each slice position's ranks and the server (SliceServer's groups)."""
+    return [sorted(set(p) | {seg.server}) for p in positions(seg.ranks, seg.replicas)]
+
+
+def emit_server(seg, cond) -> list[str]:
+    """`sync: parameter_server` set-up, on every rank (groups are made by all): the groups, and on
+    theirs the SliceServer, whose server's optimizer is opt{k} (`cond(ranks)`: the guard for ranks)."""
+    k, ranks = seg.k, sorted({*seg.ranks, seg.server})
+    body = ["with uncounted():  # set-up, not training: each position's first slices copied to the server",
+            f"    srv{k} = SliceServer(seg{k}, ps{k}, {positions(seg.ranks, seg.replicas)}, server={seg.server}, "
+            "make_optimizer=make_optimizer)", f"opt{k} = srv{k}.optimizer  # (None but on the server)"]
+    return [f"# the parameter server, rank {seg.server}, keeps a copy of every position's slices and steps them",
+            f"ps{k} = [dist.new_group(ranks, timeout=timedelta(seconds=TIMEOUT_S)) for ranks in {server_groups(seg)}]",
+            f"record{k} = asked_anywhere(args.grads) and not resuming(args)  # run --check: the first gradients",
+            *([f"if {cond(ranks)}:", *("    " + line for line in body)] if cond(ranks) else body)]
+
+
 def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
     """A 2-D segment's gradient sync (the same slices summed over the replicas) and step (under
     `sync: broadcast` the sum on the first replica, whose ranks alone hold an optimizer)."""
     if seg.shard == "full":  # FSDP2 reduce-scattered them in backward
         return seg.ranks, [f"opt{seg.k}.step()"]
+    if seg.sync == "parameter_server":
+        k = seg.k
+        return tuple(sorted({*seg.ranks, seg.server})), [
+            "if step == first > 0:  # resumed: the server's copies from the slices loaded from the checkpoint",
+            "    with uncounted():", f"        srv{k}.fetch()",
+            'with timer("comm"):', f"    srv{k}.step()  # {SUMMED_ON_SERVER.format(server=seg.server)}",
+            f"if record{k} and step == 0:  # run --check: each rank's gradients as the server summed them",
+            "    with uncounted():", f"        srv{k}.grads_back()",
+            f"    if seg{k} is not None:", f"        record_grads_now(seg{k}.parameters())"]
     if seg.sync == "broadcast":
         return seg.ranks, ['with timer("comm"):',
                            f"    reduce_slices(seg{seg.k}, dp{seg.k}, root={ROOT.format(k=seg.k)})  # summed on the "
@@ -487,7 +531,8 @@ class Tensor(Mode):
         if seg.replicas > 1:
             what = "each block's projections" if seg.blocks else "the Linear pairs"
             how = ("parameters sharded over the replicas by FSDP2 (FSDP2 x TP)" if seg.shard == "full" else
-                   SUMMED_ON_FIRST if seg.sync == "broadcast" else "gradients summed over the replicas after backward")
+                   SUMMED_ON_FIRST if seg.sync == "broadcast" else SUMMED_ON_SERVER.format(server=seg.server)
+                   if seg.sync == "parameter_server" else "gradients summed over the replicas after backward")
             return (f"tensor x data: {seg.replicas} data replicas {runs(seg.ranks, seg.replicas)}, each splitting "
                     f"{what} by columns then rows; {how}")
         if seg.blocks:

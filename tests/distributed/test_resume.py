@@ -73,13 +73,18 @@ MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2 (FSDP2
     "spatial": "specs/cnn_spatial.yaml",
     "lockstep": "specs/tinygpt.yaml",
     "zero_slices": "tests/models/tinygpt_tensor_data.yaml",
+    "slice_server": "specs/cnn_channel_data.yaml",
 }
 SETS = {  # TinyGPT's blocks tensor x data with ZeRO-1 over the replicas (runtime ZeroSlices): each
     # device's momentum for its 1/2 of its slices; its uninterrupted run is --check'ed too
     "zero_slices": ["--set", "placement.0.parallel.shard=optimizer",
                     "--set", "training.optimizer={op: SGD, lr: 0.1, kwargs: {momentum: 0.9}}"],
+    # channel x data with a parameter server in the group (runtime SliceServer): the server's copies
+    # of every position's slices and their momentum come back from the checkpoint
+    "slice_server": ["--set", "placement.0.parallel.sync=parameter_server", "--set", "placement.0.parallel.server=cuda:1",
+                     "--set", "training.optimizer={op: SGD, lr: 0.1, kwargs: {momentum: 0.9}}"],
 }
-CHECKED = {"zero_slices"}
+CHECKED = {"zero_slices", "slice_server"}
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,20 @@ RUNS = [
     # ... channel x data's Conv channel slices, over two micro-steps a step (summed once, after the second)
     ("specs/cnn_channel_data.yaml", ["--set", "placement.0.parallel.sync=broadcast", "--set", "training.accumulate=2"],
      4, "broadcast_slices(seg0, dp0, root=dist.get_global_rank(dp0, 0))", 0),
+    # sync parameter_server: each position's gradients summed on a server outside the group (a fifth
+    # device, also running the classifier), which alone steps (Adam) a copy of every position's slices
+    ("specs/mlp_tensor_data.yaml", ["--set", "devices=[cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "--set",
+                                    "placement.2.device=cuda:4", "--set", "placement.1.parallel.sync=parameter_server",
+                                    "--set", "placement.1.parallel.server=cuda:4", "--set",
+                                    "training.optimizer={op: Adam, lr: 0.01}"], 5, "srv1.step()", 0),
+    # ... channel x data's Conv slices on a server in the group (it sums its own position's, and
+    # copies the other's), over two micro-steps a step
+    ("specs/cnn_channel_data.yaml", ["--set", "placement.0.parallel.sync=parameter_server", "--set",
+                                     "placement.0.parallel.server=cuda:1", "--set", "training.accumulate=2"], 4,
+     "SliceServer(seg0, ps0, [[0, 2], [1, 3]], server=1", 0),
+    # ... TinyGPT's blocks (a module model in lockstep) on a server in the group
+    ("tests/models/tinygpt_tensor_data.yaml", ["--set", "placement.0.parallel.sync=parameter_server", "--set",
+                                              "placement.0.parallel.server=cpu:1"], 4, "srv0.step()", 0),
 ]
 
 
@@ -85,7 +99,8 @@ RUNS = [
                               "cnn_channel", "cnn_channel_zero", "cnn_spatial_zero", "cnn_channel_fsdp", "cnn_spatial_fsdp",
                               "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
                               "cnn_spatial_options", "spatial_whole_model", "mlp_broadcast",
-                              "cnn_channel_broadcast_accumulate"])
+                              "cnn_channel_broadcast_accumulate", "mlp_parameter_server_outside",
+                              "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):
     # autocast rounds each rank's partial row sum to bfloat16 where one device rounds the whole

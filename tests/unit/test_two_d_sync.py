@@ -1,6 +1,8 @@
 """2-D segments with data's `sync` across their replicas: `broadcast` (each position's gradients
 summed on the first replica's device, which alone steps and sends its slices back before the
-next forward) in the plan, its memory and the program; `parameter_server` refused (P035)."""
+next forward) and `parameter_server` (each position's gradients summed on the server, which
+steps a copy of every position's slices and sends each its own back) in the plan, its memory
+and the program; `parameter_server` on spatial refused (P035)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -90,11 +92,78 @@ def test_the_program_broadcasts_before_the_forward_and_reduces_before_the_step()
             "opt1,dp1,root=dist.get_global_rank(dp1,0)") in flat
 
 
+def _ps(k, server):
+    return [f"placement.{k}.parallel.sync=parameter_server", f"placement.{k}.parallel.server={server}"]
+
+
+FIVE = ["devices=[cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "placement.2.device=cuda:4"]  # a server outside
+
+
+def test_validate_takes_a_parameter_server_on_tensor_and_channel_but_not_spatial():
+    for spec, k in ((TENSOR, 1), (CHANNEL, 0)):
+        result = _validate(spec, *_ps(k, "cuda:1"))
+        assert result.exit_code == 0, result.output
+    assert _validate(TENSOR, *FIVE, *_ps(1, "cuda:4")).exit_code == 0
+    spatial = _validate(SPATIAL, *_ps(1, "cuda:0"))
+    assert spatial.exit_code == 1 and "error[P035]" in spatial.output, spatial.output
+    unknown = _validate(TENSOR, *_ps(1, "cuda:9"))
+    assert unknown.exit_code == 1 and "error[P012]" in unknown.output, unknown.output
+    sharded = _validate(TENSOR, *_ps(1, "cuda:0"), "placement.1.parallel.shard=optimizer")
+    assert sharded.exit_code == 1 and "error[P025]" in sharded.output, sharded.output
+    clipped = _validate(CHANNEL, *_ps(0, "cuda:0"), "training.clip_grad_norm=1.0")
+    assert clipped.exit_code == 1 and "error[P092]" in clipped.output, clipped.output
+
+
+def test_each_position_sums_on_the_server_and_gets_its_slices_back():
+    for spec, k, server in ((TENSOR, 1, "cuda:1"), (CHANNEL, 0, "cuda:0")):
+        summed = {op.devices: op.bytes for op in _ops(api.plan(spec).plan, k)
+                  if op.kind == OpKind.ALL_REDUCE and op.attrs.get("replicas")}
+        ops = _ops(api.plan(api.load(spec, _ps(k, server))).plan, k)
+        assert not [op for op in ops if op.kind == OpKind.ALL_REDUCE and op.attrs.get("replicas")]
+        assert {op.devices[0] for op in ops if op.kind == OpKind.STEP} == {server}
+        # per position: its devices and the server, one flat message of the position's slices each way
+        want = {tuple(sorted(g + ((server,) if server not in g else ()))): b for g, b in summed.items()}
+        for kind, tensor in ((OpKind.REDUCE, "grads"), (OpKind.BROADCAST, "params")):
+            got = {tuple(sorted(op.devices)): op.bytes for op in ops if op.kind == kind}
+            assert got == want, (spec.name, kind)
+            assert {(op.phase, op.tensor, op.attrs["root"]) for op in ops if op.kind == kind} == {
+                ("step", tensor, server)}
+
+
+def test_the_server_holds_and_steps_a_copy_of_every_positions_slices():
+    adam = "training.optimizer={op: Adam, lr: 0.01}"
+    allreduce = api.plan(api.load(TENSOR, [adam])).estimate.memory
+    slices = allreduce["cuda:2"].param_bytes  # one position's (cuda:2 runs segment 1 only)
+    outside = api.plan(api.load(TENSOR, [adam, *FIVE, *_ps(1, "cuda:4")])).estimate.memory
+    head = 330 * 4  # the classifier's Linear(32, 10), also on cuda:4
+    assert outside["cuda:4"].param_bytes == outside["cuda:4"].grad_bytes == head + 2 * slices
+    assert outside["cuda:4"].optimizer_bytes == 2 * (head + 2 * slices)  # Adam's two buffers
+    assert outside["cuda:2"].optimizer_bytes == outside["cuda:3"].optimizer_bytes == 0
+    inside = api.plan(api.load(TENSOR, [adam, *_ps(1, "cuda:3")])).estimate.memory
+    assert inside["cuda:3"].param_bytes == 3 * slices  # its own slices and a copy of both positions'
+    assert inside["cuda:3"].optimizer_bytes == 2 * 2 * slices and inside["cuda:2"].optimizer_bytes == 0
+
+
+def test_accumulate_sums_on_the_server_once_a_step():
+    def moved(*sets):
+        return sorted((op.kind.value, op.devices, op.bytes) for op in _ops(api.plan(api.load(TENSOR, list(sets))).plan, 1)
+                      if op.kind in (OpKind.REDUCE, OpKind.BROADCAST))
+    assert moved(*_ps(1, "cuda:0")) == moved(*_ps(1, "cuda:0"), "training.accumulate=2")
+    assert len(moved(*_ps(1, "cuda:0"))) == 4
+
+
+def test_the_program_makes_a_slice_server_and_steps_it_after_backward():
+    text = api.generate(api.load(TENSOR, [*FIVE, *_ps(1, "cuda:4")]))
+    flat = "".join(text.split())
+    assert "forranksin[[0,2,4],[1,3,4]]]" in flat  # each position's ranks and the server
+    assert "ifTrue" not in flat and "withuncounted():#set-up,not training:eachposition".replace(" ", "") in flat
+    assert "srv1=SliceServer(seg1,ps1,[[0,2],[1,3]],server=4,make_optimizer=make_optimizer)opt1=srv1.optimizer" in flat
+    assert flat.index("#forward,segmentbysegment") < flat.index("srv1.step()")
+    assert "all_reduce_slices(seg1,dp1)" not in flat and "opt1.step()" not in flat
+    assert "record_grads_now(seg1.parameters())" in flat  # run --check's first gradients, as the server summed
+
+
 def test_parameter_server_sync_without_data_shard_and_clipping_are_refused():
-    ps = _validate(TENSOR, "placement.1.parallel.sync=parameter_server", "placement.1.parallel.server=cuda:0")
-    assert ps.exit_code == 1 and "error[P035]" in ps.output and "use sync broadcast" in ps.output, ps.output
-    assert "error[P035]" in _validate(CHANNEL, "placement.0.parallel.sync=parameter_server",
-                                      "placement.0.parallel.server=cuda:0").output
     alone = _validate(TENSOR, BROADCAST.format(1), "placement.1.parallel.data=1")
     assert alone.exit_code == 1 and "error[P033]" in alone.output and "sync 'broadcast'" in alone.output
     sharded = _validate(TENSOR, BROADCAST.format(1), "placement.1.parallel.shard=optimizer")

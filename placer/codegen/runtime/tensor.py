@@ -120,6 +120,96 @@ def broadcast_slices(module, group, root):
     _slices(list(module.parameters()), lambda f: dist.broadcast(f, root, group=group))
 
 
+def _local(tensors):
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+class SliceServer:
+    """`sync: parameter_server` on a 2-D segment. The server rank keeps a copy of every slice
+    position's slices (its own position's too, when it is one of the segment's ranks) and the only
+    optimizer, over those copies. After backward each position's gradients are summed onto it
+    (one flat message over groups[p]: the position's ranks and the server), it steps every copy,
+    and sends each position its updated slices back (one flat message). `module` is this rank's
+    split segment (None on a server outside it); every rank of any group constructs it, in the
+    same order, under no counting: set-up copies each position's first slices to the server."""
+
+    def __init__(self, module, groups, positions, server, make_optimizer):
+        self.rank, self.server, self.groups, self.positions = dist.get_rank(), server, groups, positions
+        self.params = list(module.parameters()) if module is not None else []
+        self.mine = next((i for i, ranks in enumerate(positions) if self.rank in ranks), None)
+        self.copies, self.optimizer = [], None
+        copies = self._gather()
+        if self.rank == server:
+            self.copies = [[nn.Parameter(t) for t in c] for c in copies]
+            self.optimizer = make_optimizer([t for c in self.copies for t in c])
+
+    def _gather(self):
+        """On the server, every position's slices as it holds them now (a list per position);
+        elsewhere []. Every rank of any group calls it."""
+        got = []
+        for p, ranks in enumerate(self.positions):
+            if self.server in ranks or self.rank not in (self.server, *ranks):
+                continue  # (the server copies its own slices below)
+            src, group = ranks[0], self.groups[p]
+            shapes = [[tuple(t.shape) for t in _local(self.params)]]
+            dist.broadcast_object_list(shapes, src=src, group=group)
+            flat = torch.cat([t.detach().reshape(-1) for t in _local(self.params)]) if self.params else \
+                torch.empty(sum(torch.Size(s).numel() for s in shapes[0]))
+            dist.broadcast(flat, src, group=group)
+            if self.rank == self.server:
+                got.append((p, [v.view(s).clone() for v, s in zip(
+                    flat.split([torch.Size(s).numel() for s in shapes[0]]), shapes[0])]))
+        if self.rank == self.server and self.mine is not None:
+            got.append((self.mine, [t.detach().clone() for t in _local(self.params)]))
+        return [c for _, c in sorted(got, key=lambda pc: pc[0])]
+
+    @torch.no_grad()
+    def fetch(self):
+        """A resumed run (every rank of any group calls it): the server's copies from the slices the
+        positions loaded from the checkpoint, in place, so the loaded optimizer state still fits them."""
+        for copy, loaded in zip(self.copies, self._gather()):
+            for t, v in zip(copy, loaded):
+                t.copy_(v)
+
+    @torch.no_grad()
+    def step(self):
+        """Call on every rank of any group after backward: the sums up, the step, the slices back."""
+        if self.rank == self.server:
+            for p, group in enumerate(self.groups):
+                mine = p == self.mine
+                flat = torch.cat([g.reshape(-1) for g in _local([q.grad for q in self.params])]) if mine else \
+                    torch.zeros(sum(t.numel() for t in self.copies[p]))
+                dist.reduce(flat, self.server, group=group)
+                for t, v in zip(self.copies[p], flat.split([t.numel() for t in self.copies[p]])):
+                    t.grad = v.view_as(t)
+            self.optimizer.step()
+            for p, group in enumerate(self.groups):
+                flat = torch.cat([t.reshape(-1) for t in self.copies[p]])
+                dist.broadcast(flat, self.server, group=group)
+                if p == self.mine:
+                    for t, c in zip(_local(self.params), self.copies[p]):
+                        t.copy_(c)
+        elif self.mine is not None:
+            group = self.groups[self.mine]
+            _slices([q.grad for q in self.params], lambda f: dist.reduce(f, self.server, group=group),
+                    write_back=False)
+            _slices(self.params, lambda f: dist.broadcast(f, self.server, group=group))
+
+    @torch.no_grad()
+    def grads_back(self):
+        """run --check only (not training traffic): each rank's gradients become the sums the server
+        stepped, for the first-step comparison."""
+        for p, group in enumerate(self.groups):
+            if self.rank == self.server:
+                flat = torch.cat([t.grad.reshape(-1) for t in self.copies[p]])
+                dist.broadcast(flat, self.server, group=group)
+                if p == self.mine:
+                    for g, c in zip(_local([q.grad for q in self.params]), self.copies[p]):
+                        g.copy_(c.grad.view_as(g))
+            elif p == self.mine:
+                _slices([q.grad for q in self.params], lambda f: dist.broadcast(f, self.server, group=group))
+
+
 def norm_share_2d(module, tp_first):
     """FSDP2 x TP: the parameters whose gradients this rank counts in the global norm. A piece
     sharded on both mesh dims (FSDP2's _StridedShard over a column split included) is this rank's

@@ -359,6 +359,7 @@ def full_tensor(t):
 
 FIRST_GRADS = {}  # name -> its gradient as the first optimizer step that updates it takes it
 WHOLE_GRADS = {}  # name -> (parameter, kept here[, whole]): split parameters, whose first gradients are gathered whole
+GRADS_HOOK = []  # record_first_grads' hook, for gradients no optimizer of this rank steps (record_grads_now)
 
 
 def asked_anywhere(flag):
@@ -404,6 +405,15 @@ def record_first_grads(named):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     handle = register_optimizer_step_pre_hook(hook)
+    GRADS_HOOK.append(hook)
+
+
+def record_grads_now(params):
+    """Record the first gradients of `params` as record_first_grads' hook does at an optimizer
+    step: for those a parameter server elsewhere steps copies of (a 2-D segment's SliceServer)."""
+    stand_in = type("Params", (), {"param_groups": [{"params": list(params)}]})()  # what the hook reads
+    for hook in GRADS_HOOK:
+        hook(stand_in, (), {})
 
 
 def tied_names(model):
