@@ -120,7 +120,8 @@ def broadcast_slices(module, group, root):
     _slices(list(module.parameters()), lambda f: dist.broadcast(f, root, group=group))
 
 
-def _local(tensors):
+def _locals(tensors):
+    """Each tensor, a DTensor as its local piece."""
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
@@ -151,16 +152,16 @@ class SliceServer:
             if self.server in ranks or self.rank not in (self.server, *ranks):
                 continue  # (the server copies its own slices below)
             src, group = ranks[0], self.groups[p]
-            shapes = [[tuple(t.shape) for t in _local(self.params)]]
+            shapes = [[tuple(t.shape) for t in _locals(self.params)]]
             dist.broadcast_object_list(shapes, src=src, group=group)
-            flat = torch.cat([t.detach().reshape(-1) for t in _local(self.params)]) if self.params else \
+            flat = torch.cat([t.detach().reshape(-1) for t in _locals(self.params)]) if self.params else \
                 torch.empty(sum(torch.Size(s).numel() for s in shapes[0]))
             dist.broadcast(flat, src, group=group)
             if self.rank == self.server:
                 got.append((p, [v.view(s).clone() for v, s in zip(
                     flat.split([torch.Size(s).numel() for s in shapes[0]]), shapes[0])]))
         if self.rank == self.server and self.mine is not None:
-            got.append((self.mine, [t.detach().clone() for t in _local(self.params)]))
+            got.append((self.mine, [t.detach().clone() for t in _locals(self.params)]))
         return [c for _, c in sorted(got, key=lambda pc: pc[0])]
 
     @torch.no_grad()
@@ -177,7 +178,7 @@ class SliceServer:
         if self.rank == self.server:
             for p, group in enumerate(self.groups):
                 mine = p == self.mine
-                flat = torch.cat([g.reshape(-1) for g in _local([q.grad for q in self.params])]) if mine else \
+                flat = torch.cat([g.reshape(-1) for g in _locals([q.grad for q in self.params])]) if mine else \
                     torch.zeros(sum(t.numel() for t in self.copies[p]))
                 dist.reduce(flat, self.server, group=group)
                 for t, v in zip(self.copies[p], flat.split([t.numel() for t in self.copies[p]])):
@@ -187,7 +188,7 @@ class SliceServer:
                 flat = torch.cat([t.reshape(-1) for t in self.copies[p]])
                 dist.broadcast(flat, self.server, group=group)
                 if p == self.mine:
-                    for t, c in zip(_local(self.params), self.copies[p]):
+                    for t, c in zip(_locals(self.params), self.copies[p]):
                         t.copy_(c)
         elif self.mine is not None:
             group = self.groups[self.mine]
@@ -204,7 +205,7 @@ class SliceServer:
                 flat = torch.cat([t.grad.reshape(-1) for t in self.copies[p]])
                 dist.broadcast(flat, self.server, group=group)
                 if p == self.mine:
-                    for g, c in zip(_local([q.grad for q in self.params]), self.copies[p]):
+                    for g, c in zip(_locals([q.grad for q in self.params]), self.copies[p]):
                         g.copy_(c.grad.view_as(g))
             elif p == self.mine:
                 _slices([q.grad for q in self.params], lambda f: dist.broadcast(f, self.server, group=group))
