@@ -264,6 +264,9 @@ class TrainWriter(TrainingOptions):
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
             if seg.replicas > 1:
                 c(*tensor.emit_groups(k, list(seg.ranks), seg.replicas))
+                if seg.sync == "parameter_server" and not seg.slice_server:  # spatial: data's, over every rank
+                    c("# every replica's ranks and the parameter server",
+                      f"ps{k} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S))")
             else:
                 c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
             if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
@@ -303,7 +306,7 @@ class TrainWriter(TrainingOptions):
             c(*tensor.emit_zero_slices(k, seg.replicas, self.zero_args))
         elif seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
-        elif seg.has_params and seg.sync == "parameter_server" and seg.replicas > 1:
+        elif seg.has_params and seg.slice_server:
             pass  # the server's optimizer steps copies of the slices (tensor.emit_server, below)
         elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
@@ -315,7 +318,7 @@ class TrainWriter(TrainingOptions):
         self.norm_share(seg)
         if cond:
             c.dedent()
-        if seg.has_params and seg.sync == "parameter_server" and seg.replicas > 1:
+        if seg.has_params and seg.slice_server:
             c(*tensor.emit_server(seg, self.cond))
 
     def step(self) -> None:
