@@ -299,8 +299,13 @@ class TrainWriter(TrainingOptions):
         if seg in self.gathered:  # DTensors (tensor, FSDP2) or channel slices: their gradients gathered whole
             c(*MODES[seg.mode].emit_whole_grads(seg))
         if seg.chained:
-            c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
-              "calls the split chain")
+            chain = (f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's "
+                     "forward calls the split chain")
+            # (a parameter server outside the group holds the whole layers and runs no forward of them)
+            if seg.holders != seg.ranks:
+                self.when(seg.ranks, chain)
+            else:
+                c(chain)
         self.uses_device_ids |= data.uses_ddp(seg)
         if seg.has_params and seg.shard == "optimizer" and seg.replicas > 1:
             c(*tensor.emit_zero_slices(k, seg.replicas, self.zero_args))
