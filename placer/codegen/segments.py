@@ -105,16 +105,23 @@ class Seg:
         return self.replicated or self.shard == "full"
 
     @property
+    def slice_server(self) -> bool:
+        """`sync: parameter_server` on a 2-D tensor or channel segment: the server keeps copies of
+        every position's slices (SliceServer). spatial x data's devices hold the whole weights, so
+        its server keeps them whole too, as data's does."""
+        return self.sync == "parameter_server" and self.replicas > 1 and self.mode != "spatial"
+
+    @property
     def holders(self) -> tuple[int, ...]:
         """Ranks that keep a copy of the segment's layers (a parameter server outside the group too)."""
         extra = (self.server,) if self.server is not None and self.server not in self.ranks and \
-            self.replicas == 1 else ()  # (a 2-D segment's server keeps copies of slices: SliceServer)
+            not self.slice_server else ()  # (a 2-D segment's server keeps copies of slices: SliceServer)
         return self.ranks + extra
 
     @property
     def owner(self) -> int:
         """The rank whose parameters are the result (the one that steps, or the first replica)."""
-        if self.sync != "parameter_server" or self.replicas > 1:  # (a 2-D server sends every slice back)
+        if self.sync != "parameter_server" or self.slice_server:  # (a 2-D server sends every slice back)
             return self.ranks[0]
         assert self.server is not None  # set with sync parameter_server
         return self.server
@@ -122,7 +129,7 @@ class Seg:
     @property
     def steppers(self) -> tuple[int, ...]:
         """Ranks that keep an optimizer for the segment."""
-        if self.sync == "parameter_server" and self.replicas > 1:  # stepping its copies of the slices
+        if self.slice_server:  # stepping its copies of the slices
             assert self.server is not None  # set with sync parameter_server
             return (self.server,)
         if self.sync == "broadcast" and self.replicas > 1:  # each position's root: the first replica

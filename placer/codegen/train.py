@@ -264,6 +264,9 @@ class TrainWriter(TrainingOptions):
             note = "  # the data ranks and their server" if seg.sync == "parameter_server" else ""
             if seg.replicas > 1:
                 c(*tensor.emit_groups(k, list(seg.ranks), seg.replicas))
+                if seg.sync == "parameter_server" and not seg.slice_server:  # spatial: data's, over every rank
+                    c("# every replica's ranks and the parameter server",
+                      f"ps{k} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S))")
             else:
                 c(f"{group} = dist.new_group({ranks}, timeout=timedelta(seconds=TIMEOUT_S)){note}")
             if seg.sync_batchnorm and seg.sync == "parameter_server" and seg.server not in seg.ranks:
@@ -296,14 +299,19 @@ class TrainWriter(TrainingOptions):
         if seg in self.gathered:  # DTensors (tensor, FSDP2) or channel slices: their gradients gathered whole
             c(*MODES[seg.mode].emit_whole_grads(seg))
         if seg.chained:
-            c(f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's forward "
-              "calls the split chain")
+            chain = (f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's "
+                     "forward calls the split chain")
+            # (a parameter server outside the group holds the whole layers and runs no forward of them)
+            if seg.holders != seg.ranks:
+                self.when(seg.ranks, chain)
+            else:
+                c(chain)
         self.uses_device_ids |= data.uses_ddp(seg)
         if seg.has_params and seg.shard == "optimizer" and seg.replicas > 1:
             c(*tensor.emit_zero_slices(k, seg.replicas, self.zero_args))
         elif seg.has_params and seg.shard == "optimizer":
             c(*data.emit_optimizer(k, len(seg.ranks), self.zero_args))
-        elif seg.has_params and seg.sync == "parameter_server" and seg.replicas > 1:
+        elif seg.has_params and seg.slice_server:
             pass  # the server's optimizer steps copies of the slices (tensor.emit_server, below)
         elif seg.has_params:
             if len(seg.steppers) < len(seg.holders):
@@ -315,7 +323,7 @@ class TrainWriter(TrainingOptions):
         self.norm_share(seg)
         if cond:
             c.dedent()
-        if seg.has_params and seg.sync == "parameter_server" and seg.replicas > 1:
+        if seg.has_params and seg.slice_server:
             c(*tensor.emit_server(seg, self.cond))
 
     def step(self) -> None:

@@ -125,21 +125,37 @@ def lockstep_gathers(a: Attached, info, grads: Sequence[bool], op, axis: int, re
                                 dim=axis, attrs={"rows": info[0].in_shape[axis]}))
 
 
-def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1, shard: str = "none") -> list[str]:
+def emit_stage(k: int, ranks, axis: int, size: int, replicas: int = 1, shard: str = "none",
+               server: int | None = None) -> list[str]:
     """The program's line that cuts segment k's `stage` into bands of dim `axis` over group g{k}
     (a 2-D segment's: this rank's replica, which runs every BatchNorm over its own bands; under
-    `shard: full` its weights then sharded by FSDP2 over dp{k}, a unit per layer)."""
+    `shard: full` its weights then sharded by FSDP2 over dp{k}, a unit per layer; a parameter
+    `server` outside the group keeps the whole layers, which it steps and runs no forward of)."""
     over = f"{list(ranks)}" if replicas == 1 else f"next(r for r in {tensor.runs(ranks, replicas)} if rank in r)"
-    return [f"seg{k} = SpatialSplit(stage, g{k}, {over}, dim={axis}, size={size})"] + (
+    split = [f"seg{k} = SpatialSplit(stage, g{k}, {over}, dim={axis}, size={size})"] + (
         [f"seg{k} = fully_shard_segment(seg{k}, dp{k}, device.type)  # gradients reduce-scattered over dp{k}"]
         if shard == "full" else [])
+    if server is None or server in ranks:
+        return split
+    return [f"if rank == {server}:  # the parameter server: the whole layers, stepped here, no forward",
+            f"    seg{k} = stage", "else:", *("    " + line for line in split)]
 
 
-def emit_sync(k: int, bucket_mb: float, replicas: int = 1, broadcast: bool = False, shard: str = "none") -> list[str]:
+def emit_sync(k: int, bucket_mb: float, replicas: int = 1, broadcast: bool = False, shard: str = "none",
+              server: int | None = None, buffers_from: int | None = None) -> list[str]:
     """After backward: every device's weight gradients (from its bands only) summed, then the step;
     a 2-D segment's over its replica's bands, then over the replicas (the ranks at its position;
     `broadcast`: data's broadcast sync, summed and stepped on the first replica's rank only; under
-    `shard: full` FSDP2 reduce-scattered them over those, so the bands sum their shards)."""
+    `shard: full` FSDP2 reduce-scattered them over those, so the bands sum their shards; with a
+    parameter `server`, data's parameter server over every rank, ps{k}: one reduce sums every
+    band of every replica on it, it steps and sends the weights back; `buffers_from`: the rank
+    whose buffers a server outside the group takes, as data's does)."""
+    if server is not None:
+        extra = f", buffers=list(seg{k}.buffers()), buffers_from={buffers_from}" if buffers_from is not None else ""
+        return ["# each rank's weight gradients cover its bands only: every band of every replica summed on the "
+                "server, which steps and sends the weights back", 'with timer("comm"):',
+                f"    param_server_step(seg{k}.parameters(), opt{k}, ps{k}, server={server}, "
+                f"bucket_mb={bucket_mb!r}{extra})"]
     across = [f"    all_reduce_grads(seg{k}.parameters(), dp{k}, bucket_mb={bucket_mb!r})  # and over the "
               f"{replicas} data replicas"] if replicas > 1 and shard != "full" else []
     step = [f"opt{k}.step()"]
@@ -174,6 +190,19 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) 
             shard = [(b // d + (r < b % d), names) for b, names in bks]
             a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(run), "bwd", "grads", shard)
         return
+    if seg.options.get("sync") == "parameter_server":  # data's server over every band of every replica
+        server = seg.options["server"]
+        ps = tuple(seg.devices) + (() if server in seg.devices else (server,))
+        # every device holds the whole weights and its bands' gradients: one reduce onto the server
+        # sums them all (the replica's band sum and the replicas' sum at once), then the weights back
+        a.step_devices = ps
+        a.step_pre += bucket_ops(OpKind.REDUCE, seg, ps, "step", "grads", bks, root=server)
+        a.step_post += bucket_ops(OpKind.BROADCAST, seg, ps, "step", "params", bks, root=server, reverse=True)
+        held = sum(l.buffer_bytes for l in info)
+        if server not in seg.devices and held:  # a server outside ran no forward: the first device's buffers
+            a.step_post.append(op(OpKind.BROADCAST, "step", "buffers", held, devices=ps,
+                                  attrs={"root": seg.devices[0]}))
+        return
     broadcast = seg.options.get("sync") == "broadcast"
     for group in runs + ([] if broadcast else tensor.positions(seg.devices, d)):
         a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(group), "bwd", "grads", bks)
@@ -204,6 +233,9 @@ class Spatial(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
+        server = seg.parallel.server if seg.parallel.sync == "parameter_server" else None
+        if server and not any(server in s.devices for s in spec.placement):  # lockstep: every rank runs a pipeline
+            return f"with its parameter server on {server!r}, a device that holds no segment"
         return group_blocker(spec.placement, seg.index)  # lockstep only
 
     def check_module(self, seg, info, locs, degree):
@@ -276,16 +308,19 @@ class Spatial(Mode):
         if seg.replicas > 1:
             return (f"spatial x data: {seg.replicas} data replicas {tensor.runs(seg.ranks, seg.replicas)}, each "
                     f"splitting dim {seg.dim} of its rows into bands (halo rows exchanged before every Conv/Pool); "
-                    "gradients summed over each replica's bands, then " + (
-                        "on the first replica, which steps and sends its parameters back" if seg.sync == "broadcast"
-                        else "over the replicas"))
+                    + (f"every band's gradients summed on the parameter server, rank {seg.server}, which steps and "
+                       "sends the weights back" if seg.sync == "parameter_server" else
+                       "gradients summed over each replica's bands, then " + (
+                           "on the first replica, which steps and sends its parameters back"
+                           if seg.sync == "broadcast" else "over the replicas")))
         return f"spatial split, 1/{len(seg.ranks)} of dim {seg.dim} each, halo rows exchanged before every Conv/Pool"
 
     def runtime(self, seg, torch_pipeline):
         return {"spatial", "buckets"} | ({"bands"} if seg.chained else set()) | (
             {"tensor"} if seg.replicas > 1 else set()) | (  # (replica_slice)
             {"zero_slices"} if seg.shard == "optimizer" else set()) | ({"sharding"} if seg.shard == "full" else set()) | (
-            {"broadcast_sync"} if seg.sync == "broadcast" else set())
+            {"broadcast_sync"} if seg.sync == "broadcast" else set()) | (
+            {"param_server"} if seg.sync == "parameter_server" else set())
 
     def recompute_blocker(self, p):
         return tensor.MODE.recompute_blocker(p)
@@ -298,10 +333,13 @@ class Spatial(Mode):
 
     def emit_stage(self, seg, resumable):
         assert seg.dim is not None and seg.in_shape is not None  # set for every spatial segment
-        return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim], seg.replicas, seg.shard)
+        return emit_stage(seg.k, seg.ranks, seg.dim, seg.in_shape[seg.dim], seg.replicas, seg.shard, seg.server)
 
     def emit_sync(self, seg):
-        return seg.ranks, emit_sync(seg.k, seg.bucket_mb, seg.replicas, seg.sync == "broadcast", seg.shard)
+        # a server outside the group ran no forward: it takes the first rank's buffers (none: nothing sent)
+        outside = seg.server is not None and seg.server not in seg.ranks
+        return seg.holders, emit_sync(seg.k, seg.bucket_mb, seg.replicas, seg.sync == "broadcast", seg.shard,
+                                      seg.server, seg.ranks[0] if outside else None)
 
 
 MODE = Spatial()

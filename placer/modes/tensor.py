@@ -115,8 +115,7 @@ def sync_option(p) -> dict:
 
 
 def check_replicas(spec, seg) -> list[Diagnostic]:
-    """P033 for `shard` or `sync` without replicas; P035 for `sync: parameter_server` (not run on
-    slices); P025 for `shard` with `sync: broadcast`, as for data; P031 unless `data: D` cuts the
+    """P033 for `shard` or `sync` without replicas; P012 for an unknown server; P025 for `shard` with `sync: broadcast`, as for data; P031 unless `data: D` cuts the
     group into replicas of at least 2 devices; P030 unless D divides the batch."""
     p = seg.parallel
     d, n, shard = p.data, len(seg.devices), p.shard
@@ -125,12 +124,6 @@ def check_replicas(spec, seg) -> list[Diagnostic]:
         return [Diagnostic("P033", f"segment {seg.name!r}: {p.mode} with {what} needs data replicas to {why}",
                            p.loc, f"add `data: D` ({'2-D: ZeRO-1, or for tensor FSDP2 x TP, over D replicas' if shard != 'none' else '2-D'}), "
                            f"or drop {what.split()[0]}")]
-    if p.sync == "parameter_server" and p.mode == "spatial":
-        # spatial's sync is bucketed all-reduces of whole weights (data's pieces): no server written yet
-        return [Diagnostic("P035", f"segment {seg.name!r}: sync 'parameter_server' is not run on a 2-D spatial "
-                           "segment", spec.doc.loc(("placement", seg.index, "parallel", "sync")),
-                           "use sync broadcast (the first replica sums, steps and sends the weights back) or "
-                           "allreduce (the default), or mode tensor / channel with the server")]
     if p.server and p.server not in spec.devices:
         return [Diagnostic("P012", f"segment {seg.name!r}: server {p.server!r} is not a listed device",
                            spec.doc.loc(("placement", seg.index, "parallel", "server")),

@@ -74,6 +74,7 @@ MODES = {  # the shipped spec of each mode, 6 steps, a checkpoint every 2 (FSDP2
     "lockstep": "specs/tinygpt.yaml",
     "zero_slices": "tests/models/tinygpt_tensor_data.yaml",
     "slice_server": "specs/cnn_channel_data.yaml",
+    "spatial_server": "specs/cnn_spatial_data.yaml",
 }
 SETS = {  # TinyGPT's blocks tensor x data with ZeRO-1 over the replicas (runtime ZeroSlices): each
     # device's momentum for its 1/2 of its slices; its uninterrupted run is --check'ed too
@@ -83,6 +84,11 @@ SETS = {  # TinyGPT's blocks tensor x data with ZeRO-1 over the replicas (runtim
     # of every position's slices and their momentum come back from the checkpoint
     "slice_server": ["--set", "placement.0.parallel.sync=parameter_server", "--set", "placement.0.parallel.server=cuda:1",
                      "--set", "training.optimizer={op: SGD, lr: 0.1, kwargs: {momentum: 0.9}}"],
+    # spatial x data on a server outside the group (a fifth device): its whole layers and their
+    # momentum come back from its own checkpoint (SGD with momentum: the spec's)
+    "spatial_server": ["--set", "devices=[cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "--set", "placement.2.device=cuda:4",
+                       "--set", "placement.1.parallel.sync=parameter_server", "--set",
+                       "placement.1.parallel.server=cuda:4"],
 }
 CHECKED = {"zero_slices", "slice_server"}
 

@@ -91,6 +91,13 @@ RUNS = [
     # ... TinyGPT's blocks (a module model in lockstep) on a server in the group
     ("tests/models/tinygpt_tensor_data.yaml", ["--set", "placement.0.parallel.sync=parameter_server", "--set",
                                               "placement.0.parallel.server=cpu:1"], 4, "srv0.step()", 0),
+    # ... spatial x data's whole weights on a server outside the group (a fifth device, also running the
+    # classifier): one reduce sums every band of every replica onto it, it alone steps (Adam), sends them back
+    ("specs/cnn_spatial_data.yaml", ["--set", "devices=[cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "--set",
+                                     "placement.2.device=cuda:4", "--set", "placement.1.parallel.sync=parameter_server",
+                                     "--set", "placement.1.parallel.server=cuda:4", "--set",
+                                     "training.optimizer={op: Adam, lr: 0.01}"], 5,
+     "seg1 = stage", 0),
 ]
 
 
@@ -100,7 +107,8 @@ RUNS = [
                               "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
                               "cnn_spatial_options", "spatial_whole_model", "mlp_broadcast",
                               "cnn_channel_broadcast_accumulate", "mlp_parameter_server_outside",
-                              "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server"])
+                              "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server",
+                              "cnn_spatial_parameter_server_outside"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):
     # autocast rounds each rank's partial row sum to bfloat16 where one device rounds the whole

@@ -129,7 +129,7 @@ def test_exclusive_key_lists_stay_in_sync_with_properties():
     assert set(by_mode) == set(defs["parallel_mode"]["enum"])
     assert by_mode["data"] == set(parallel["properties"]) - {"dim", "data"}
     # data replicas (a 2-D segment), each split by the mode; shard over them (ZeRO-1; FSDP2 x TP for tensor)
-    two_d_sync = {"sync", "server"}  # data's sync across a 2-D segment's replicas (parameter_server: P035 on spatial)
+    two_d_sync = {"sync", "server"}  # data's sync across a 2-D segment's replicas (parameter_server too)
     assert by_mode["spatial"] == {"mode", "dim", "data", "shard"} | two_d_sync
     assert by_mode["tensor"] == {"mode", "data", "shard"} | two_d_sync
     assert by_mode["channel"] == {"mode", "data", "shard"} | two_d_sync

@@ -1,8 +1,9 @@
 """2-D segments with data's `sync` across their replicas: `broadcast` (each position's gradients
 summed on the first replica's device, which alone steps and sends its slices back before the
 next forward) and `parameter_server` (each position's gradients summed on the server, which
-steps a copy of every position's slices and sends each its own back) in the plan, its memory
-and the program; `parameter_server` on spatial refused (P035)."""
+steps a copy of every position's slices and sends each its own back; spatial's whole weights:
+every band of every replica summed on it in one reduce, data's server) in the plan, its memory
+and the program."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -99,13 +100,14 @@ def _ps(k, server):
 FIVE = ["devices=[cuda:0, cuda:1, cuda:2, cuda:3, cuda:4]", "placement.2.device=cuda:4"]  # a server outside
 
 
-def test_validate_takes_a_parameter_server_on_tensor_and_channel_but_not_spatial():
-    for spec, k in ((TENSOR, 1), (CHANNEL, 0)):
+def test_validate_takes_a_parameter_server_on_each_2d_mode():
+    for spec, k in ((TENSOR, 1), (CHANNEL, 0), (SPATIAL, 1)):
         result = _validate(spec, *_ps(k, "cuda:1"))
         assert result.exit_code == 0, result.output
-    assert _validate(TENSOR, *FIVE, *_ps(1, "cuda:4")).exit_code == 0
-    spatial = _validate(SPATIAL, *_ps(1, "cuda:0"))
-    assert spatial.exit_code == 1 and "error[P035]" in spatial.output, spatial.output
+    for spec in (TENSOR, SPATIAL):
+        assert _validate(spec, *FIVE, *_ps(1, "cuda:4")).exit_code == 0
+    spatial = _validate(SPATIAL, *_ps(1, "cuda:9"))
+    assert spatial.exit_code == 1 and "error[P012]" in spatial.output, spatial.output
     unknown = _validate(TENSOR, *_ps(1, "cuda:9"))
     assert unknown.exit_code == 1 and "error[P012]" in unknown.output, unknown.output
     sharded = _validate(TENSOR, *_ps(1, "cuda:0"), "placement.1.parallel.shard=optimizer")
@@ -161,6 +163,63 @@ def test_the_program_makes_a_slice_server_and_steps_it_after_backward():
     assert flat.index("#forward,segmentbysegment") < flat.index("srv1.step()")
     assert "all_reduce_slices(seg1,dp1)" not in flat and "opt1.step()" not in flat
     assert "record_grads_now(seg1.parameters())" in flat  # run --check's first gradients, as the server summed
+
+
+def test_spatial_sums_every_band_of_every_replica_on_the_server_in_one_reduce():
+    """spatial's devices hold the whole weights: no band sums nor position sums, but data's
+    parameter server over the group and the server, bucket by bucket."""
+    bands = [op.bytes for op in _ops(api.plan(SPATIAL).plan, 1)
+             if op.kind == OpKind.ALL_REDUCE and op.devices == ("cuda:0", "cuda:1")]
+    assert bands  # the band sum of one replica: the whole weights' bytes, in buckets
+    for server, group in (("cuda:1", ("cuda:0", "cuda:1", "cuda:2", "cuda:3")),
+                          ("cuda:4", ("cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:4"))):
+        ops = _ops(api.plan(api.load(SPATIAL, [*FIVE, *_ps(1, server)])).plan, 1)
+        assert not [op for op in ops if op.kind == OpKind.ALL_REDUCE and op.tensor == "grads"]
+        assert {op.devices[0] for op in ops if op.kind == OpKind.STEP} == {server}
+        for kind, tensor in ((OpKind.REDUCE, "grads"), (OpKind.BROADCAST, "params")):
+            mine = [op for op in ops if op.kind == kind]
+            assert {(op.devices, op.phase, op.tensor, op.attrs["root"]) for op in mine} == {
+                (group, "step", tensor, server)}
+            assert sorted(op.bytes for op in mine) == sorted(bands), (server, kind)
+
+
+def test_a_spatial_server_holds_and_steps_one_whole_copy():
+    adam = "training.optimizer={op: Adam, lr: 0.01}"
+    allreduce = api.plan(api.load(SPATIAL, [adam])).estimate.memory
+    whole = allreduce["cuda:2"].param_bytes  # the features' weights (cuda:2 runs segment 1 only)
+    outside = api.plan(api.load(SPATIAL, [adam, *FIVE, *_ps(1, "cuda:4")])).estimate.memory
+    head = (1024 * 10 + 10) * 4  # the classifier's Linear(1024, 10), also on cuda:4
+    assert outside["cuda:4"].param_bytes == outside["cuda:4"].grad_bytes == head + whole  # not a copy a position
+    assert outside["cuda:4"].optimizer_bytes == 2 * (head + whole)
+    assert outside["cuda:2"].param_bytes == whole and outside["cuda:2"].optimizer_bytes == 0
+    inside = api.plan(api.load(SPATIAL, [adam, *_ps(1, "cuda:3")])).estimate.memory
+    assert inside["cuda:3"].param_bytes == whole and inside["cuda:3"].optimizer_bytes == 2 * whole
+    assert inside["cuda:2"].optimizer_bytes == 0
+
+
+def test_the_program_steps_spatial_on_a_server_that_runs_no_forward():
+    flat = "".join(api.generate(api.load(SPATIAL, [*FIVE, *_ps(1, "cuda:4")])).split())
+    assert "ps1=dist.new_group([0,1,2,3,4]" in flat
+    assert "ifrank==4:#theparameterserver:thewholelayers,steppedhere,noforwardseg1=stageelse:seg1=SpatialSplit(" \
+        in flat
+    assert ("param_server_step(seg1.parameters(),opt1,ps1,server=4,bucket_mb=25.0,buffers=list(seg1.buffers()),"
+            "buffers_from=0") in flat
+    assert "all_reduce_grads(seg1.parameters(),g1" not in flat and "opt1.step()" not in flat
+    inside = "".join(api.generate(api.load(SPATIAL, _ps(1, "cuda:1"))).split())
+    assert "param_server_step(seg1.parameters(),opt1,ps1,server=1,bucket_mb=25.0)" in inside
+    assert "seg1=stage" not in inside
+
+
+MODULE = ROOT / "tests" / "models" / "stem_split_data.yaml"  # segment 0: spatial x data on cpu..cpu:3 (StemNet)
+
+
+def test_a_module_models_spatial_server_outside_runs_no_chain_and_holds_a_segment():
+    flat = "".join(api.generate(api.load(MODULE, _ps(0, "cpu:4"))).split())  # cpu:4 runs the body
+    assert 'ifrankin(0,1,2,3):#themodel\'sforwardcallsthesplitchainrun_as_chain(model,["conv1","bn1",' in flat
+    assert "param_server_step(seg0.parameters(),opt0,ps0,server=4" in flat
+    lone = _validate(MODULE, "devices=[cpu, cpu:1, cpu:2, cpu:3, cpu:4, cpu:5]", *_ps(0, "cpu:5"))
+    assert "warning[W007]" in lone.output and "parameter server on 'cpu:5', a device that holds no segment" \
+        in lone.output, lone.output
 
 
 def test_parameter_server_sync_without_data_shard_and_clipping_are_refused():
