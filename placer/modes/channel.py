@@ -142,6 +142,8 @@ class Channel(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
+        if why := tensor.server_blocker(spec, seg):
+            return why
         why = group_blocker(spec.placement, seg.index)  # else cut by torch.distributed.pipelining
         if why and seg.index == len(spec.placement) - 1:
             return f"as the last segment {why} (the model's own forward may still work on its output)"

@@ -233,9 +233,8 @@ class Spatial(Mode):
     def module_model_blocker(self, spec, seg):
         if spec.pipeline and group_blocker(spec.placement, seg.index):  # lockstep's loops run groups
             return "in a pipeline"
-        server = seg.parallel.server if seg.parallel.sync == "parameter_server" else None
-        if server and not any(server in s.devices for s in spec.placement):  # lockstep: every rank runs a pipeline
-            return f"with its parameter server on {server!r}, a device that holds no segment"
+        if why := tensor.server_blocker(spec, seg):
+            return why
         return group_blocker(spec.placement, seg.index)  # lockstep only
 
     def check_module(self, seg, info, locs, degree):

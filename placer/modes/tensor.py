@@ -114,6 +114,15 @@ def sync_option(p) -> dict:
         {"server": p.server} if p.sync == "parameter_server" else {})
 
 
+def server_blocker(spec, seg) -> str | None:
+    """A module model's 2-D group run in lockstep whose `sync: parameter_server` is on a device
+    that holds no segment: every rank of lockstep runs the model's forward, which it cannot join."""
+    server = seg.parallel.server if seg.parallel.sync == "parameter_server" else None
+    if server and not any(server in s.devices for s in spec.placement):
+        return f"with its parameter server on {server!r}, a device that holds no segment"
+    return None
+
+
 def check_replicas(spec, seg) -> list[Diagnostic]:
     """P033 for `shard` or `sync` without replicas; P012 for an unknown server; P025 for `shard` with `sync: broadcast`, as for data; P031 unless `data: D` cuts the
     group into replicas of at least 2 devices; P030 unless D divides the batch."""
@@ -476,7 +485,9 @@ class Tensor(Mode):
     lockstep_group = True
 
     def module_model_blocker(self, spec, seg):
-        return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
+        if len(spec.placement) == 1:  # (the whole model: no lockstep)
+            return None
+        return server_blocker(spec, seg) or group_blocker(spec.placement, seg.index)
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)

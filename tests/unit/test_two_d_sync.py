@@ -220,6 +220,13 @@ def test_a_module_models_spatial_server_outside_runs_no_chain_and_holds_a_segmen
     lone = _validate(MODULE, "devices=[cpu, cpu:1, cpu:2, cpu:3, cpu:4, cpu:5]", *_ps(0, "cpu:5"))
     assert "warning[W007]" in lone.output and "parameter server on 'cpu:5', a device that holds no segment" \
         in lone.output, lone.output
+    # the channel head's server too (it crashed every rank at set-up), and refused once the model is built
+    for k in (0, 2):
+        deep = CliRunner().invoke(main, ["validate", "--deep", str(MODULE), "--set",
+                                         "devices=[cpu, cpu:1, cpu:2, cpu:3, cpu:4, cpu:5]",
+                                         *[a for s in _ps(k, "cpu:5") for a in ("--set", s)]])
+        assert deep.exit_code == 1 and "error[P086]" in deep.output and "on 'cpu:5', a device that holds no " \
+            "segment" in deep.output, deep.output
 
 
 def test_parameter_server_sync_without_data_shard_and_clipping_are_refused():
