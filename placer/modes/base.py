@@ -128,6 +128,13 @@ class Mode:
         (`share(n, d, r)`: its part of n split d ways)."""
         return [(l.params, l.buffer_bytes) for l in info]
 
+    def fsdp_rows(self, seg, info, d: int, r: int) -> list[tuple[int, int] | None]:
+        """Per layer (LayerInfo), (dim-0 length, bytes per dim-0 row) of the parameters that rank r
+        of the d devices holds, where they share one (a Linear / Conv / BatchNorm's output
+        channels): FSDP2 pads each parameter's dim 0 to a multiple of its group's size, and gathers
+        and reduce-scatters the padded shards. None: counted as held, unpadded."""
+        return [None] * len(info)
+
     def saved_copies(self, seg, info, d: int, geometry) -> list[int]:
         """Per layer (LayerInfo), bytes (global batch) that a device of the d keeps for backward
         beyond what the one-device trace counted: copies the mode makes of a layer's input and the

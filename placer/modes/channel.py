@@ -157,7 +157,7 @@ class Channel(Mode):
         return check(seg, seg_layers, kinds) + tensor.norms_in_replicas(seg, seg_layers)
 
     def check_options(self, spec, seg):
-        return tensor.check_chain_replicas(spec, seg)
+        return tensor.check_replicas(spec, seg)
 
     def data_degree(self, n, replicas=1):
         return replicas
@@ -181,6 +181,11 @@ class Channel(Mode):
         d, r = d // seg.options.get("data", 1), r % (d // seg.options.get("data", 1))  # (a 2-D segment: its replica's)
         return [(share(l.params, d, r), share(l.buffer_bytes, d, r)) if held(l) else (l.params, l.buffer_bytes)
                 for l in info]
+
+    def fsdp_rows(self, seg, info, d, r):  # a sliced layer's parameters: its part of the output channels
+        d, r = d // seg.options.get("data", 1), r % (d // seg.options.get("data", 1))
+        return [(n // d + (r < n % d), l.param_bytes // n) if held(l) and l.out_shape and (
+            n := l.out_shape[channel_dim(l)]) else None for l in info]
 
     def describe(self, seg, devices):
         if seg.replicas > 1:

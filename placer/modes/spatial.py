@@ -167,6 +167,19 @@ def emit_sync(k: int, bucket_mb: float, replicas: int = 1, broadcast: bool = Fal
             f"    all_reduce_grads(seg{k}.parameters(), g{k}, bucket_mb={bucket_mb!r})", *across, *step]
 
 
+def fsdp_rows(info) -> list[tuple[int, int] | None]:
+    """Mode.fsdp_rows: a Conv's or BatchNorm's output channels, whole on every device, and its
+    parameter bytes per channel."""
+    return [(l.out_shape[1], l.param_bytes // l.out_shape[1]) if l.params and l.out_shape else None for l in info]
+
+
+def chunk_rows(n: int, d: int, r: int) -> int:
+    """Shard r's rows of n over d as FSDP2 cuts dim 0 (torch.chunk: ceil(n / d) each, the last
+    ones short or empty)."""
+    c = -(-n // d)
+    return max(0, min(c, n - r * c))
+
+
 def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) -> None:
     """A 2-D segment (`data: D`): each replica (a run of consecutive devices) exchanges the halos
     of its rows and runs every BatchNorm over its own bands; after backward each replica sums its
@@ -184,10 +197,16 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, ctx) 
         tensor.lockstep_rows(a, seg, info, grads, op)
     bks = ctx.buckets(DEFAULT_PARALLEL.bucket_mb)  # spatial has no bucket_mb option
     if seg.options.get("shard") == "full":  # FSDP2 over each position: the bands then sum their shards
+        rows = fsdp_rows(info)
         for group in tensor.positions(seg.devices, d):
-            tensor.fsdp_ops(a, info, [ctx.sizes[l.name] for l in info], group, d, op)
-        for r, run in enumerate(runs):  # replica r holds shard r (torch.chunk's: even here when d divides)
-            shard = [(b // d + (r < b % d), names) for b, names in bks]
+            tensor.fsdp_ops(a, info, [ctx.sizes[l.name] for l in info], group, d, op, rows)
+        by_name = {l.name: n for l, n in zip(info, rows)}
+
+        def part(name: str, r: int) -> int:  # replica r holds shard r: torch.chunk's rows of dim 0
+            n, b = by_name[name] or (0, 0)
+            return chunk_rows(n, d, r) * b if n else ctx.sizes[name] // d + (r < ctx.sizes[name] % d)
+        for r, run in enumerate(runs):
+            shard = [(sum(part(m, r) for m in names), names) for _, names in bks]
             a.seg_post_bwd += bucket_ops(OpKind.ALL_REDUCE, seg, tuple(run), "bwd", "grads", shard)
         return
     if seg.options.get("sync") == "parameter_server":  # data's server over every band of every replica
@@ -246,7 +265,7 @@ class Spatial(Mode):
         return check(seg, seg_layers, kinds) + tensor.norms_in_replicas(seg, seg_layers)
 
     def check_options(self, spec, seg):
-        return tensor.check_chain_replicas(spec, seg)
+        return tensor.check_replicas(spec, seg)
 
     def data_degree(self, n, replicas=1):
         return replicas
@@ -302,6 +321,9 @@ class Spatial(Mode):
             counted = l.in_bytes if copy and l.saves_input and l.saved_bytes >= l.in_bytes else 0
             out.append(max(0, copy - counted))
         return out
+
+    def fsdp_rows(self, seg, info, d, r):
+        return fsdp_rows(info)
 
     def describe(self, seg, devices):
         if seg.replicas > 1:

@@ -167,20 +167,6 @@ def norms_in_replicas(seg, seg_layers) -> list[Diagnostic]:
                        severity="warning")] if norms else []
 
 
-def check_chain_replicas(spec, seg) -> list[Diagnostic]:
-    """channel and spatial: check_replicas (a module model's run in lockstep beside one-device
-    segments: crossings.group_blocker), and P034 for `shard: full` on a module model: FSDP2 over
-    the replicas shards an inline model's ChannelSplit / SpatialSplit (a unit per layer), while a
-    module model's chain in lockstep gets units per placed layer, untried around the split."""
-    if seg.parallel.shard == "full" and seg.parallel.data > 1 and spec.model.module:
-        return [Diagnostic("P034", f"segment {seg.name!r}: {seg.parallel.mode} x data with shard 'full' (FSDP2 over "
-                           "the data replicas) is not supported on a module model", spec.doc.loc((
-                               "placement", seg.index, "parallel", "shard")),
-                           "use shard: optimizer (ZeRO-1: the devices holding the same slices each step 1/D of "
-                           "them), or an inline model (`model.layers`)")]
-    return check_replicas(spec, seg)
-
-
 def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes: dict, mode=None,
                         inner=None, bf16: bool = False) -> None:
     """A 2-D segment: each replica runs the mode's collectives (`inner`: tensor's pair all-reduces
@@ -202,7 +188,7 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
         layer_bytes = [sizes[l.name] - (l.params - k) * l.param_bytes // max(l.params, 1)
                        for l, (k, _) in zip(info, held_elems)]
         if seg.options.get("shard") == "full":
-            fsdp_ops(a, info, layer_bytes, group, d, op)
+            fsdp_ops(a, info, layer_bytes, group, d, op, mode.fsdp_rows(seg, info, len(seg.devices), p))
             continue
         if seg.options.get("sync") == "parameter_server":  # data's, per position, over it and the server
             server = seg.options["server"]
@@ -224,11 +210,16 @@ def replica_collectives(a: Attached, seg, info, grads: Sequence[bool], op, sizes
         zero_broadcasts(a, seg, group, sum(layer_bytes), op)
 
 
-def fsdp_ops(a: Attached, info, layer_bytes: Sequence[int], group, d: int, op) -> None:
+def fsdp_ops(a: Attached, info, layer_bytes: Sequence[int], group, d: int, op,
+             rows: Sequence[tuple[int, int] | None] = ()) -> None:
     """`shard: full` on a 2-D segment: FSDP2 over a position's `group` of replicas, a unit per layer
     (`layer_bytes`: what a device of the group holds of each), as for data: its parameters
-    gathered before its forward and its backward, its gradients reduce-scattered after."""
+    gathered before its forward and its backward, its gradients reduce-scattered after; each as
+    FSDP2 pads it, to a multiple of d along dim 0 (`rows`: Mode.fsdp_rows, (dim 0, bytes a row))."""
     for i, (l, pb) in enumerate(zip(info, layer_bytes)):
+        if i < len(rows) and rows[i]:
+            n, row = rows[i]  # type: ignore[misc]
+            pb = -(-n // d) * d * row
         if pb:
             a.cuts |= {i, i + 1}
             kw = dict(devices=tuple(group), attrs={"replicas": d})

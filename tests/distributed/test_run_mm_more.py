@@ -5,11 +5,11 @@ interleaved 1F1B with a tensor stage and a channel head on the same two ranks (e
 stages: each micro-batch's forward runs in a thread that waits for the schedule's action of its
 next stage); a ResNet-style stem (stem_net.py) split spatially as a GPipe stage, and with a
 channel classifier on the same ranks under a V schedule with bf16; the stem split spatially and
-the classifier by channels, each over two data replicas (2-D groups), and the 2-D stem as
-the first stage of 1F1B; a spatial segment as a module model's only one. Each `placer run --check`
-matches the one-device reference (losses, every parameter, first-step gradients; rtol 1e-5,
-atol 4e-5, bf16's stated tolerance under bf16), and each device sends, per step, what its plan
-says."""
+the classifier by channels, each over two data replicas (2-D groups), also both under `shard:
+full` (FSDP2 over each slice position), and the 2-D stem as the first stage of 1F1B; a spatial
+segment as a module model's only one. Each `placer run --check` matches the one-device reference
+(losses, every parameter, first-step gradients; rtol 1e-5, atol 4e-5, bf16's stated tolerance
+under bf16), and each device sends, per step, what its plan says."""
 from __future__ import annotations
 
 import json
@@ -36,6 +36,9 @@ RUNS = {  # spec under tests/models: what its program must run
     "stem_split_data": ("ReplicaRows(SpatialWhole(seg0), dp0,", "all_reduce_slices(seg2, dp2)"),
     # a 2-D group as a 1F1B stage: each micro-batch's rows cut over the replicas
     "stem_split_data_1f1b": ("ReplicaRows(SpatialWhole(seg0), dp0,", "crossing.backward_own(loss, crossed)"),
+    # ... under shard: full: FSDP2 shards each split over its position, the model's forward calls it
+    "stem_split_data_fsdp": ("seg0 = fully_shard_segment(seg0, dp0, device.type)",
+                             "seg2 = fully_shard_segment(seg2, dp2, device.type)"),
 }
 
 

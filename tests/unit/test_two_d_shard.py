@@ -110,23 +110,27 @@ def test_every_shard_validates_over_replicas_and_none_without(spec, k, tmp_path)
     assert "error[P033]" in CliRunner().invoke(main, ["validate", str(path)]).output
 
 
-@pytest.mark.parametrize("mode", ["channel", "spatial"])
-def test_zero1_on_a_module_models_2d_segment_in_lockstep(mode, tmp_path):
-    """A module model's chain run in lockstep (ReplicaRows) takes ZeroSlices the same way."""
+def _module_spec(tmp_path, mode: str, shard: str, out: int = 4) -> Path:
+    """A module model (Conv, ReLU, Conv to `out` channels) whose ReLU and last Conv are a 2-D
+    `mode` x data group beside a one-device segment: run in lockstep (ReplicaRows)."""
     (tmp_path / "net.py").write_text("import torch.nn as nn\n\n\ndef make():\n    return nn.Sequential(\n"
-                                     "        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))\n")
+                                     f"        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, {out}, 3, padding=1))\n")
     (tmp_path / "spec.yaml").write_text(f"""placer: 1
 name: m
-model: {{module: net.py:make, input: {{shape: [B, 3, 8, 8]}}, target: {{shape: [B, 4, 8, 8]}}, loss: MSELoss}}
+model: {{module: net.py:make, input: {{shape: [B, 3, 8, 8]}}, target: {{shape: [B, {out}, 8, 8]}}, loss: MSELoss}}
 devices: [cpu, cpu:1, cpu:2, cpu:3, cpu:4]
 placement:
   - {{layers: "0", device: cpu}}
-  - {{layers: "1..2", devices: [cpu:1, cpu:2, cpu:3, cpu:4], parallel: {{mode: {mode}, data: 2, shard: optimizer}}}}
+  - {{layers: "1..2", devices: [cpu:1, cpu:2, cpu:3, cpu:4], parallel: {{mode: {mode}, data: 2, shard: {shard}}}}}
 training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1, kwargs: {{momentum: 0.9}}}}, seed: 0}}
 """)
-    full = (tmp_path / "spec.yaml").read_text().replace("shard: optimizer", "shard: full")
-    (tmp_path / "full.yaml").write_text(full)  # FSDP2 there: inline models only
-    assert "error[P034]" in CliRunner().invoke(main, ["validate", str(tmp_path / "full.yaml")]).output
+    return tmp_path / "spec.yaml"
+
+
+@pytest.mark.parametrize("mode", ["channel", "spatial"])
+def test_zero1_on_a_module_models_2d_segment_in_lockstep(mode, tmp_path):
+    """A module model's chain run in lockstep (ReplicaRows) takes ZeroSlices the same way."""
+    _module_spec(tmp_path, mode, "optimizer")
     spec = api.load(tmp_path / "spec.yaml")
     text = api.generate(spec)
     assert "opt1 = ZeroSlices(seg1.parameters(), dp1, torch.optim.SGD" in text and "ReplicaRows(" in text
@@ -135,3 +139,30 @@ training: {{batch_size: 4, steps: 1, optimizer: {{op: SGD, lr: 0.1, kwargs: {{mo
     parts = [o for o in api.plan(spec).plan.unique_ops() if o.kind == OpKind.BROADCAST]
     assert sorted((o.devices, o.bytes) for o in parts) == sorted(
         [(("cpu:1", "cpu:3"), held // 2)] * 2 + [(("cpu:2", "cpu:4"), held // 2)] * 2)
+
+
+@pytest.mark.parametrize("mode", ["channel", "spatial"])
+def test_fsdp_on_a_module_models_2d_segment_shards_its_split_as_padded_dim0_shards(mode, tmp_path):
+    """`shard: full` on a module model's chain in lockstep: FSDP2 shards the split (ChannelSplit's
+    slices, or the whole Convs SpatialSplit runs) over each position, as on an inline model, and
+    the model's forward calls it (run_as_chain). The last Conv has 5 output channels: FSDP2 pads
+    each parameter's dim 0 to a multiple of the 2 replicas, and the plan counts the padded shards."""
+    path = _module_spec(tmp_path, mode, "full", out=5)
+    assert CliRunner().invoke(main, ["validate", "--deep", str(path)]).exit_code == 0
+    spec = api.load(path)
+    body = api.generate(spec).split("# Below: placer's runtime")[0]
+    split = "ChannelSplit(" if mode == "channel" else "SpatialSplit("
+    assert body.index(f"seg1 = {split}") < body.index("seg1 = fully_shard_segment(seg1, dp1, device.type)") \
+        < body.index("ReplicaRows(") < body.index("opt1 = make_optimizer(seg1.parameters())")
+    assert "fully_shard_layers" not in body and "all_reduce_slices" not in body
+    ops = [o for o in api.plan(spec).plan.unique_ops() if o.tensor in ("params", "grads") and o.kind != OpKind.STEP]
+    # a position's rows of the Conv (weight 4 x 3 x 3 and a bias per row), padded to even: channel's
+    # slices are 3 and 2 rows (3 padded to 4), spatial's weights are whole, 5 rows (padded to 6)
+    rows = {("cpu:1", "cpu:3"): 4, ("cpu:2", "cpu:4"): 2} if mode == "channel" else \
+        {("cpu:1", "cpu:3"): 6, ("cpu:2", "cpu:4"): 6}
+    fsdp = [(kind, phase, g, 4 * n * (4 * 9 + 1)) for g, n in rows.items()
+            for kind, phase in (("ALL_GATHER", "fwd"), ("ALL_GATHER", "bwd"), ("REDUCE_SCATTER", "bwd"))]
+    # spatial: then each replica's bands sum their shard's gradients, torch.chunk's rows: 3, then 2
+    sums = [] if mode == "channel" else [("ALL_REDUCE", "bwd", ("cpu:1", "cpu:2"), 4 * 3 * 37),
+                                         ("ALL_REDUCE", "bwd", ("cpu:3", "cpu:4"), 4 * 2 * 37)]
+    assert sorted((o.kind.name, o.phase, o.devices, o.bytes) for o in ops) == sorted(fsdp + sums)

@@ -16,6 +16,7 @@
 # posted in the schedule's order, each tagged with its tensor, direction and micro-batch.
 import collections
 import queue
+import sys
 import threading
 
 import torch
@@ -56,12 +57,20 @@ def run_as_chain(model, names, chain):
     """The model's forward runs a group's chain of layers (each reads only the one before it,
     P087) as `chain`, their split (ChannelSplit): the first layer's call runs the whole chain and
     the others hand their input on. A layer without parameters or buffers runs inside the chain
-    itself, so the model gets an nn.Identity of its own in its place."""
+    itself, so the model gets an nn.Identity of its own in its place. So does an FSDP2 unit (a
+    spatial chain's whole Conv, which the chain calls as a module so that its hooks gather and
+    reduce-scatter it): the model's call must not run its hooks too (nor, through the forward set
+    here, the chain again); the stand-in shares the unit's parameter and buffer tables (FSDP2
+    swaps sharded and gathered tensors in them), so the model still names them."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # (a layer cannot be FSDP2's before it is imported)
     for i, name in enumerate(names):
         layer = model.get_submodule(name)
-        if next(layer.parameters(), None) is None and next(layer.buffers(), None) is None:
+        unit = fsdp is not None and isinstance(layer, fsdp.FSDPModule)
+        if unit or next(layer.parameters(), None) is None and next(layer.buffers(), None) is None:
             parent, _, attr = name.rpartition(".")
-            layer = nn.Identity()
+            layer, held = nn.Identity(), layer
+            if unit:
+                layer._parameters, layer._buffers = held._parameters, held._buffers
             setattr(model.get_submodule(parent), attr, layer)
         layer.forward = (lambda x: chain(x)) if i == 0 else (lambda x: x)  # functions, not submodules
 
