@@ -483,7 +483,11 @@ class Tensor(Mode):
     lockstep_group = True
 
     def module_model_blocker(self, spec, seg):
-        return group_blocker(spec.placement, seg.index) if len(spec.placement) > 1 else None
+        if len(spec.placement) == 1:
+            return None
+        if seg.parallel.data > 1 and seg.parallel.shard == "full":  # lockstep's FSDP2: a unit per placed layer
+            return "with data replicas and shard 'full' (FSDP2 x TP) beside other segments"
+        return group_blocker(spec.placement, seg.index)
 
     def check(self, seg, seg_layers, kinds, pipelined):
         return check(seg, seg_layers, kinds)
@@ -504,6 +508,8 @@ class Tensor(Mode):
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
             replica_collectives(a, seg, info, grads, op, ctx.sizes, bf16=ctx.bf16)
+            if ctx.lockstep:  # beside other segments: rows cut as they arrive, gathered whole after
+                lockstep_rows(a, seg, info, grads, op)
         elif seg.options.get("blocks"):
             module_collectives(a, info, grads, op, bf16=ctx.bf16)
         else:
@@ -541,8 +547,8 @@ class Tensor(Mode):
         return f"tensor parallel, Linear pairs split by columns then rows over {len(seg.ranks)} ranks"
 
     def runtime(self, seg, torch_pipeline):
-        return {"tensor", "sharding"} if seg.shard == "full" else {"tensor", "zero_slices"} \
-            if seg.shard == "optimizer" else {"tensor"}
+        return ({"tensor", "sharding"} if seg.shard == "full" else {"tensor", "zero_slices"}
+                if seg.shard == "optimizer" else {"tensor"}) | ({"bands"} if seg.rows_in else set())
 
     def recompute_blocker(self, p):
         return "FSDP2 gathers the parameters in its forward" if p.shard == "full" else None
