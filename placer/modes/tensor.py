@@ -85,17 +85,20 @@ def positions(devices: Sequence, replicas: int) -> list[list]:
     return [list(g) for g in zip(*runs(devices, replicas))]
 
 
-def lockstep_rows(a: Attached, seg, info, grads: Sequence[bool], op) -> None:
+def lockstep_rows(a: Attached, seg, info, grads: Sequence[bool], op, in_bytes: int | None = None) -> None:
     """A 2-D chain group (channel, spatial) in lockstep: each rank takes its replica's rows of the
     whole input and the replicas' outputs are all-gathered by rows over each position (runtime
-    bands.py ReplicaRows), as the input's gradient is in backward when something before trains."""
+    bands.py ReplicaRows), as the input's gradient is in backward when something before trains
+    (`in_bytes`: a tensor group's, the hidden state it cuts where it arrives, not every input of
+    its first layer: bands.py replica_rows_around)."""
     first, last = info[0], info[-1]
+    in_bytes = first.in_bytes if in_bytes is None else in_bytes
     assert first.in_shape is not None and last.out_shape is not None  # traced shapes
     for group in positions(seg.devices, seg.options["data"]):
         a.add("post_fwd", len(info) - 1, op(OpKind.ALL_GATHER, "fwd", "act", last.out_bytes, last.name, dim=0,
                                             devices=tuple(group), attrs={"rows": last.out_shape[0]}))
-        if grads[0]:
-            a.add("post_bwd", 0, op(OpKind.ALL_GATHER, "bwd", "grad", first.in_bytes, first.name, dim=0,
+        if grads[0] and in_bytes:
+            a.add("post_bwd", 0, op(OpKind.ALL_GATHER, "bwd", "grad", in_bytes, first.name, dim=0,
                                     devices=tuple(group), attrs={"rows": first.in_shape[0]}))
 
 
@@ -509,7 +512,7 @@ class Tensor(Mode):
         if seg.options.get("data", 1) > 1:
             replica_collectives(a, seg, info, grads, op, ctx.sizes, bf16=ctx.bf16)
             if ctx.lockstep:  # beside other segments: rows cut as they arrive, gathered whole after
-                lockstep_rows(a, seg, info, grads, op)
+                lockstep_rows(a, seg, info, grads, op, ctx.rows_in)
         elif seg.options.get("blocks"):
             module_collectives(a, info, grads, op, bf16=ctx.bf16)
         else:

@@ -91,6 +91,10 @@ RUNS = [
     # ... TinyGPT's blocks (a module model in lockstep) on a server in the group
     ("tests/models/tinygpt_tensor_data.yaml", ["--set", "placement.0.parallel.sync=parameter_server", "--set",
                                               "placement.0.parallel.server=cpu:1"], 4, "srv0.step()", 0),
+    # ... TinyGPT's and Llama's blocks tensor x data beside one-device segments (lockstep): each rank
+    # cuts its replica's rows of the hidden state as it arrives, the replicas' outputs gathered by rows
+    ("tests/models/tinygpt_tensor_data_beside.yaml", [], 5, 'replica_rows_around(\n            model, [("embed", 0)]', 0),
+    ("tests/models/hf_llama_tensor_data_beside.yaml", [], 5, "all_reduce_slices(seg1, dp1)", 0),
 ]
 
 
@@ -100,7 +104,8 @@ RUNS = [
                               "mlp_clip", "mlp_fsdp_clip", "mlp_accumulate_recompute", "cnn_spatial",
                               "cnn_spatial_options", "spatial_whole_model", "mlp_broadcast",
                               "cnn_channel_broadcast_accumulate", "mlp_parameter_server_outside",
-                              "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server"])
+                              "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server",
+                              "tinygpt_beside", "llama_beside"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):
     # autocast rounds each rank's partial row sum to bfloat16 where one device rounds the whole
