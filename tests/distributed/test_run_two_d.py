@@ -94,7 +94,12 @@ RUNS = [
     # ... TinyGPT's and Llama's blocks tensor x data beside one-device segments (lockstep): each rank
     # cuts its replica's rows of the hidden state as it arrives, the replicas' outputs gathered by rows
     ("tests/models/tinygpt_tensor_data_beside.yaml", [], 5, 'replica_rows_around(\n            model, [("embed", 0)]', 0),
-    ("tests/models/hf_llama_tensor_data_beside.yaml", [], 5, "all_reduce_slices(seg1, dp1)", 0),
+    # (Llama's under 1F1B: per micro-batch, the rotary cos / sin cross whole, not cut)
+    ("tests/models/hf_llama_tensor_data_beside.yaml", ["--set", "pipeline={microbatches: 3, schedule: 1f1b}", "--set",
+                                                      "training.batch_size=6", "--set",
+                                                      "devices=[cpu, cpu:1, cpu:2, cpu:3, cpu:4, cpu:5]", "--set",
+                                                      "placement.2.device=cpu:5"], 6,
+     "crossing.backward_own(loss, crossed)", 0),
 ]
 
 
@@ -105,7 +110,7 @@ RUNS = [
                               "cnn_spatial_options", "spatial_whole_model", "mlp_broadcast",
                               "cnn_channel_broadcast_accumulate", "mlp_parameter_server_outside",
                               "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server",
-                              "tinygpt_beside", "llama_beside"])
+                              "tinygpt_beside", "llama_beside_1f1b"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):
     # autocast rounds each rank's partial row sum to bfloat16 where one device rounds the whole
