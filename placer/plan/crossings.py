@@ -114,7 +114,8 @@ def group_blocker(segments, k: int) -> str | None:
     layers on the whole activation (`Mode.lockstep_group`), the others must be one device each or
     such groups, on devices no other segment uses (but a group of the same devices: its ranks
     hold several stages alike, as interleaved and V schedules place them): not data replicas
-    (replica pipelines), which cut the batch, nor a 2-D group's."""
+    (replica pipelines), which cut the batch. A 2-D group's replicas cut their own rows
+    (tensor's: `rows_blocker`, checked once the model is traced)."""
     from placer.modes import MODES
 
     seg = segments[k]

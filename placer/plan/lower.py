@@ -248,7 +248,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
     locked = lockstep(spec, plan.segments)
     rows_in = sum(math.prod(leaf[0]) * ITEMSIZE.get(leaf[1], 4) for name, i, grad in rows_entering(
         plan.segments, graph, seg.index, spec.training.batch_size) if grad
-        for leaf in [graph.layer(name).out_leaves[i]]) if locked and seg.options.get("data", 1) > 1 else 0
+        for leaf in [graph.layer(name).out_leaves[i]]) if locked and seg.options.get("data", 1) > 1 and not MODES[seg.mode].chain else 0
     ctx = Lowering(sizes=sizes, rows_in=rows_in, buckets=lambda mb: buckets(seg, graph, mb, tied),
                    geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
                    lockstep=locked, bf16=spec.training.precision == "bf16",

@@ -3,9 +3,10 @@ FSDP2 x TP (`shard: full` with it), channel x data and spatial x data (also with
 the replicas, `shard: optimizer`) train exactly as one device does (rtol 1e-5, atol 4e-5;
 TinyGPT's split blocks under bf16 at bf16's stated tolerance, their sums rounded per rank),
 and every device sends what the plan says, whether the 2-D segment sits between one-device
-segments (its input arrives through the replicas' first devices) or holds the whole model
-(each replica takes its rows of the batch and computes the loss on them), on inline layers and
-on the shipped TinyGPT's and Hugging Face Llama's blocks."""
+segments (its input arrives through the replicas' first devices; on a module model in lockstep,
+whole on every rank, each cutting its replica's rows) or holds the whole model (each replica
+takes its rows of the batch and computes the loss on them), on inline layers and on the shipped
+TinyGPT's and Hugging Face Llama's blocks."""
 from __future__ import annotations
 
 import pytest
