@@ -246,9 +246,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
                 if k == seg.index:
                     sizes[layer] = sizes.get(layer, 0) + t.tie.bytes
     locked = lockstep(spec, plan.segments)
-    rows_in = sum(math.prod(leaf[0]) * ITEMSIZE.get(leaf[1], 4) for name, i, grad in rows_entering(
-        plan.segments, graph, seg.index, spec.training.batch_size) if grad
-        for leaf in [graph.layer(name).out_leaves[i]]) if locked and seg.options.get("data", 1) > 1 and not MODES[seg.mode].chain else 0
+    rows_in = _rows_in(spec, plan, seg, graph) if locked and seg.options.get("data", 1) > 1 else 0
     ctx = Lowering(sizes=sizes, rows_in=rows_in, buckets=lambda mb: buckets(seg, graph, mb, tied),
                    geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
                    lockstep=locked, bf16=spec.training.precision == "bf16",
@@ -256,6 +254,16 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
                                   and any(k == seg.index for k, _, _ in t.copies)))
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
+
+
+def _rows_in(spec: Spec, plan: Plan, seg: PlacedSegment, graph: ModelGraph) -> int:
+    """A 2-D tensor group in lockstep: bytes of what arrives with the batch's rows and trains (the
+    hidden state it cuts; its gradient all-gathered over each position), as it crosses."""
+    if MODES[seg.mode].chain:  # (a chain's replicas cut the input of their split: its first layer's)
+        return 0
+    found = rows_entering(plan.segments, graph, seg.index, spec.training.batch_size)
+    leaves = [graph.layer(name).out_leaves[i] for name, i, grad in found if grad]
+    return sum(math.prod(leaf[0]) * ITEMSIZE.get(leaf[1], 4) for leaf in leaves)
 
 
 def _arrives_half(graph: ModelGraph, seg: PlacedSegment) -> bool:
