@@ -296,7 +296,7 @@ class TrainWriter(TrainingOptions):
         if seg in self.gathered:  # DTensors (tensor, FSDP2) or channel slices: their gradients gathered whole
             c(*MODES[seg.mode].emit_whole_grads(seg))
         if seg.rows_in:
-            c(f"replica_rows_around(model, {list(seg.rows_in)!r}, {seg.layers[-1]!r}, dp{k}, "
+            c(f"replica_rows_around(model, {list(seg.rows_in)!r}, {list(seg.layers)!r}, dp{k}, "
               f"next(p for p in {tensor.positions(seg.ranks, seg.replicas)} if rank in p))  # each replica's rows in, "
               "gathered whole after")
         if seg.chained:

@@ -94,7 +94,7 @@ RUNS = [
                                               "placement.0.parallel.server=cpu:1"], 4, "srv0.step()", 0),
     # ... TinyGPT's and Llama's blocks tensor x data beside one-device segments (lockstep): each rank
     # cuts its replica's rows of the hidden state as it arrives, the replicas' outputs gathered by rows
-    ("tests/models/tinygpt_tensor_data_beside.yaml", [], 5, 'replica_rows_around(\n            model, [("embed", 0)]', 0),
+    ("tests/models/tinygpt_tensor_data_beside.yaml", [], 5, 'replica_rows_around(\n            model,\n            [("embed", 0)]', 0),
     # (Llama's under 1F1B: per micro-batch, the rotary cos / sin cross whole, not cut)
     ("tests/models/hf_llama_tensor_data_beside.yaml", ["--set", "pipeline={microbatches: 3, schedule: 1f1b}", "--set",
                                                       "training.batch_size=6", "--set",

@@ -54,7 +54,7 @@ def test_the_plan_gathers_the_gradient_of_the_hidden_state_alone():
 
 def test_the_program_cuts_the_rows_where_the_hidden_state_arrives_and_sums_over_the_replicas():
     flat = "".join(api.generate(api.load(SPEC)).split())
-    assert ('replica_rows_around(model,[("embed",0)],"blocks.1",dp1,next(pforpin[[1,3],[2,4]]ifrankinp))'
+    assert ('replica_rows_around(model,[("embed",0)],["blocks.0","blocks.1"],dp1,next(pforpin[[1,3],[2,4]]ifrankinp)'
             in flat)
     assert "tensor_parallelize_blocks(stage,g1," in flat and "all_reduce_slices(seg1,dp1)" in flat
-    assert "defreplica_rows_around(model,entering,last,group,ranks):" in flat and "groups=GROUPS" in flat
+    assert "defreplica_rows_around(model,entering,layers,group,ranks):" in flat and "groups=GROUPS" in flat
