@@ -299,6 +299,10 @@ class TrainWriter(TrainingOptions):
             c(*MODES[seg.mode].emit_stage(seg, self.checkpoint))
         if seg in self.gathered:  # DTensors (tensor, FSDP2) or channel slices: their gradients gathered whole
             c(*MODES[seg.mode].emit_whole_grads(seg))
+        if seg.rows_in:
+            c(f"replica_rows_around(model, {list(seg.rows_in)!r}, {list(seg.layers)!r}, dp{k}, "
+              f"next(p for p in {tensor.positions(seg.ranks, seg.replicas)} if rank in p))  # each replica's rows in, "
+              "gathered whole after")
         if seg.chained:
             chain = (f"run_as_chain(model, {list(seg.layers)!r}, {MODES[seg.mode].chain_call(seg)})  # the model's "
                      "forward calls the split chain")

@@ -85,17 +85,20 @@ def positions(devices: Sequence, replicas: int) -> list[list]:
     return [list(g) for g in zip(*runs(devices, replicas))]
 
 
-def lockstep_rows(a: Attached, seg, info, grads: Sequence[bool], op) -> None:
+def lockstep_rows(a: Attached, seg, info, grads: Sequence[bool], op, in_bytes: int | None = None) -> None:
     """A 2-D chain group (channel, spatial) in lockstep: each rank takes its replica's rows of the
     whole input and the replicas' outputs are all-gathered by rows over each position (runtime
-    bands.py ReplicaRows), as the input's gradient is in backward when something before trains."""
+    bands.py ReplicaRows), as the input's gradient is in backward when something before trains
+    (`in_bytes`: a tensor group's, the hidden state it cuts where it arrives, not every input of
+    its first layer: bands.py replica_rows_around)."""
     first, last = info[0], info[-1]
+    in_bytes = first.in_bytes if in_bytes is None else in_bytes
     assert first.in_shape is not None and last.out_shape is not None  # traced shapes
     for group in positions(seg.devices, seg.options["data"]):
         a.add("post_fwd", len(info) - 1, op(OpKind.ALL_GATHER, "fwd", "act", last.out_bytes, last.name, dim=0,
                                             devices=tuple(group), attrs={"rows": last.out_shape[0]}))
-        if grads[0]:
-            a.add("post_bwd", 0, op(OpKind.ALL_GATHER, "bwd", "grad", first.in_bytes, first.name, dim=0,
+        if grads[0] and in_bytes:
+            a.add("post_bwd", 0, op(OpKind.ALL_GATHER, "bwd", "grad", in_bytes, first.name, dim=0,
                                     devices=tuple(group), attrs={"rows": first.in_shape[0]}))
 
 
@@ -478,6 +481,8 @@ class Tensor(Mode):
     def module_model_blocker(self, spec, seg):
         if len(spec.placement) == 1:  # (the whole model: no lockstep)
             return None
+        if seg.parallel.data > 1 and seg.parallel.shard == "full":  # lockstep's FSDP2: a unit per placed layer
+            return "with data replicas and shard 'full' (FSDP2 x TP) beside other segments"
         return server_blocker(spec, seg) or group_blocker(spec.placement, seg.index)
 
     def check(self, seg, seg_layers, kinds, pipelined):
@@ -499,6 +504,8 @@ class Tensor(Mode):
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
             replica_collectives(a, seg, info, grads, op, ctx.sizes, bf16=ctx.bf16)
+            if ctx.lockstep:  # beside other segments: rows cut as they arrive, gathered whole after
+                lockstep_rows(a, seg, info, grads, op, ctx.rows_in)
         elif seg.options.get("blocks"):
             module_collectives(a, info, grads, op, bf16=ctx.bf16)
         else:
@@ -536,8 +543,8 @@ class Tensor(Mode):
         return f"tensor parallel, Linear pairs split by columns then rows over {len(seg.ranks)} ranks"
 
     def runtime(self, seg, torch_pipeline):
-        return {"tensor", "sharding"} if seg.shard == "full" else {"tensor", "zero_slices"} \
-            if seg.shard == "optimizer" else {"tensor"}
+        return ({"tensor", "sharding"} if seg.shard == "full" else {"tensor", "zero_slices"}
+                if seg.shard == "optimizer" else {"tensor"}) | ({"bands"} if seg.rows_in else set())
 
     def recompute_blocker(self, p):
         return "FSDP2 gathers the parameters in its forward" if p.shard == "full" else None

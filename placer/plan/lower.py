@@ -19,6 +19,7 @@ segment s, ...), so all devices see shared ops in the same order.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ from placer.diagnostics import Diagnostic, Loc, PlanError
 from placer.model.graph import ModelGraph
 from placer.modes import MODES, Lowering
 from placer.plan.attach import Attached
-from placer.plan.crossings import crossings, lockstep, per_microbatch, pipelines
+from placer.plan.crossings import ITEMSIZE, crossings, lockstep, per_microbatch, pipelines, rows_entering
 from placer.plan.ir import Layout, Op, OpKind, PlacedSegment, Plan, layer_range, transfer_kind, union
 from placer.plan.layout import in_layout, moves
 from placer.plan.place import layer_geometry
@@ -244,13 +245,25 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
             for k, layer, _ in t.copies[1:]:
                 if k == seg.index:
                     sizes[layer] = sizes.get(layer, 0) + t.tie.bytes
-    ctx = Lowering(sizes=sizes, buckets=lambda mb: buckets(seg, graph, mb, tied),
+    locked = lockstep(spec, plan.segments)
+    rows_in = _rows_in(spec, plan, seg, graph) if locked and seg.options.get("data", 1) > 1 else 0
+    ctx = Lowering(sizes=sizes, rows_in=rows_in, buckets=lambda mb: buckets(seg, graph, mb, tied),
                    geometry=lambda name: layer_geometry(spec, name) or _window(graph.layer(name)),
-                   lockstep=lockstep(spec, plan.segments), bf16=spec.training.precision == "bf16",
+                   lockstep=locked, bf16=spec.training.precision == "bf16",
                    tied_bytes=sum(t.tie.bytes for t in placed_ties(plan.segments, graph) if len(seg.devices) > 1
                                   and any(k == seg.index for k, _, _ in t.copies)))
     MODES[seg.mode].collectives(a, seg, info, grads, op, ctx)
     return a
+
+
+def _rows_in(spec: Spec, plan: Plan, seg: PlacedSegment, graph: ModelGraph) -> int:
+    """A 2-D tensor group in lockstep: bytes of what arrives with the batch's rows and trains (the
+    hidden state it cuts; its gradient all-gathered over each position), as it crosses."""
+    if MODES[seg.mode].chain:  # (a chain's replicas cut the input of their split: its first layer's)
+        return 0
+    found = rows_entering(plan.segments, graph, seg.index, spec.training.batch_size)
+    leaves = [graph.layer(name).out_leaves[i] for name, i, grad in found if grad]
+    return sum(math.prod(leaf[0]) * ITEMSIZE.get(leaf[1], 4) for leaf in leaves)
 
 
 def _arrives_half(graph: ModelGraph, seg: PlacedSegment) -> bool:

@@ -3,9 +3,10 @@ FSDP2 x TP (`shard: full` with it), channel x data and spatial x data (also with
 the replicas, `shard: optimizer`) train exactly as one device does (rtol 1e-5, atol 4e-5;
 TinyGPT's split blocks under bf16 at bf16's stated tolerance, their sums rounded per rank),
 and every device sends what the plan says, whether the 2-D segment sits between one-device
-segments (its input arrives through the replicas' first devices) or holds the whole model
-(each replica takes its rows of the batch and computes the loss on them), on inline layers and
-on the shipped TinyGPT's and Hugging Face Llama's blocks."""
+segments (its input arrives through the replicas' first devices; on a module model in lockstep,
+whole on every rank, each cutting its replica's rows) or holds the whole model (each replica
+takes its rows of the batch and computes the loss on them), on inline layers and on the shipped
+TinyGPT's and Hugging Face Llama's blocks."""
 from __future__ import annotations
 
 import pytest
@@ -98,6 +99,15 @@ RUNS = [
                                      "--set", "placement.1.parallel.server=cuda:4", "--set",
                                      "training.optimizer={op: Adam, lr: 0.01}"], 5,
      "seg1 = stage", 0),
+    # ... TinyGPT's and Llama's blocks tensor x data beside one-device segments (lockstep): each rank
+    # cuts its replica's rows of the hidden state as it arrives, the replicas' outputs gathered by rows
+    ("tests/models/tinygpt_tensor_data_beside.yaml", [], 5, 'replica_rows_around(\n            model,\n            [("embed", 0)]', 0),
+    # (Llama's under 1F1B: per micro-batch, the rotary cos / sin cross whole, not cut)
+    ("tests/models/hf_llama_tensor_data_beside.yaml", ["--set", "pipeline={microbatches: 3, schedule: 1f1b}", "--set",
+                                                      "training.batch_size=6", "--set",
+                                                      "devices=[cpu, cpu:1, cpu:2, cpu:3, cpu:4, cpu:5]", "--set",
+                                                      "placement.2.device=cpu:5"], 6,
+     "crossing.backward_own(loss, crossed)", 0),
 ]
 
 
@@ -108,7 +118,7 @@ RUNS = [
                               "cnn_spatial_options", "spatial_whole_model", "mlp_broadcast",
                               "cnn_channel_broadcast_accumulate", "mlp_parameter_server_outside",
                               "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server",
-                              "cnn_spatial_parameter_server_outside"])
+                              "cnn_spatial_parameter_server_outside", "tinygpt_beside", "llama_beside_1f1b"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):
     # autocast rounds each rank's partial row sum to bfloat16 where one device rounds the whole

@@ -55,3 +55,49 @@ class ReplicaRows(nn.Module):
         sizes = [b - a for a, b in band_ranges(x.shape[0], len(self.ranks))]
         rows = _Band.apply(x, self.group, self.ranks, 0)
         return gather_channels(self.inner(rows), self.group, sizes, 0, self.ranks)
+
+
+def replica_rows_around(model, entering, layers, group, ranks):
+    """A 2-D tensor group (tensor x data) in lockstep: the model's forward calls its layers (the
+    blocks) one by one, with the parent's glue between and around them, so the rows are cut where
+    the batch arrives rather than around one call. Each leaf in `entering` ((layer, leaf) of
+    another segment: the hidden state received here) is cut to this rank's replica's rows (its
+    gradient all-gathered over `group` in backward, whole on every rank, as ReplicaRows), the glue
+    and the replica's split layers run on those rows (the parent's own parameters there train on
+    them, and are summed over the replicas with the slices), and `last`'s output is all-gathered
+    by rows, whole on every rank, before lockstep sends it on. A tensor with the whole batch's rows
+    that reaches the layers otherwise (made from the batch by the parent's glue: a mask) was not
+    cut: stop rather than let it broadcast against the replica's rows."""
+    whole = []  # the rows of the running forward, as they arrived
+
+    def cut(leaves):
+        def hook(module, args, out):
+            parts = [out] if isinstance(out, torch.Tensor) else list(out)
+            for i in leaves:
+                whole[:] = [parts[i].shape[0]]
+                parts[i] = _Band.apply(parts[i], group, ranks, 0)
+            return parts[0] if isinstance(out, torch.Tensor) else type(out)(parts)
+        return hook
+
+    def gather(module, args, out):
+        sizes = [b - a for a, b in band_ranges(whole[0], len(ranks))]
+        if isinstance(out, torch.Tensor):
+            return gather_channels(out, group, sizes, 0, ranks)
+        return type(out)(gather_channels(t, group, sizes, 0, ranks) if isinstance(t, torch.Tensor) else t
+                         for t in out)
+
+    def uncut(name):
+        def hook(module, args, kwargs):
+            for t in [*args, *kwargs.values()]:
+                for x in t if isinstance(t, (tuple, list)) else (t,):
+                    if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == whole[0]:
+                        raise RuntimeError(f"{name} reads a tensor of shape {list(x.shape)} with the whole batch's "
+                                           f"{whole[0]} rows: a tensor x data group beside other segments cuts its "
+                                           "replica's rows only of what arrives from other segments")
+        return hook
+
+    for name in dict.fromkeys(layer for layer, _ in entering):
+        model.get_submodule(name).register_forward_hook(cut([i for n, i in entering if n == name]))
+    for name in layers:
+        model.get_submodule(name).register_forward_pre_hook(uncut(name), with_kwargs=True)
+    model.get_submodule(layers[-1]).register_forward_hook(gather, prepend=True)  # before lockstep sends it

@@ -1,0 +1,60 @@
+"""tensor x data on a module model beside one-device segments, in lockstep
+(tests/models/tinygpt_tensor_data_beside.yaml): every rank of the 2-D group receives the whole
+hidden state, cuts its replica's rows of it as it arrives (runtime bands.py
+replica_rows_around), runs its replica's tensor split of the blocks, and the replicas' outputs
+are gathered by rows over each position; the plan counts those gathers and the program makes
+them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from placer import api
+from placer.plan.ir import OpKind
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "tests" / "models" / "tinygpt_tensor_data_beside.yaml"
+LLAMA = ROOT / "tests" / "models" / "hf_llama_tensor_data_beside.yaml"
+REPLICAS = [("cpu:1", "cpu:2"), ("cpu:3", "cpu:4")]
+PLACES = [("cpu:1", "cpu:3"), ("cpu:2", "cpu:4")]
+
+
+def _ops(plan, kind, segment=1):
+    return sorted((op.phase, op.devices, op.bytes) for op in plan.unique_ops()
+                  if op.segment == segment and op.kind == kind)
+
+
+def test_the_plan_cuts_rows_in_each_replica_and_gathers_them_over_each_place():
+    plan = api.plan(SPEC).plan
+    hidden = 4 * 8 * 16 * 4  # [batch 4, seq 8, d 16] float32, the whole batch
+    # the blocks' output gathered by rows over each place; backward, the hidden state's gradient
+    assert _ops(plan, OpKind.ALL_GATHER) == sorted([("fwd", p, hidden) for p in PLACES] +
+                                                   [("bwd", p, hidden) for p in PLACES])
+    # each replica's pair all-reduces run on its own rows (half the batch) within the replica
+    reduces = {(op.devices, op.bytes) for op in plan.unique_ops() if op.segment == 1 and op.kind == OpKind.ALL_REDUCE
+               and op.tensor == "act"}
+    assert reduces == {(r, hidden // 2) for r in REPLICAS}
+    # the slices' gradients summed over each place; the hidden state crosses whole to all four
+    sums = {op.devices for op in plan.unique_ops() if op.kind == OpKind.ALL_REDUCE and op.tensor == "grads"}
+    assert sums == set(PLACES)
+    copies = {op.dst for op in plan.unique_ops() if op.kind == OpKind.COPY and op.phase == "fwd" and op.segment == 1}
+    assert copies == {(d,) for r in REPLICAS for d in r}
+
+
+def test_the_plan_gathers_the_gradient_of_the_hidden_state_alone():
+    """Llama's decoder layers also read the rotary cos / sin (no batch rows: not cut, whole on each
+    rank): the input gradient gathered is the hidden state's, not every input of the first layer."""
+    pytest.importorskip("transformers")
+    plan = api.plan(LLAMA).plan
+    hidden = 4 * 16 * 32 * 4
+    assert _ops(plan, OpKind.ALL_GATHER) == sorted([("fwd", p, hidden) for p in PLACES] +
+                                                   [("bwd", p, hidden) for p in PLACES])
+
+
+def test_the_program_cuts_the_rows_where_the_hidden_state_arrives_and_sums_over_the_replicas():
+    flat = "".join(api.generate(api.load(SPEC)).split())
+    assert ('replica_rows_around(model,[("embed",0)],["blocks.0","blocks.1"],dp1,next(pforpin[[1,3],[2,4]]ifrankinp)'
+            in flat)
+    assert "tensor_parallelize_blocks(stage,g1," in flat and "all_reduce_slices(seg1,dp1)" in flat
+    assert "defreplica_rows_around(model,entering,layers,group,ranks):" in flat and "groups=GROUPS" in flat
