@@ -148,9 +148,10 @@ def rows_entering(segments, graph: ModelGraph, k: int, batch: int) -> list[tuple
 
 def rows_blocker(segments, graph: ModelGraph, k: int, batch: int) -> str | None:
     """Why a 2-D tensor group (segment k) cannot cut its replicas' rows in lockstep, or None: its
-    rows are cut where tensors with the batch's rows arrive and gathered after its last layer, so
-    the batch must arrive from another segment (the plan counts one input gradient's gather: one
-    such tensor that trains), and no layer but the last may send its (rows only) output out."""
+    rows are cut where tensors with the batch's rows arrive (the first segment: the batch itself,
+    as the model's forward begins) and gathered after its last layer, so the batch's rows must
+    arrive from another segment there (the plan counts one input gradient's gather: one such
+    tensor that trains), and no layer but the last may send its (rows only) output out."""
     seg = segments[k]
     inside = set(seg.layers)
     for layer in seg.layers[:-1]:
@@ -159,7 +160,7 @@ def rows_blocker(segments, graph: ModelGraph, k: int, batch: int) -> str | None:
             if out:
                 return f"whose layer {layer!r} sends its output to {out[0]!r} (only the last layer's is gathered whole)"
     found = rows_entering(segments, graph, k, batch)
-    if not found:
+    if not found and k:
         return "reading the batch itself (no tensor with the batch's rows arrives from another segment)"
     if sum(grad for _, _, grad in found) > 1:
         return (f"receiving {len(found)} tensors with the batch's rows ({', '.join(f'{l}[{i}]' for l, i, _ in found)}); "
