@@ -84,7 +84,8 @@ class Seg:
     """A 2-D segment's data replicas (its `data` option): runs of consecutive ranks, each split by the mode."""
     rows_in: tuple = ()
     """A 2-D tensor group in lockstep: (layer, leaf) of what it receives with the batch's rows, which
-    each rank cuts to its replica's rows (runtime bands.py replica_rows_around)."""
+    each rank cuts to its replica's rows (runtime bands.py replica_rows_around); the first
+    segment's is ("", 0), the model's input (the batch itself)."""
 
     @property
     def replicated(self) -> bool:
@@ -235,9 +236,9 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
                         tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),
             recompute=placed.recompute, blocks=bool(opts.get("blocks")), replicas=opts.get("data", 1),
             chained=MODES[mode].chain and len(ranks) > 1 and crossings.lockstep(spec, plan.segments),
-            rows_in=tuple((layer, leaf) for layer, leaf, _ in crossings.rows_entering(
-                plan.segments, graph, k, spec.training.batch_size)) if mode == "tensor" and opts.get("data", 1) > 1
-            and crossings.lockstep(spec, plan.segments) else (),
+            rows_in=(tuple((layer, leaf) for layer, leaf, _ in crossings.rows_entering(
+                plan.segments, graph, k, spec.training.batch_size)) if k else (("", 0),))
+            if mode == "tensor" and opts.get("data", 1) > 1 and crossings.lockstep(spec, plan.segments) else (),
         ))
         any_params |= n_params > 0
         # the plan moves what the program copies: a move exactly where the layouts differ

@@ -16,6 +16,7 @@ from placer.plan.ir import OpKind
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "tests" / "models" / "tinygpt_tensor_data_beside.yaml"
 LLAMA = ROOT / "tests" / "models" / "hf_llama_tensor_data_beside.yaml"
+FIRST = ROOT / "tests" / "models" / "tinygpt_tensor_data_first.yaml"
 REPLICAS = [("cpu:1", "cpu:2"), ("cpu:3", "cpu:4")]
 PLACES = [("cpu:1", "cpu:3"), ("cpu:2", "cpu:4")]
 
@@ -58,3 +59,26 @@ def test_the_program_cuts_the_rows_where_the_hidden_state_arrives_and_sums_over_
             in flat)
     assert "tensor_parallelize_blocks(stage,g1," in flat and "all_reduce_slices(seg1,dp1)" in flat
     assert "defreplica_rows_around(model,entering,layers,group,ranks):" in flat and "groups=GROUPS" in flat
+
+
+def test_as_the_first_segment_the_plan_gathers_its_output_and_no_input_gradient():
+    """tests/models/tinygpt_tensor_data_first.yaml: the embedding and blocks as the first segment
+    read the batch itself (each rank cuts its replica's rows of the input ids); nothing trains
+    before them, so no input gradient is gathered, only their output, by rows over each place."""
+    plan = api.plan(FIRST).plan
+    hidden = 4 * 8 * 16 * 4
+    replicas, places = [("cpu", "cpu:1"), ("cpu:2", "cpu:3")], [("cpu", "cpu:2"), ("cpu:1", "cpu:3")]
+    assert _ops(plan, OpKind.ALL_GATHER, segment=0) == sorted(("fwd", p, hidden) for p in places)
+    reduces = {(op.devices, op.bytes) for op in plan.unique_ops() if op.segment == 0 and op.kind == OpKind.ALL_REDUCE
+               and op.tensor == "act"}
+    assert reduces == {(r, hidden // 2) for r in replicas}  # each replica's pair sums on its own rows
+    sends = {(op.src, op.dst, op.bytes) for op in plan.unique_ops() if op.kind == OpKind.COPY and op.phase == "fwd"}
+    assert sends == {(("cpu",), ("cpu:4",), hidden)}  # the gathered output, from the group's first
+
+
+def test_as_the_first_segment_the_program_cuts_the_batch_as_the_forward_begins():
+    flat = "".join(api.generate(api.load(FIRST)).split())
+    assert ('replica_rows_around(model,[("",0)],["embed","blocks.0","blocks.1"],dp0,next(pforpin[[0,2],[1,3]]ifrankinp)'
+            in flat)
+    assert "model.register_forward_pre_hook(cut_batch)" in flat  # so the parent's `+ pos` runs on the rows too
+    assert "model.register_forward_pre_hook(self._rows,prepend=True)" in flat  # lockstep counts the whole batch

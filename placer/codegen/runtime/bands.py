@@ -67,7 +67,9 @@ def replica_rows_around(model, entering, layers, group, ranks):
     them, and are summed over the replicas with the slices), and `last`'s output is all-gathered
     by rows, whole on every rank, before lockstep sends it on. A tensor with the whole batch's rows
     that reaches the layers otherwise (made from the batch by the parent's glue: a mask) was not
-    cut: stop rather than let it broadcast against the replica's rows."""
+    cut: stop rather than let it broadcast against the replica's rows. The first segment reads
+    the batch itself (`entering` ("", 0): the model's input): it is cut as the model's forward
+    begins, so all the parent's glue (TinyGPT's `+ pos`, masks) runs on the replica's rows."""
     whole = []  # the rows of the running forward, as they arrived
 
     def cut(leaves):
@@ -78,6 +80,10 @@ def replica_rows_around(model, entering, layers, group, ranks):
                 parts[i] = _Band.apply(parts[i], group, ranks, 0)
             return parts[0] if isinstance(out, torch.Tensor) else type(out)(parts)
         return hook
+
+    def cut_batch(module, args):
+        whole[:] = [args[0].shape[0]]
+        return (_Band.apply(args[0], group, ranks, 0), *args[1:])
 
     def gather(module, args, out):
         sizes = [b - a for a, b in band_ranges(whole[0], len(ranks))]
@@ -97,6 +103,9 @@ def replica_rows_around(model, entering, layers, group, ranks):
         return hook
 
     for name in dict.fromkeys(layer for layer, _ in entering):
+        if not name:  # the model's input (Lockstep's hook, prepended, still counts the whole batch's rows)
+            model.register_forward_pre_hook(cut_batch)
+            continue
         model.get_submodule(name).register_forward_hook(cut([i for n, i in entering if n == name]))
     for name in layers:
         model.get_submodule(name).register_forward_pre_hook(uncut(name), with_kwargs=True)

@@ -108,7 +108,8 @@ class Lockstep:
         self.sent, self.received, self.posted = [], [], []
         self.pending = []  # 1F1B: sends waited on at the end of the step (settle), so none blocks a rank
         self.rows = batch
-        model.register_forward_pre_hook(self._rows)
+        # first: a 2-D tensor group's ranks cut their replica's rows of the batch (bands.py)
+        model.register_forward_pre_hook(self._rows, prepend=True)
         # several stages on this rank: micro-batch -> the last stage its forward may run, its
         # thread's go-ahead, what it sent and received; the threads' reports (paused, done, error)
         self.mb, self.allowed, self.go, self.crossed, self.reports = 0, None, {}, {}, queue.Queue()
