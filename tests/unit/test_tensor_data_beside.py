@@ -63,7 +63,7 @@ def test_the_program_cuts_the_rows_where_the_hidden_state_arrives_and_sums_over_
 FSDP_TP = ROOT / "tests" / "models" / "tinygpt_fsdp_tp_beside.yaml"
 
 
-def test_fsdp_tp_beside_others_passes_validate_deep():
+def test_fsdp_tp_beside_others_passes_validate_deep(tmp_path):
     from click.testing import CliRunner
 
     from placer.cli.main import main
@@ -71,6 +71,12 @@ def test_fsdp_tp_beside_others_passes_validate_deep():
     for args in (["validate", str(FSDP_TP)], ["validate", "--deep", str(FSDP_TP)]):  # neither W007 nor P086
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 0 and "W007" not in r.output and "P086" not in r.output, r.output
+    # every block in the group: its glue then reads TinyGPT's `pos`, which no FSDP2 unit would gather
+    text = FSDP_TP.read_text().replace("../../specs", str(ROOT / "specs")).replace(
+        "layers: [embed, blocks.0], device", "layers: embed, device").replace("layers: blocks.1,", "layers: blocks.*,")
+    (tmp_path / "spec.yaml").write_text(text)
+    r = CliRunner().invoke(main, ["validate", "--deep", str(tmp_path / "spec.yaml")])
+    assert r.exit_code == 1 and "error[P082]: parameter 'pos'" in r.output and "(mode 'tensor')" in r.output, r.output
 
 
 def test_fsdp_tp_beside_others_gathers_and_scatters_each_unit_over_each_place():
