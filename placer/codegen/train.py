@@ -291,8 +291,9 @@ class TrainWriter(TrainingOptions):
                   f"lambda m: sync_batchnorm(m, {bn}, device)))")
             else:
                 c(f"stage = sync_batchnorm(stage, {bn}, device)")
-        if self.lockstep and seg.shard == "full" and not seg.chained:  # a unit per placed layer: what the
-            # model's forward calls (a chain group's split is sharded itself: the model's forward calls it)
+        if self.lockstep and seg.shard == "full" and not seg.chained and seg.replicas == 1:  # a unit per placed
+            # layer: what the model's forward calls (a chain group's split is sharded itself: the model's forward
+            # calls it; FSDP2 x TP's over its mesh's dp dim, tensor.emit_fsdp_stage)
             c(f"seg{k} = fully_shard_layers(stage, {list(seg.layers)!r}, g{k}, device.type)  # gradients "
               "reduce-scattered in backward")
         else:

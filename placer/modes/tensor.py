@@ -395,11 +395,14 @@ def emit_fsdp_stage(seg) -> list[str]:
     split = (f"tensor_parallelize_blocks(stage, {tp}, {[(tuple(c.split('+')), r) for c, r in seg.pairs]!r}, "
              "device.type)  # ((column halves), row half)" if seg.blocks else
              f"tensor_parallelize(stage, {tp}, {list(seg.pairs)!r}, device.type)  # (column, row) Linear pairs")
-    return [f"# FSDP2 x TP: a 2-D mesh, rows the {seg.replicas} data replicas, columns the ranks of each",
+    head = [f"# FSDP2 x TP: a 2-D mesh, rows the {seg.replicas} data replicas, columns the ranks of each",
             f'mesh{k} = DeviceMesh.from_group([dp{k}, g{k}], device.type, mesh={reps}, mesh_dim_names=("dp", "tp"))',
-            split,
-            f"seg{k} = fully_shard_segment(stage, {dp}, device.type)  # gradients reduce-scattered over dp",
-            f"no_prefetch_across_micro_batches(seg{k})  # (a gather the plan does not count, in a pipeline)"]
+            split]
+    if seg.rows_in:  # in lockstep the model's forward calls the placed layers: a unit each, each its own root
+        return head + [f"seg{k} = fully_shard_layers(stage, {list(seg.layers)!r}, {dp}, device.type)  # gradients "
+                       "reduce-scattered over dp"]
+    return head + [f"seg{k} = fully_shard_segment(stage, {dp}, device.type)  # gradients reduce-scattered over dp",
+                   f"no_prefetch_across_micro_batches(seg{k})  # (a gather the plan does not count, in a pipeline)"]
 
 
 def emit_zero_slices(k: int, replicas: int, zero_args: str) -> list[str]:
@@ -481,8 +484,6 @@ class Tensor(Mode):
     def module_model_blocker(self, spec, seg):
         if len(spec.placement) == 1:  # (the whole model: no lockstep)
             return None
-        if seg.parallel.data > 1 and seg.parallel.shard == "full":  # lockstep's FSDP2: a unit per placed layer
-            return "with data replicas and shard 'full' (FSDP2 x TP) beside other segments"
         return server_blocker(spec, seg) or group_blocker(spec.placement, seg.index)
 
     def check(self, seg, seg_layers, kinds, pipelined):

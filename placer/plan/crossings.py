@@ -306,8 +306,8 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
             if r.trainable and held is not None and len(held.devices) > 1 and \
                     getattr(spec.placement[held.index].parallel, "shard", "none") == "full":
                 out.append(Diagnostic(
-                    "P082", f"parameter {r.name!r} belongs to no placed layer, and segment {held.name!r} is data "
-                    "parallel with shard 'full': in lockstep FSDP2 shards each placed layer (what the model's forward "
+                    "P082", f"parameter {r.name!r} belongs to no placed layer, and segment {held.name!r} (mode "
+                    f"{held.mode!r}) has shard 'full': in lockstep FSDP2 shards each placed layer (what the model's forward "
                     "calls), and nothing would gather it", spec.placement[held.index].loc,
                     "move it into a submodule and place that, or use shard none or optimizer on that segment"))
             if r.trainable and held is not None and len(held.devices) > 1 and MODES[held.mode].chain:

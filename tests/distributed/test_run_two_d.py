@@ -111,6 +111,15 @@ RUNS = [
     # ... TinyGPT's embedding and blocks as the first segment: each rank cuts its replica's rows of the
     # batch (the input ids) as the model's forward begins, so the parent's `+ pos` runs on them too
     ("tests/models/tinygpt_tensor_data_first.yaml", [], 5, 'replica_rows_around(\n            model,\n            [("", 0)]', 0),
+    # ... and FSDP2 x TP there (TinyGPT's last block): tensor_parallelize_blocks over tp, then a unit per
+    # placed layer over dp, which the model's forward calls (the rows cut and gathered as above)
+    ("tests/models/tinygpt_fsdp_tp_beside.yaml", [], 5, 'fully_shard_layers(stage, ["blocks.1"], mesh1["dp"]', 0),
+    # (Llama's decoder layers under 1F1B: each unit gathered and resharded per micro-batch)
+    ("tests/models/hf_llama_tensor_data_beside.yaml", [*FSDP, "--set", "pipeline={microbatches: 3, schedule: 1f1b}",
+                                                      "--set", "training.batch_size=6", "--set",
+                                                      "devices=[cpu, cpu:1, cpu:2, cpu:3, cpu:4, cpu:5]", "--set",
+                                                      "placement.2.device=cpu:5"], 6,
+     'fully_shard_layers(\n            stage, ["model.layers.0", "model.layers.1"], mesh1["dp"]', 0),
 ]
 
 
@@ -122,7 +131,7 @@ RUNS = [
                               "cnn_channel_broadcast_accumulate", "mlp_parameter_server_outside",
                               "cnn_channel_parameter_server_accumulate", "tinygpt_parameter_server",
                               "cnn_spatial_parameter_server_outside", "tinygpt_beside", "llama_beside_1f1b",
-                              "tinygpt_first"])
+                              "tinygpt_first", "tinygpt_fsdp_tp_beside", "llama_fsdp_tp_beside_1f1b"])
 def test_2d_segment_matches_one_device_and_sends_what_the_plan_says(spec, sets, workers, call, slack, tmp_path,
                                                                     request):
     # autocast rounds each rank's partial row sum to bfloat16 where one device rounds the whole

@@ -82,3 +82,52 @@ def test_as_the_first_segment_the_program_cuts_the_batch_as_the_forward_begins()
             in flat)
     assert "model.register_forward_pre_hook(cut_batch)" in flat  # so the parent's `+ pos` runs on the rows too
     assert "model.register_forward_pre_hook(self._rows,prepend=True)" in flat  # lockstep counts the whole batch
+
+
+FSDP_TP = ROOT / "tests" / "models" / "tinygpt_fsdp_tp_beside.yaml"
+
+
+def test_fsdp_tp_beside_others_passes_validate_deep(tmp_path):
+    from click.testing import CliRunner
+
+    from placer.cli.main import main
+
+    for args in (["validate", str(FSDP_TP)], ["validate", "--deep", str(FSDP_TP)]):  # neither W007 nor P086
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0 and "W007" not in r.output and "P086" not in r.output, r.output
+    # every block in the group: its glue then reads TinyGPT's `pos`, which no FSDP2 unit would gather
+    text = FSDP_TP.read_text().replace("../../specs", str(ROOT / "specs")).replace(
+        "layers: [embed, blocks.0], device", "layers: embed, device").replace("layers: blocks.1,", "layers: blocks.*,")
+    (tmp_path / "spec.yaml").write_text(text)
+    r = CliRunner().invoke(main, ["validate", "--deep", str(tmp_path / "spec.yaml")])
+    assert r.exit_code == 1 and "error[P082]: parameter 'pos'" in r.output and "(mode 'tensor')" in r.output, r.output
+
+
+def test_fsdp_tp_beside_others_gathers_and_scatters_each_unit_over_each_place():
+    """blocks.1, one FSDP2 unit: each rank holds a quarter of every split weight (half of its
+    replica's tp slice) and half of what tp leaves whole; its tp slice is all-gathered over each
+    place (dp) in forward and again in backward, its gradients reduce-scattered there; no
+    all-reduce of the slices' gradients; the rows cut and gathered as without FSDP2."""
+    report = api.plan(FSDP_TP)
+    plan = report.plan
+    d, ff = 16, 64
+    split = 3 * (d * d + d) + d * d + d * ff + ff + ff * d  # q, k, v (+ biases), proj, fc (+ bias), mlp.proj
+    whole = 2 * 2 * d + d + d  # ln_1, ln_2 (weight, bias), the row halves' biases (attn.proj, mlp.proj)
+    tp_slice = (split // 2 + whole) * 4  # bytes, one replica's rank's, before FSDP2 shards it over dp
+    assert _ops(plan, OpKind.ALL_GATHER) == sorted(
+        [(phase, p, tp_slice) for p in PLACES for phase in ("fwd", "bwd")] +  # the unit's parameters
+        [(phase, p, 4 * 8 * d * 4) for p in PLACES for phase in ("fwd", "bwd")])  # the rows, as without FSDP2
+    assert _ops(plan, OpKind.REDUCE_SCATTER) == sorted(("bwd", p, tp_slice) for p in PLACES)
+    assert not [op for op in plan.unique_ops() if op.kind == OpKind.ALL_REDUCE and op.tensor == "grads"]
+    held = {m["device"]: (m["params"], m["comm_bytes"]) for m in report.as_dict()["devices"]}
+    assert all(held[dev] == ((split // 2 + whole) // 2, 2 * tp_slice) for r in REPLICAS for dev in r), held
+
+
+def test_the_program_splits_over_tp_then_shards_each_placed_layer_over_dp():
+    flat = "".join(api.generate(api.load(FSDP_TP)).split())
+    assert 'mesh1=DeviceMesh.from_group([dp1,g1],device.type,mesh=[[1,2],[3,4]],mesh_dim_names=("dp","tp"))' in flat
+    assert 'tensor_parallelize_blocks(stage,mesh1["tp"],' in flat
+    # a unit per placed layer (what the model's forward calls), not the stage as one root
+    assert 'seg1=fully_shard_layers(stage,["blocks.1"],mesh1["dp"],device.type)' in flat
+    assert "fully_shard_segment(stage" not in flat and "all_reduce_slices(seg1" not in flat
+    assert 'replica_rows_around(model,[("blocks.0",0)],["blocks.1"],dp1,' in flat

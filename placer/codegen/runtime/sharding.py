@@ -89,8 +89,9 @@ def fully_shard_layers(stage, names, group, device_type="cpu"):
     modules the model's own forward calls (the stage container, which nothing calls, gets no
     unit). Each unit is then its own root; reshard_after_forward=True keeps it resharding after
     its forward as the plan counts (a root would keep its parameters gathered). Gradients SUMMED
-    over group. Returns stage; make its optimizer afterwards, from stage.parameters()."""
-    mesh = DeviceMesh.from_group(group, device_type)
+    over group (or a DeviceMesh: a 2-D one's dp dim, FSDP2 x TP). Returns stage; make its optimizer
+    afterwards, from stage.parameters()."""
+    mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     for name in names:
         layer = stage.get_submodule(name)
         if _has_params(layer):
