@@ -113,7 +113,7 @@ class Seg:
         """`sync: parameter_server` on a 2-D tensor or channel segment: the server keeps copies of
         every position's slices (SliceServer). spatial x data's devices hold the whole weights, so
         its server keeps them whole too, as data's does."""
-        return self.sync == "parameter_server" and self.replicas > 1 and self.mode != "spatial"
+        return self.sync == "parameter_server" and self.replicas > 1 and MODES[self.mode].holds_slices
 
     @property
     def holders(self) -> tuple[int, ...]:
@@ -238,7 +238,8 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             chained=MODES[mode].chain and len(ranks) > 1 and crossings.lockstep(spec, plan.segments),
             rows_in=(tuple((layer, leaf) for layer, leaf, _ in crossings.rows_entering(
                 plan.segments, graph, k, spec.training.batch_size)) if k else (("", 0),))
-            if mode == "tensor" and opts.get("data", 1) > 1 and crossings.lockstep(spec, plan.segments) else (),
+            if MODES[mode].rows_around and opts.get("data", 1) > 1 and crossings.lockstep(spec, plan.segments)
+            else (),
         ))
         any_params |= n_params > 0
         # the plan moves what the program copies: a move exactly where the layouts differ

@@ -172,7 +172,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
         # the slices at each position (the first replica's devices), which a 2-D segment's server copies
         # (spatial's devices hold the whole weights: its server one copy of them, as data's)
         copies = [held_params(seg, graph, dev)[:2] for dev in seg.devices[:len(seg.devices) // seg.options["data"]]] \
-            if server and seg.options.get("data", 1) > 1 and seg.mode != "spatial" else []
+            if server and seg.options.get("data", 1) > 1 and MODES[seg.mode].holds_slices else []
         shard = seg.options.get("shard", "none")  # (data's option, and a 2-D tensor segment's)
         for dev in holders:
             n, b, buf = held_params(seg, graph, dev) if dev in seg.devices or not copies else (0, 0, 0)

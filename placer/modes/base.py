@@ -51,6 +51,14 @@ class Mode:
     chain = False
     """Whether the program runs the segment as a chain of its layers (nn.Sequential), not the
     model's own forward: a module model's segment must then be one (channel)."""
+    holds_slices = False
+    """Whether a 2-D segment's devices hold slices of its parameters (tensor, channel), so that a
+    `sync: parameter_server` keeps a copy of every position's (SliceServer); spatial's hold the
+    whole weights, which its server keeps whole, as data's does."""
+    rows_around = False
+    """Whether a module model's 2-D group in lockstep cuts its replica's rows where tensors enter
+    it and gathers them after its last layer (replica_rows_around: tensor), not inside a chain
+    of its layers (ReplicaRows: channel, spatial)."""
 
     # -- validate -----------------------------------------------------------------------------------
     def module_model_blocker(self, spec, seg) -> str | None:

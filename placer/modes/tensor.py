@@ -475,6 +475,8 @@ def emit_sync(seg) -> tuple[tuple[int, ...], list[str]]:
 
 class Tensor(Mode):
     name = "tensor"
+    holds_slices = True
+    rows_around = True
     options_keys = ("data", "shard", "sync", "server")
     whole_on_each = True
     forward_sends_activations = True
