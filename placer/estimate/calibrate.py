@@ -1,8 +1,8 @@
 """Measuring this machine's CPU for the cost model's `cpu` profile (`estimate/hardware.py`).
 
-Everything a CPU worker of a run spends time on, timed as such a worker runs it: Linear layers'
-forward and backward by size, memory bandwidth, fixed costs per layer and optimizer tensor,
-Adam's update, and between two gloo processes (`probe`, run as `python -m
+Everything a CPU worker of a run spends time on, timed as such a worker runs it: Linear and
+Conv2d layers' forward and backward by size, memory bandwidth, fixed costs per layer and
+optimizer tensor, Adam's update, and between two gloo processes (`probe`, run as `python -m
 placer.estimate.calibrate PORT RANK`) message latency, bandwidth, a small all-reduce and the
 fixed costs FSDP2, DTensor and torch's pipeline schedules add.
 """
@@ -31,11 +31,28 @@ def _best(fn, repeat: int = 5) -> float:
 LINEAR_SIZES = ((64, 256, 256), (128, 512, 512), (256, 1024, 1024))
 """(rows, in, out) of the Linear layers whose forward and backward calibrate `rates`."""
 
+CONV_SIZES = ((8, 8, 8, 16), (16, 3, 16, 32), (16, 16, 32, 16), (32, 32, 64, 16))
+"""(batch, in channels, out channels, height = width) of the 3x3, padding 1 Conv2d layers whose
+forward and backward calibrate `conv_rates`: a first layer on an RGB image to wider ones, as
+image models (and the bench's spatial spec) have them; in increasing FLOPs."""
+
+
+def _rates(layer, x, flops: int, layer_overhead: float) -> tuple[float, float, float]:
+    """(forward FLOPs, forward FLOP/s, backward FLOP/s) of `layer` on `x` (which requires grad):
+    the backward is timed as forward + backward less the forward, and counted as twice the
+    forward's FLOPs, as the cost model counts it."""
+    import torch
+
+    fwd = _best(lambda: layer(x))
+    grad = torch.ones_like(layer(x))
+    both = _best(lambda: layer(x).backward(grad))
+    return (flops, flops / max(fwd - layer_overhead, 1e-9), 2 * flops / max(both - fwd - layer_overhead, 1e-9))
+
 
 def calibrate(threads: int) -> Hardware:
     """Measure this machine's CPU with `threads` threads, as one CPU worker of a run: Linear
     layers' forward and backward by size, a big add's bandwidth, a tiny layer's fixed cost, Adam's
-    step, and two gloo processes' message latency and bandwidth (`probe`)."""
+    step, Conv2d layers by size, and two gloo processes' message latency and bandwidth (`probe`)."""
     import torch
 
     before = torch.get_num_threads()
@@ -46,12 +63,12 @@ def calibrate(threads: int) -> Hardware:
         layer_overhead = _best(lambda: tiny(inp).sum().backward()) / (2 * len(tiny))
         rates = []
         for rows, i, o in LINEAR_SIZES:
-            layer, x = torch.nn.Linear(i, o), torch.randn(rows, i, requires_grad=True)
-            flops = 2 * rows * i * o
-            fwd = _best(lambda: layer(x))
-            both = _best(lambda: layer(x).backward(torch.ones(rows, o)))
-            rates.append((flops, flops / max(fwd - layer_overhead, 1e-9),
-                          2 * flops / max(both - fwd - layer_overhead, 1e-9)))
+            rates.append(_rates(torch.nn.Linear(i, o), torch.randn(rows, i, requires_grad=True), 2 * rows * i * o,
+                                layer_overhead))
+        conv_rates = []
+        for b, c, o, hw in CONV_SIZES:  # 2 FLOPs per multiply-add: each output element's c * 3 * 3 of them
+            conv_rates.append(_rates(torch.nn.Conv2d(c, o, 3, padding=1), torch.randn(b, c, hw, hw, requires_grad=True),
+                                     2 * b * o * hw * hw * c * 9, layer_overhead))
         with torch.no_grad():
             x, y = torch.randn(8 << 20), torch.randn(8 << 20)
             mem_bw = 3 * x.numel() * 4 / _best(lambda: x.add_(y))
@@ -73,7 +90,8 @@ def calibrate(threads: int) -> Hardware:
     finally:
         torch.set_num_threads(before)
     link = _probe_gloo()
-    return Hardware(name="cpu", flops=rates[-1][1], rates=tuple(rates), bf16_flops=rates[-1][1], mem_bw=mem_bw,
+    return Hardware(name="cpu", flops=rates[-1][1], rates=tuple(rates), conv_rates=tuple(conv_rates),
+                    bf16_flops=rates[-1][1], mem_bw=mem_bw,
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
                     action_s=link["action"],

@@ -29,6 +29,9 @@ class Hardware:
     rates: tuple = ()
     """Measured ((FLOPs of a layer, forward FLOP/s, backward FLOP/s), ...) by size: small layers
     run far below the peak. Empty: `flops` at every size."""
+    conv_rates: tuple = ()
+    """The same for convolutions (Conv1d-3d, ConvTranspose1d-3d), measured on Conv2d layers: their
+    kernels (im2col / oneDNN) run at other rates than a matmul of as many FLOPs. Empty: `rates`."""
     bf16_flops: float
     mem_bw: float
     """Bytes/s through device memory: elementwise layers and the optimizer step."""
@@ -77,6 +80,9 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
+CALIBRATION = 2
+"""What `calibrate` measures, in the cache's key: a profile cached by an older calibration
+(1: no `conv_rates`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
@@ -102,13 +108,14 @@ def _cache_path(threads: int) -> Path:
 def cached_cpu(threads: int) -> Hardware:
     import torch
 
-    key = {"torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine()}
+    key = {"torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
+           "calibration": CALIBRATION}
     path = _cache_path(threads)
     try:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             fields = doc["profile"]
-            return Hardware(**{**fields, "rates": tuple(tuple(r) for r in fields["rates"])})
+            return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in ("rates", "conv_rates")}})
     except (OSError, ValueError, TypeError):
         pass
     from placer.estimate.calibrate import calibrate
@@ -124,11 +131,17 @@ def cached_cpu(threads: int) -> Hardware:
     return hw
 
 
-def rate(hw: Hardware, flops: float, backward: bool = False) -> float:
-    """FLOP/s of a layer of `flops` forward FLOPs: interpolated (log-log) between measured sizes."""
-    if not hw.rates:
+CONV_OPS = frozenset(f"{p}{n}d" for p in ("Conv", "ConvTranspose", "LazyConv", "LazyConvTranspose") for n in "123")
+"""Layers whose FLOPs run at `conv_rates` (transformers' `Conv1D` is a Linear: not one of them)."""
+
+
+def rate(hw: Hardware, flops: float, backward: bool = False, conv: bool = False) -> float:
+    """FLOP/s of a layer of `flops` forward FLOPs: interpolated (log-log) between measured sizes,
+    a convolution's (`conv`) between those of `conv_rates` where the profile has them."""
+    table = hw.conv_rates if conv and hw.conv_rates else hw.rates
+    if not table:
         return hw.flops
-    pts = [(f, b if backward else r) for f, r, b in hw.rates]
+    pts = [(f, b if backward else r) for f, r, b in table]
     if flops <= pts[0][0]:
         return pts[0][1]
     for (f0, r0), (f1, r1) in zip(pts, pts[1:]):

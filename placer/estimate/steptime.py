@@ -3,8 +3,8 @@
 It replays the lowered plan's op lists on a hardware profile (`estimate/hardware.py`). Each
 device runs its ops in order on one clock:
 
-- compute: per layer, the larger of FLOPs / FLOP/s and bytes in and out / memory bandwidth, plus
-  a fixed cost per layer and pass; backward is twice the forward (a zero-bubble half once); a
+- compute: per layer, the larger of FLOPs / FLOP/s (a convolution's at the profile's conv rates)
+  and bytes in and out / memory bandwidth, plus a fixed cost per layer and pass; backward is twice the forward (a zero-bubble half once); a
   pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
 - a copy, split, merge or collective starts when every device in it has reached it and ends
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from placer.device import Device
 from placer.estimate.comm import op_moves
 from placer.estimate.cost import BACKWARD_FACTOR
-from placer.estimate.hardware import Hardware, rate
+from placer.estimate.hardware import CONV_OPS, Hardware, rate
 from placer.model.graph import ModelGraph
 from placer.plan.ir import COLLECTIVES, TRANSFERS, Op, OpKind, Plan
 
@@ -67,11 +67,11 @@ def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_s
     t = 0.0
     for name in plan.chunk_layers(op):
         layer = graph.layer(name)
-        flops = layer.flops / share
+        flops, conv = layer.flops / share, layer.op in CONV_OPS
         if op.phase == "fwd":
-            work = flops / rate(hw, flops) if flops else 0.0
+            work = flops / rate(hw, flops, conv=conv) if flops else 0.0
         else:  # a zero-bubble half is half of a whole backward
-            work = factor / 2 * 2 * flops / rate(hw, flops, backward=True) if flops else 0.0
+            work = factor / 2 * 2 * flops / rate(hw, flops, backward=True, conv=conv) if flops else 0.0
         t += max(work, factor * (layer.in_bytes + layer.out_bytes) / share / hw.mem_bw) + hw.layer_overhead
     return t + (hw.action_s if op.microbatch is not None else 0.0)
 

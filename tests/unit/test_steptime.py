@@ -180,3 +180,55 @@ def test_the_cpu_profile_is_read_from_its_cache(tmp_path, monkeypatch):
     assert hardware.is_cached(1)
     monkeypatch.setattr(calibrate, "calibrate", lambda threads: pytest.fail("calibrated twice"))
     assert hardware.profile("cpu", workers_per_host=1) == first
+
+
+CONV = """placer: 1
+name: conv
+model:
+  layers:
+    - {name: conv, op: Conv2d, args: [10, 10, 3], kwargs: {padding: 1}}
+    - {name: flat, op: Flatten}
+    - {name: fc, op: Linear, args: [1000, 10]}
+  input: {shape: [B, 10, 10, 10]}
+  target: {shape: [B, 10]}
+  loss: MSELoss
+devices: [cpu:0]
+placement:
+  - {layers: conv..fc, device: cpu:0}
+training: {batch_size: 10, steps: 1, optimizer: {op: SGD, lr: 0.1}}
+"""
+# conv: 2 FLOPs x 10 rows x 10 channels out x 10x10 pixels x (10 channels in x 3x3) = 1.8 MFLOP forward.
+# fc: 2*10*1000*10 = 0.2 MFLOP forward. flat: no FLOPs; its 40,000 B in and out = 80 us forward, 160 us back.
+
+
+def test_a_convolution_runs_at_the_conv_rate_and_a_linear_at_the_linear_rate(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(CONV)
+    graph, plan, est, _ = build_and_plan(load_spec(str(path)))
+    assert graph.layer("conv").flops == 1_800_000 and graph.layer("fc").flops == 200_000
+    linear = replace(HW, rates=((1e3, 1e9, 1e9),))  # every layer at 1 GFLOP/s both ways
+    conv = replace(linear, conv_rates=((1e3, 1e8, 5e7),))  # convolutions: 0.1 forward, 0.05 backward
+    flat = 80e-6 + 160e-6
+    fc = 0.2e-3 + 0.4e-3
+    assert step_time(plan, graph, est, linear).per_device["cpu:0"].compute_s == pytest.approx(5.4e-3 + flat + fc)
+    # conv: 1.8 MFLOP at 0.1 GFLOP/s = 18 ms forward, 3.6 MFLOP at 0.05 GFLOP/s = 72 ms backward
+    assert step_time(plan, graph, est, conv).per_device["cpu:0"].compute_s == pytest.approx(90e-3 + flat + fc)
+
+
+def test_conv_rates_serve_convolutions_only_and_fall_back_to_the_linear_rates():
+    hw = replace(HW, rates=((1e6, 1e9, 5e8),), conv_rates=((1e6, 2e8, 1e8),))
+    assert rate(hw, 1e7) == 1e9 and rate(hw, 1e7, conv=True) == 2e8 and rate(hw, 1e7, True, conv=True) == 1e8
+    assert rate(replace(hw, conv_rates=()), 1e7, conv=True) == 1e9
+
+
+def test_a_profile_cached_by_an_older_calibration_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "calibrate", lambda threads: replace(HW, name="cpu", conv_rates=((1.0, 2.0, 3.0),)))
+    first = hardware.profile("cpu", workers_per_host=1)
+    path = hardware._cache_path(hardware._threads(1))
+    doc = json.loads(path.read_text())
+    assert hardware.profile("cpu", workers_per_host=1) == first  # read back, conv_rates as tuples
+    doc["key"]["calibration"] = 1
+    path.write_text(json.dumps(doc))
+    monkeypatch.setattr(calibrate, "calibrate", lambda threads: replace(HW, name="cpu", source="again"))
+    assert hardware.profile("cpu", workers_per_host=1).source == "again"
