@@ -4,8 +4,9 @@ It replays the lowered plan's op lists on a hardware profile (`estimate/hardware
 device runs its ops in order on one clock:
 
 - compute: per layer, the larger of FLOPs / FLOP/s (a convolution's at the profile's conv rates)
-  and bytes in and out / memory bandwidth, plus a fixed cost per layer and pass; backward is twice the forward (a zero-bubble half once); a
-  pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
+  and bytes in and out / memory bandwidth, plus a fixed cost per layer and pass; backward is
+  twice the forward (a zero-bubble half once); a pipeline's action (one micro-batch) adds the
+  schedule's fixed cost per action;
 - a copy, split, merge or collective starts when every device in it has reached it and ends
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
   through a host at the host's bandwidth); all of its devices wait for it;

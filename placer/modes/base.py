@@ -27,11 +27,11 @@ class Lowering(NamedTuple):
     lockstep: bool = False
     bf16: bool = False
     tied_bytes: int = 0
+    """Bytes of the tied parameters' copies the segment holds that its buckets leave out (a tie's
+    own all-reduce sums them) but its parameters hold: what ZeRO-1 steps and broadcasts."""
     rows_in: int = 0
     """A 2-D tensor group in lockstep: bytes of the tensor with the batch's rows that arrives from
     another segment and trains (the hidden state, its rows cut there): its gradient's all-gather."""
-    """Bytes of the tied parameters' copies the segment holds that its buckets leave out (a tie's
-    own all-reduce sums them) but its parameters hold: what ZeRO-1 steps and broadcasts."""
 
 
 class Mode:

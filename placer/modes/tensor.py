@@ -127,8 +127,9 @@ def server_blocker(spec, seg) -> str | None:
 
 
 def check_replicas(spec, seg) -> list[Diagnostic]:
-    """P033 for `shard` or `sync` without replicas; P012 for an unknown server; P025 for `shard` with `sync: broadcast`, as for data; P031 unless `data: D` cuts the
-    group into replicas of at least 2 devices; P030 unless D divides the batch."""
+    """P033 for `shard` or `sync` without replicas; P012 for an unknown server; P025 for `shard`
+    with another `sync`, as for data; P031 unless `data: D` cuts the group into replicas of at
+    least 2 devices; P030 unless D divides the batch."""
     p = seg.parallel
     d, n, shard = p.data, len(seg.devices), p.shard
     if (shard != "none" or p.sync != "allreduce") and d == 1:

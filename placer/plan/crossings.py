@@ -285,7 +285,7 @@ def check(spec, graph: ModelGraph, segments) -> list[Diagnostic]:
         for s in segments:
             seg = spec.placement[s.index]
             why = rows_blocker(segments, graph, s.index, spec.training.batch_size) if len(s.devices) > 1 and \
-                _data(seg) > 1 and not MODES[s.mode].chain else None
+                _data(seg) > 1 and MODES[s.mode].rows_around else None
             if why:
                 out.append(Diagnostic(
                     "P086", f"segment {s.name!r}: mode {s.mode!r} with data replicas of a module model beside other "

@@ -259,7 +259,7 @@ def _collect(seg: PlacedSegment, plan: Plan, spec: Spec, graph: ModelGraph) -> A
 def _rows_in(spec: Spec, plan: Plan, seg: PlacedSegment, graph: ModelGraph) -> int:
     """A 2-D tensor group in lockstep: bytes of what arrives with the batch's rows and trains (the
     hidden state it cuts; its gradient all-gathered over each position), as it crosses."""
-    if MODES[seg.mode].chain:  # (a chain's replicas cut the input of their split: its first layer's)
+    if not MODES[seg.mode].rows_around:  # (a chain's replicas cut the input of their split: its first layer's)
         return 0
     found = rows_entering(plan.segments, graph, seg.index, spec.training.batch_size)
     leaves = [graph.layer(name).out_leaves[i] for name, i, grad in found if grad]

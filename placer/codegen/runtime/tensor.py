@@ -89,9 +89,14 @@ def replica_slice(x, replicas, rank):
     return x.narrow(0, i * size, size)
 
 
+def _locals(tensors):
+    """Each tensor, a DTensor as its local piece."""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
 def _slices(tensors, op, write_back=True):
     """op(flat) on the tensors (a DTensor's local slice) in one flat message, copied back unless not `write_back`."""
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = _locals(tensors)
     flat = torch.cat([t.reshape(-1) for t in local])
     op(flat)
     if write_back:
@@ -118,11 +123,6 @@ def reduce_slices(module, group, root):
 def broadcast_slices(module, group, root):
     """`sync: broadcast` before the forward: every rank of group ends with root's slices."""
     _slices(list(module.parameters()), lambda f: dist.broadcast(f, root, group=group))
-
-
-def _locals(tensors):
-    """Each tensor, a DTensor as its local piece."""
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 class SliceServer:
