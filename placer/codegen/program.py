@@ -281,7 +281,7 @@ def constants(spec: Spec, devices, out_dir: str | None) -> str:
       f"BATCH_SIZE = {t.batch_size!r}  # the global batch",
       f"STEPS = {t.steps!r}",
       f"SEED = {t.seed!r}",
-      f"PREFETCH = {t.prefetch!r}  # batches made ahead in a background thread (0: none)",
+      f"PREFETCH = {t.prefetch!r}  # batches made ahead in a background thread (0: none; 'auto': 2 on a GPU, none on a CPU)",
       f"CLIP_GRAD_NORM = {t.clip_grad_norm!r}  # the global gradient norm is clipped to this (None: not clipped)",
       f"ACCUMULATE = {t.accumulate!r}  # micro-steps per step, each on BATCH_SIZE / ACCUMULATE rows",
       f"PRECISION = {t.precision!r}  # bf16: forward and loss under autocast; parameters and optimizer state float32")

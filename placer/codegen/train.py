@@ -148,7 +148,7 @@ class TrainWriter(TrainingOptions):
         c("for step in range(first, args.steps):").indent()
         self.step()
         c.dedent()
-        c("batch_losses.settle()  # the last step's loss")
+        c("batch_losses.settle()  # the last window's losses")
         self.finish()
         binding = []
         if self.uses_host:
@@ -430,7 +430,7 @@ class TrainWriter(TrainingOptions):
         checkpoint waits for it, as it saves every loss so far."""
         c = self.c
         norm = ", grad_norm" if self.clip is not None else ""
-        c(f"batch_losses.add(step, total{norm})  # all-reduced while the next step trains; NaN/inf: stop")
+        c(f"batch_losses.add(step, total{norm})  # summed off the critical path, a window of steps at a time; NaN/inf: stop")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:", "    batch_losses.settle()",
               f"    save_checkpoint(args.out, step, rank, modules, optimizers, losses{self.sched_arg})")

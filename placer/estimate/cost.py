@@ -74,7 +74,7 @@ class Estimate:
         return self.per_device
 
 
-def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2,
+def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | str = "auto",
              geometry=lambda name: None) -> Estimate:
     """Memory, communication and FLOPs of one step of the plan, per device and in total
     (`prefetch`: training.prefetch, the batches made ahead; `geometry`: as `memory` takes it)."""

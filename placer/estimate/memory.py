@@ -15,7 +15,8 @@
 - Step temporaries (`step_bytes`): what the optimizer step allocates and frees. torch's Adam
   and AdamW step a CPU tensor at a time (a sqrt and a quotient of the largest: 2 of its size)
   and CUDA tensors all at once (`_foreach_sqrt` of every state: 1 of everything); RMSprop one.
-- Batches (`data_bytes`): every rank makes each step's whole input, `prefetch` ahead plus
+- Batches (`data_bytes`): every rank makes each step's whole input, `prefetch` ahead (`auto`:
+  none on a CPU worker, 2 on a GPU) plus
   the one in use (targets left out).
 - Communication buffers (`comm_bytes`): DDP's gradient buckets (a copy of the gradients);
   FSDP2 gathers one unit's whole parameters and its whole gradients before reduce-scatter.
@@ -42,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from placer.device import Device
 from placer.model.graph import ModelGraph
 from placer.modes import MODES
 from placer.plan.crossings import ITEMSIZE
@@ -49,7 +51,7 @@ from placer.plan.ir import OpKind, PlacedSegment, Plan
 from placer.plan.layout import in_layout
 from placer.plan.place import steppers
 from placer.plan.ties import copy_elements
-from placer.spec.types import Optimizer
+from placer.spec.types import Optimizer, batches_ahead
 
 KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
                "Adagrad": 1, "ASGD": 1}
@@ -154,7 +156,7 @@ def held_params(seg: PlacedSegment, graph: ModelGraph, device: str) -> tuple[int
     return n, b, buf
 
 
-def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 2,
+def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | str = "auto",
            geometry: Callable[[str], dict | None] = lambda name: None) -> dict[str, DeviceMemory]:
     """Bytes per device for one step of the plan (`prefetch`: training.prefetch; `geometry(name)`:
     a Conv/Pool layer's kernel, stride, padding and dilation, `plan.place.layer_geometry`)."""
@@ -163,7 +165,8 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int = 
     for n in graph.input_shape:
         batch *= n
     acc = {dev: dict(params=0, param_bytes=0, buffer_bytes=0, grad_bytes=0, optimizer_bytes=0, step_bytes=0,
-                     data_bytes=batch * (prefetch + 1), comm_bytes=0) for dev in plan.devices}
+                     data_bytes=batch * (batches_ahead(prefetch, Device.parse(dev).is_host) + 1), comm_bytes=0)
+           for dev in plan.devices}
     temps = STEP_TEMPORARIES.get(optimizer.op, 0)
     for seg in plan.segments:
         server = seg.server

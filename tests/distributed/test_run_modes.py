@@ -105,13 +105,13 @@ def test_mode_matches_the_one_device_reference(spec, what, workers, tmp_path):
         torch.testing.assert_close(run_p[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(torch.tensor(metrics["losses"]), torch.tensor(
         json.loads((run_dir / "reference" / "metrics.json").read_text())["losses"]), rtol=RTOL, atol=ATOL)
-    # what the run measured: every device of a placed run sends more than its share of the loss
+    # what the run measured: every device of a placed run sends training traffic
     assert set(metrics["bytes_sent"]) == set(metrics["devices"])
     if workers > 1:
-        assert all(metrics["bytes_sent"][d] > 4 * STEPS for d in metrics["devices"]), metrics["bytes_sent"]
-    if spec == "mlp_data_allreduce":  # DDP's buckets carry every gradient once per step, plus the loss
+        assert all(metrics["bytes_sent"][d] > 0 for d in metrics["devices"]), metrics["bytes_sent"]
+    if spec == "mlp_data_allreduce":  # DDP's buckets carry every gradient once per step
         grad_bytes = sum(v.numel() * 4 for v in ref_p.values())
-        assert all(metrics["bytes_by_call"][d]["all_reduce"] == STEPS * (grad_bytes + 4) for d in metrics["devices"])
+        assert all(metrics["bytes_by_call"][d]["all_reduce"] == STEPS * grad_bytes for d in metrics["devices"])
     assert_sends_what_the_plan_says(spec, ROOT / "specs" / f"{spec}.yaml", metrics)
     if spec in SPLIT:
         assert_every_gradient_compared(run_dir)
@@ -164,7 +164,7 @@ def test_tensor_pairs_are_the_plans(tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     planned = json.loads(CliRunner().invoke(main, ["plan", str(spec), "--format", "json"]).stdout)
     for d in planned["devices"]:
-        assert metrics["bytes_sent"][d["device"]] / STEPS - 4 == d["payload_bytes"], d
+        assert metrics["bytes_sent"][d["device"]] / STEPS == d["payload_bytes"], d
 
 
 def test_checkpoints_keep_the_newest(tmp_path):

@@ -328,7 +328,7 @@ def test_errors_sort_before_warnings_then_by_position():
 
 def test_typed_spec_defaults():
     spec, _ = run(spec_with(runtime={"simulate": True}))
-    assert spec.runtime.simulate == "always" and spec.route == "direct" and spec.training.prefetch == 2
+    assert spec.runtime.simulate == "always" and spec.route == "direct" and spec.training.prefetch == "auto"
     assert spec.placement[0].parallel.mode == "none" and spec.training.data.module is None
     assert [l.name for l in spec.model.layers] == NAMES
 

@@ -29,8 +29,10 @@ HEAD = spec_head(FC1, ACT, "{name: fc2, op: Linear, args: [16, 4]}")
 # fc1: 8*16 + 16 = 144 params (576 B); fc2: 16*4 + 4 = 68 params (272 B); together 212 (848 B).
 
 
-def plan_of(tmp_path, body: str, head: str = HEAD, optimizer: str = "{op: SGD, lr: 0.1}", batch: int = 16):
+def plan_of(tmp_path, body: str, head: str = HEAD, optimizer: str = "{op: SGD, lr: 0.1}", batch: int = 16,
+            training: str = ""):
     text = head + textwrap.dedent(body) + f"training:\n  batch_size: {batch}\n  steps: 1\n  optimizer: {optimizer}\n"
+    text += training
     path = tmp_path / "spec.yaml"
     path.write_text(text)
     graph, plan, est, _ = build_and_plan(load_spec(str(path)))
@@ -314,9 +316,10 @@ def test_activation_gradients_at_the_backward_peak(tmp_path):
     # act: 1024 + 1024 = 2048, nothing freed yet (fc2 kept nothing of its own); fc1: 1024 + 512 with
     # act's 1024 freed: 512. The most is 2048
     assert e.act_grad_bytes == 2048
-    # SGD steps in place: the peak is backward's, on top of weights, gradients and 3 batches
-    assert e.total_bytes == 848 + 848 + 3 * 512 + 1536 + 2048
-    assert e.working_bytes == 3 * 512 + 2048
+    # SGD steps in place: the peak is backward's, on top of weights, gradients and the batch in
+    # use (a CPU worker makes none ahead: training.prefetch auto)
+    assert e.total_bytes == 848 + 848 + 512 + 1536 + 2048
+    assert e.working_bytes == 512 + 2048
 
 
 def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
@@ -330,11 +333,11 @@ def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
     _, est = plan_of(tmp_path, one, optimizer="{op: Adam, lr: 0.001}", batch=1)
     e = est.per_device["cpu"]
     assert (e.activation_bytes, e.act_grad_bytes, e.step_bytes) == (96, 128, 2 * 576)
-    assert e.total_bytes == 848 * 4 + 3 * 32 + 2 * 576
+    assert e.total_bytes == 848 * 4 + 32 + 2 * 576  # the batch in use: none made ahead on a CPU
     _, big = plan_of(tmp_path, one, optimizer="{op: Adam, lr: 0.001}", batch=64)
     b = big.per_device["cpu"]
     assert b.activation_bytes + b.act_grad_bytes > b.step_bytes
-    assert b.total_bytes == 848 * 4 + 3 * 64 * 32 + b.activation_bytes + b.act_grad_bytes
+    assert b.total_bytes == 848 * 4 + 64 * 32 + b.activation_bytes + b.act_grad_bytes
 
 
 def test_spatial_conv_keeps_its_padded_band(tmp_path):
@@ -374,7 +377,7 @@ def test_boundary_tensors_stay_referenced(tmp_path):
     # act's output = fc2's input, 16*16*4 = 1024, and its gradient
     assert est.per_device["cpu"].boundary_bytes == est.per_device["cpu:1"].boundary_bytes == 2 * 1024
     e = est.per_device["cpu:1"]
-    assert e.total_bytes == 272 + 272 + 3 * 512 + 2 * 1024 + e.activation_bytes + e.act_grad_bytes
+    assert e.total_bytes == 272 + 272 + 512 + 2 * 1024 + e.activation_bytes + e.act_grad_bytes
     _, one = plan_of(tmp_path, """\
         devices: [cpu]
         placement:
@@ -382,3 +385,18 @@ def test_boundary_tensors_stay_referenced(tmp_path):
           - {layers: fc2, device: cpu}
         """)
     assert one.per_device["cpu"].boundary_bytes == 0  # nothing crosses
+
+
+def test_batches_made_ahead_by_device(tmp_path):
+    """training.prefetch: `auto` makes no batch ahead on a CPU worker (a thread there only takes turns
+    with its compute) and 2 on a GPU; a count is made ahead everywhere (whole input batch 16*8*4 = 512)."""
+    two = """\
+        devices: [cpu, cuda:0]
+        placement:
+          - {layers: fc1..act, device: cpu}
+          - {layers: fc2, device: cuda:0}
+        """
+    _, auto = plan_of(tmp_path, two)
+    assert (auto.per_device["cpu"].data_bytes, auto.per_device["cuda:0"].data_bytes) == (512, 3 * 512)
+    _, four = plan_of(tmp_path, two, training="  prefetch: 4\n")
+    assert four.per_device["cpu"].data_bytes == four.per_device["cuda:0"].data_bytes == 5 * 512

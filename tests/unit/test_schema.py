@@ -154,7 +154,7 @@ def test_defaults_from_spec_md():
     assert defs["copies"]["properties"]["route"]["default"] == "direct"
     assert defs["tensor"]["properties"]["dtype"]["default"] == "float32"
     tr = defs["training"]["properties"]
-    assert (tr["seed"]["default"], tr["prefetch"]["default"], tr["data"]["default"]) == (0, 2, "synthetic")
+    assert (tr["seed"]["default"], tr["prefetch"]["default"], tr["data"]["default"]) == (0, "auto", "synthetic")
     rt = defs["runtime"]["properties"]
     assert (rt["backend"]["default"], rt["simulate"]["default"], rt["max_restarts"]["default"]) == ("auto", "auto", 0)
 
