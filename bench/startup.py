@@ -26,6 +26,9 @@ would leave about +0.5 s.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -56,6 +59,7 @@ def main() -> None:
     ap.add_argument("--spec", default=str(ROOT / "specs" / "mlp_layerwise_direct.yaml"))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("-n", "--repeat", type=int, default=5, help="repetitions (default 5)")
+    ap.add_argument("--out", type=Path, help="result JSON (default bench/results/startup-<time>.json)")
     ap.add_argument("--baseline", metavar="DIR", help="another placer checkout (an older commit, say): its "
                     "placer run, placer generate and python program.py join the comparison")
     args = ap.parse_args()
@@ -109,6 +113,16 @@ def main() -> None:
     # the same differences repetition by repetition (paired: each pair ran back to back)
     for a, b in (("placer run", "torchrun"), ("placer generate", "import torch")):
         print(f"{a} - {b}, per repetition: " + " ".join(f"{x - y:+.2f}" for x, y in zip(times[a], times[b])))
+    out = args.out or ROOT / "bench" / "results" / f"startup-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "what": "wall seconds of whole commands, interleaved repetitions", "spec": spec, "steps": args.steps,
+        "workers": int(nproc), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                            "load_average_1m": os.getloadavg()[0]},
+        "seconds": times, "median_s": med,
+        "run_minus_torchrun_s": med["placer run"] - med["torchrun"],
+        "generate_minus_import_torch_s": med["placer generate"] - med["import torch"]}, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
 
 if __name__ == "__main__":

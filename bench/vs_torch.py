@@ -51,8 +51,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], cwd: Path, log: Path) -> None:
-    """Run `python argv` as WORLD workers of one gloo group, as torchrun would start them."""
+def launch(argv: list[str], cwd: Path, log: Path, tries: int = 2) -> None:
+    """Run `python argv` as WORLD workers of one gloo group, as torchrun would start them. A run
+    that fails is run again once, and says so (torch's ZeroRedundancyOptimizer baseline now and
+    then aborts as its process exits: "terminate called without an active exception")."""
+    for attempt in range(tries):
+        codes = _workers(argv, cwd, log)
+        if not any(codes):
+            return
+        if attempt + 1 < tries:
+            print(f"  {Path(argv[0]).name} failed ({codes}); running it again", flush=True)
+    raise SystemExit(f"{' '.join(argv)} failed ({codes}); its output:\n{log.read_text()[-3000:]}")
+
+
+def _workers(argv: list[str], cwd: Path, log: Path) -> list[int]:
     port, procs = free_port(), []
     with open(log, "w") as out:
         for rank in range(WORLD):
@@ -61,9 +73,7 @@ def launch(argv: list[str], cwd: Path, log: Path) -> None:
                        MASTER_PORT=str(port), OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env,
                                           stdout=out, stderr=subprocess.STDOUT))
-        codes = [p.wait() for p in procs]
-    if any(codes):
-        raise SystemExit(f"{' '.join(argv)} failed ({codes}); its output:\n{log.read_text()[-3000:]}")
+        return [p.wait() for p in procs]
 
 
 def per_step(ends: list[float], warmup: int) -> tuple[float, float]:
