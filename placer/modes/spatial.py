@@ -75,20 +75,16 @@ def halo_rows(geo: dict | None, l, axis: int) -> tuple[int, int, int] | None:
 
 def band_copy(geo: dict | None, l, axis: int, d: int) -> int:
     """Bytes (global batch, so d bands) of the input a Conv/Pool of a spatial segment reads and keeps
-    for backward: the runtime's halo exchange makes a fresh copy of each band with its halo rows, and
-    a Conv pads it on every spatial dim (its padding there, the image border's on the split dim)."""
+    for backward: the runtime's halo exchange makes a fresh copy of each band with its halo rows
+    and the image border's padding rows (the layer pads the other dims itself). A layer that reads
+    no other band's rows (a 2x2 pool on even bands) runs on the band as it is: no copy."""
     if geo is None or not l.in_shape or axis >= len(l.in_shape):
         return 0
-    rows = l.in_shape[axis]
     halo = halo_rows(geo, l, axis)
-    size = l.in_bytes * (rows + (d * (halo[0] + halo[1]) if halo else 0)) // rows
-    if l.op.startswith("Conv"):
-        n = len(geo["kernel"])
-        for j, p in enumerate(geo["padding"]):
-            k = len(l.in_shape) - n + j
-            if k != axis:
-                size = size * (l.in_shape[k] + 2 * p) // l.in_shape[k]
-    return size
+    if not halo:
+        return 0
+    rows = l.in_shape[axis]
+    return l.in_bytes * (rows + d * (halo[0] + halo[1])) // rows
 
 
 def collectives(a: Attached, info, grads: Sequence[bool], op, axis: int, n: int, geometry: Callable,

@@ -341,8 +341,8 @@ def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
 
 
 def test_spatial_conv_keeps_its_padded_band(tmp_path):
-    """The halo exchange copies each band with its halo rows and the conv pads it on every
-    spatial dim; the conv keeps that copy for backward instead of the input the trace counted."""
+    """The halo exchange copies each band with its halo rows and the image border's padding rows;
+    the conv keeps that copy for backward instead of the input the trace counted."""
     split = """\
         devices: [cpu:0, cpu:1]
         placement:
@@ -359,9 +359,9 @@ def test_spatial_conv_keeps_its_padded_band(tmp_path):
     e1 = est.per_device["cpu:1"]
     # one device keeps conv's input 8*3*16*16*4 = 24576 and act's output 8*4*16*16*4 = 32768
     assert ref.per_device["cpu:0"].activation_bytes == 24576 + 32768
-    # cpu:1's band: 8 rows of H plus a halo row and a padding row, W 16 plus 2 padding columns:
-    # 8*3*10*18*4 = 17280 instead of half the input (12288); half of act's output, 16384
-    assert e1.activation_bytes == 17280 + 16384
+    # cpu:1's band: 8 rows of H plus a halo row and a padding row, made in one copy (the conv pads
+    # W itself): 8*3*10*16*4 = 15360 instead of half the input (12288); half of act's output, 16384
+    assert e1.activation_bytes == 15360 + 16384
 
 
 def test_boundary_tensors_stay_referenced(tmp_path):

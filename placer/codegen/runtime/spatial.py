@@ -60,9 +60,9 @@ def _post_halo(x, ranks, me, send_rows, recv_rows, origin, dim, shape):
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ranks, owned, needed, dim):
+    def forward(ctx, x, ranks, owned, needed, dim, border):
         me = ranks.index(dist.get_rank())
-        ctx.args, ctx.shape = (ranks, me, owned, needed, dim), x.shape
+        ctx.args, ctx.shape = (ranks, me, owned, needed, dim, border), x.shape
         with torch.no_grad():
             posted, pieces = _post_halo(
                 x, ranks, me, lambda i: _overlap(owned[me], needed[i]),
@@ -71,16 +71,16 @@ class _HaloExchange(torch.autograd.Function):
             if mine:
                 pieces[mine[0]] = x.narrow(dim, mine[0] - owned[me][0], mine[1] - mine[0])
             posted.wait()
-            if not pieces:  # every row this rank reads is padding
-                return x.narrow(dim, 0, 0).clone()
-            return torch.cat([pieces[s] for s in sorted(pieces)], dim)
+            lo, hi, value = border  # the image border's padding rows, made in the same copy
+            parts = [_rows(x, dim, lo, value)] + [pieces[s] for s in sorted(pieces)] + [_rows(x, dim, hi, value)]
+            return torch.cat(parts, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        ranks, me, owned, needed, dim = ctx.args
+        ranks, me, owned, needed, dim, (lo, hi, _) = ctx.args
         origin = owned[me][0]
         with torch.no_grad():
-            grad = grad.contiguous()
+            grad = grad.narrow(dim, lo, grad.shape[dim] - lo - hi).contiguous()  # padding rows: no one's
             # the rows I received go back to their owners; the rows I sent come back to me
             posted, back = _post_halo(
                 grad, ranks, me, lambda i: _overlap(owned[i], needed[me]),
@@ -93,16 +93,25 @@ class _HaloExchange(torch.autograd.Function):
             posted.wait()
             for start, g in back.items():
                 dx.narrow(dim, start - origin, g.shape[dim]).add_(g)
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
-def halo_exchange(x, ranks, owned, needed, dim):
+def _rows(x, dim, n, value):
+    """n rows of `value` shaped as x's rows along dim."""
+    shape = list(x.shape)
+    shape[dim] = n
+    return x.new_full(shape, value)
+
+
+def halo_exchange(x, ranks, owned, needed, dim, border=(0, 0, 0.0)):
     """x: this rank's rows owned[me] = (start, stop) of a tensor split along dim over the
     global ranks `ranks` (listed order; owned[i] for every rank i, a partition). Returns rows
-    needed[me] (inside the tensor), assembled from the owners. Backward sends each halo
-    row's gradient back to its owner and adds it there. Every rank of `ranks` calls it."""
+    needed[me] (inside the tensor), assembled from the owners, with border = (lo, hi, value):
+    lo rows of value before them and hi after (the image border's padding), in one copy.
+    Backward sends each halo row's gradient back to its owner and adds it there. Every rank of
+    `ranks` calls it."""
     return _HaloExchange.apply(x, list(ranks), [tuple(r) for r in owned],
-                               [tuple(r) for r in needed], dim)
+                               [tuple(r) for r in needed], dim, tuple(border))
 
 
 def _tuple(v, n):
@@ -178,7 +187,9 @@ class SpatialSplit(nn.Sequential):
                     inside = (min(max(lo, 0), size), max(min(hi, size), 0))
                     needed.append((inside[0], max(inside)))  # empty if all is padding
                     padding.append((max(0, min(hi, 0) - lo), max(0, hi - max(lo, size))))
-                plan.append(("halo", owned, needed, padding[me], pads, n))
+                # no rank reads another's rows (a 2x2 pool on even bands): no exchange, no copy
+                exchange = any(a != b for a, b in zip(owned, needed))
+                plan.append(("halo", owned, needed, padding[me], pads, n, exchange))
                 size = out
             elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
                 layer = convert_sync_batchnorm_cpu(layer, group)
@@ -198,9 +209,14 @@ class SpatialSplit(nn.Sequential):
             if step[0] == "band":
                 x = layer(x)
                 continue
-            _, owned, needed, (lo, hi), pads, n = step
-            x = halo_exchange(x, self.ranks, owned, needed, self.dim)
-            x = _apply_on_rows(layer, x, self.dim, lo, hi, pads, n)
+            _, owned, needed, (lo, hi), pads, n, exchange = step
+            # the image border's rows on the split dim: zeros, or -inf before a max pool
+            value = float("-inf") if isinstance(layer, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) else 0.0
+            if exchange:
+                x = halo_exchange(x, self.ranks, owned, needed, self.dim, (lo, hi, value))
+            else:
+                x = _pad_dim(x, self.dim, lo, hi, value)
+            x = _apply_on_rows(layer, x, self.dim, pads, n)
         return x
 
 
@@ -210,31 +226,31 @@ def _pad_dim(x, dim, lo, hi, value=0.0):
     return F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [lo, hi], value=value)
 
 
-def _apply_on_rows(layer, x, dim, lo, hi, pads, n):
-    """layer on rows that already hold its whole receptive field along dim, padded lo/hi
-    rows at the image borders; the other spatial dims keep the layer's own padding."""
+def _apply_on_rows(layer, x, dim, pads, n):
+    """layer on rows that already hold its whole receptive field along dim, the image border's
+    padding rows included; the other spatial dims keep the layer's own padding."""
     j = dim - 2
-    if isinstance(layer, SPATIAL_CONVS):  # zero padding: explicit on every spatial dim
-        for i in range(n):
-            x = _pad_dim(x, 2 + i, *((lo, hi) if i == j else pads[i]))
+    padding = [0 if i == j else pads[i][0] for i in range(n)]
+    if isinstance(layer, SPATIAL_CONVS):
+        for i in range(n):  # the kernel pads the other dims itself, unless unevenly ('same', even kernel)
+            if i != j and pads[i][0] != pads[i][1]:
+                x, padding[i] = _pad_dim(x, 2 + i, *pads[i]), 0
         fsdp = sys.modules.get("torch.distributed.fsdp")  # (a layer cannot be FSDP2's before it is imported)
         if fsdp is None or not isinstance(layer, fsdp.FSDPModule):
             conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]  # not the module: a placed layer's hooks stay out
-            return conv(x, layer.weight, layer.bias, layer.stride, 0, layer.dilation, layer.groups)
-        # an FSDP2 unit is called as a module (its padding 0 meanwhile), so its hooks run: the gather
-        # of its weights before its forward and its backward, its gradients' reduce-scatter
-        padding, layer.padding = layer.padding, (0,) * n
+            return conv(x, layer.weight, layer.bias, layer.stride, tuple(padding), layer.dilation, layer.groups)
+        # an FSDP2 unit is called as a module (its padding this meanwhile), so its hooks run: the
+        # gather of its weights before its forward and its backward, its gradients' reduce-scatter
+        kept, layer.padding = layer.padding, tuple(padding)
         try:
             return layer(x)
         finally:
-            layer.padding = padding
-    padding = tuple(0 if i == j else pads[i][0] for i in range(n))
+            layer.padding = kept
+    padding = tuple(padding)
     if isinstance(layer, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
-        x = _pad_dim(x, dim, lo, hi, float("-inf"))  # max pooling pads with -inf
         pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[n - 1]
         return pool(x, layer.kernel_size, layer.stride, padding, layer.dilation,
                     ceil_mode=layer.ceil_mode)
-    x = _pad_dim(x, dim, lo, hi)
     if n == 1:
         return F.avg_pool1d(x, layer.kernel_size, layer.stride, padding, False,
                             layer.count_include_pad)
