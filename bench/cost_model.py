@@ -37,8 +37,9 @@ def predicted(path: Path) -> tuple[float, str]:
     from placer.api import load
     from placer.cli.plan_cmd import build_and_plan, predict
 
-    graph, plan, est, _ = build_and_plan(load(str(path)))
-    st, _ = predict(plan, graph, est, "cpu", lambda msg: print(msg, flush=True))
+    spec = load(str(path))
+    graph, plan, est, _ = build_and_plan(spec)
+    st, _ = predict(plan, graph, est, "cpu", lambda msg: print(msg, flush=True), spec)
     return st.step_s, st.hardware.source
 
 

@@ -223,8 +223,9 @@ def build_and_plan(spec, progress=None):
     return graph, plan, est, _timeline(plan, graph)
 
 
-def predict(plan, graph, est, hardware: str, say=lambda msg: None):
-    """(StepTime, pipeline timeline in seconds or None) on a named hardware profile."""
+def predict(plan, graph, est, hardware: str, say=lambda msg: None, spec=None):
+    """(StepTime, pipeline timeline in seconds or None) on a named hardware profile; on `cpu`,
+    with the plan's layers timed on this machine where `spec` is given (its model is built)."""
     from placer.estimate import hardware as hw_profiles
     from placer.estimate.steptime import pipeline_seconds, step_time, workers_per_host
 
@@ -232,7 +233,26 @@ def predict(plan, graph, est, hardware: str, say=lambda msg: None):
     if hardware == "cpu" and not hw_profiles.is_cached(workers):
         say("measuring this machine's CPU for the cost model (once; cached) ...")
     hw = hw_profiles.profile(hardware, workers)
+    if hardware == "cpu" and spec is not None:
+        hw = _timed_layers(plan, graph, hw, spec, workers, say)
     return step_time(plan, graph, est, hw), pipeline_seconds(plan, graph, hw)
+
+
+def _timed_layers(plan, graph, hw, spec, workers: int, say):
+    """`hw` with the plan's layers timed at each device's shapes (estimate/layertime.py)."""
+    from placer.estimate import hardware as hw_profiles
+    from placer.estimate.layertime import measure
+    from placer.model.build import build_module
+
+    threads = hw_profiles._threads(workers)
+    t = measure(plan, graph, lambda: build_module(spec), threads, hw_profiles.layers_cache_path(threads))
+    if t.timed:
+        say(f"timed {t.timed} of the plan's layers at each device's shapes in {t.seconds:.1f} s "
+            f"({threads} thread(s); cached)")
+    if t.skipped:
+        say(f"{len(t.skipped)} layer(s) not timed, their FLOPs at the calibrated rates: "
+            + ", ".join(f"{name} ({why})" for name, why in t.skipped[:5]) + (" ..." if len(t.skipped) > 5 else ""))
+    return dataclasses.replace(hw, layer_times=t.times)
 
 
 def _timeline(plan, graph):
@@ -322,7 +342,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
         echo(f"placer: planned in {time.perf_counter() - t0:.2f} s", level=DETAIL, err=True)
         st = None
         if hardware:
-            st, seconds = predict(plan, graph, est, hardware, say)
+            st, seconds = predict(plan, graph, est, hardware, say, spec)
             timeline = seconds or timeline
         _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say)
     except PlacerError as e:

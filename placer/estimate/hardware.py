@@ -14,7 +14,7 @@ import json
 import math
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SUSTAINED = 0.6
@@ -59,6 +59,10 @@ class Hardware:
     step_overhead: float
     """Seconds per training step outside the layers: the batch, the loss, zero_grad, bookkeeping."""
     source: str
+    layer_times: dict = field(default_factory=dict, compare=False, repr=False)
+    """(segment, layer) -> (forward, backward) seconds of one call on one device of the plan's
+    segment, measured (estimate/layertime.py; the cpu profile); these replace the layer's rate
+    model and fixed cost. Empty: the rates serve every layer (data-sheet profiles)."""
 
 
 def _gpu(name, fp32_tflops, bf16_tflops, mem_tbps, link_gbps, pcie_gbps, source) -> Hardware:
@@ -105,6 +109,11 @@ def _cache_path(threads: int) -> Path:
     return base / f"cpu-{platform.node() or 'host'}-{threads}t.json"
 
 
+def layers_cache_path(threads: int) -> Path:
+    """Where the plan's layers timed with `threads` threads are kept (estimate/layertime.py)."""
+    return _cache_path(threads).with_name(f"layers-{platform.node() or 'host'}-{threads}t.json")
+
+
 def cached_cpu(threads: int) -> Hardware:
     import torch
 
@@ -124,7 +133,8 @@ def cached_cpu(threads: int) -> Hardware:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "profile": asdict(hw)}, indent=1))
+        fields = {k: v for k, v in asdict(hw).items() if k != "layer_times"}  # the plan's, not the machine's
+        tmp.write_text(json.dumps({"key": key, "profile": fields}, indent=1))
         tmp.replace(path)
     except OSError:
         pass  # a read-only home: calibrate again next time

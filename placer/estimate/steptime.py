@@ -3,10 +3,11 @@
 It replays the lowered plan's op lists on a hardware profile (`estimate/hardware.py`). Each
 device runs its ops in order on one clock:
 
-- compute: per layer, the larger of FLOPs / FLOP/s (a convolution's at the profile's conv rates)
-  and bytes in and out / memory bandwidth, plus a fixed cost per layer and pass; backward is
-  twice the forward (a zero-bubble half once); a pipeline's action (one micro-batch) adds the
-  schedule's fixed cost per action;
+- compute: per layer, its measured forward and backward where the profile has timed the plan's
+  layers at each device's shapes (`Hardware.layer_times`, estimate/layertime.py); else the larger
+  of FLOPs / FLOP/s (a convolution's at the profile's conv rates) and bytes in and out / memory
+  bandwidth, plus a fixed cost per layer and pass, backward twice the forward (a zero-bubble
+  half once); a pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
 - a copy, split, merge or collective starts when every device in it has reached it and ends
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
   through a host at the host's bandwidth); all of its devices wait for it;
@@ -68,6 +69,10 @@ def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_s
     t = 0.0
     for name in plan.chunk_layers(op):
         layer = graph.layer(name)
+        timed = hw.layer_times.get((op.segment, name))
+        if timed:  # measured at this device's shape, its fixed cost included; a zero-bubble half: half
+            t += timed[0] if op.phase == "fwd" else factor / 2 * timed[1]
+            continue
         flops, conv = layer.flops / share, layer.op in CONV_OPS
         if op.phase == "fwd":
             work = flops / rate(hw, flops, conv=conv) if flops else 0.0
