@@ -234,25 +234,26 @@ def predict(plan, graph, est, hardware: str, say=lambda msg: None, spec=None):
         say("measuring this machine's CPU for the cost model (once; cached) ...")
     hw = hw_profiles.profile(hardware, workers)
     if hardware == "cpu" and spec is not None:
-        hw = _timed_layers(plan, graph, hw, spec, workers, say)
+        hw = _timed_layers(plan, graph, est, hw, spec, workers, say)
     return step_time(plan, graph, est, hw), pipeline_seconds(plan, graph, hw)
 
 
-def _timed_layers(plan, graph, hw, spec, workers: int, say):
+def _timed_layers(plan, graph, est, hw, spec, workers: int, say):
     """`hw` with the plan's layers timed at each device's shapes (estimate/layertime.py)."""
     from placer.estimate import hardware as hw_profiles
     from placer.estimate.layertime import measure
     from placer.model.build import build_module
 
-    threads = hw_profiles._threads(workers)
-    t = measure(plan, graph, lambda: build_module(spec), threads, hw_profiles.layers_cache_path(threads))
+    threads = hw_profiles.threads(workers)
+    t = measure(plan, graph, lambda: build_module(spec), threads, hw_profiles.layers_cache_path(threads),
+                est=est, optimizer=spec.training.optimizer)
     if t.timed:
-        say(f"timed {t.timed} of the plan's layers at each device's shapes in {t.seconds:.1f} s "
-            f"({threads} thread(s); cached)")
+        say(f"timed {t.timed} of the plan's layers and optimizer steps at each device's shapes in "
+            f"{t.seconds:.1f} s ({threads} thread(s); cached)")
     if t.skipped:
         say(f"{len(t.skipped)} layer(s) not timed, their FLOPs at the calibrated rates: "
             + ", ".join(f"{name} ({why})" for name, why in t.skipped[:5]) + (" ..." if len(t.skipped) > 5 else ""))
-    return dataclasses.replace(hw, layer_times=t.times)
+    return dataclasses.replace(hw, layer_times=t.times, step_times=t.steps)
 
 
 def _timeline(plan, graph):

@@ -3,8 +3,9 @@
 Everything a CPU worker of a run spends time on, timed as such a worker runs it: Linear and
 Conv2d layers' forward and backward by size, memory bandwidth, fixed costs per layer and
 optimizer tensor, Adam's update, and between two gloo processes (`probe`, run as `python -m
-placer.estimate.calibrate PORT RANK`) message latency, bandwidth, a small all-reduce and the
-fixed costs FSDP2, DTensor and torch's pipeline schedules add.
+placer.estimate.calibrate PORT RANK`) message latency, bandwidth, all-reduces by size, how much
+of an all-reduce a backward hides, and the fixed costs FSDP2, DTensor and torch's pipeline
+schedules add.
 """
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def calibrate(threads: int) -> Hardware:
                     bf16_flops=rates[-1][1], mem_bw=mem_bw,
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
-                    action_s=link["action"],
+                    action_s=link["action"], reduce_times=tuple(tuple(r) for r in link["reduce_times"]),
+                    overlap=link["overlap"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
                     source=f"measured on this machine, {threads} thread(s) per worker, gloo between 2 processes")
@@ -158,6 +160,10 @@ def probe(port: int, rank: int) -> None:
         pingpong(big, 4)
         bandwidth = big.numel() * 4 * 8 / (time.perf_counter() - t0)
         collective = _median(lambda: dist.all_reduce(small), 100)
+        # an all-reduce by size: gloo's chunks and its sums on the CPU cost more than the bytes
+        # on the wire, the more so the smaller the tensor
+        reduce_times = [(4 * n, _median(lambda t=torch.zeros(n): dist.all_reduce(t), 20)) for n in REDUCE_SIZES]
+        overlap = _overlap(dist, nn)
 
         def train(model, x):
             return _median(lambda: model(x).sum().backward(), 20)
@@ -182,10 +188,37 @@ def probe(port: int, rank: int) -> None:
         action_s = _pipeline_action(rank, latency)
         if rank == 0:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
+                              "reduce_times": reduce_times, "overlap": overlap,
                               "sharded": max(sharded_s, collective), "split": max(split_s, collective),
                               "action": action_s}))
     finally:
         dist.destroy_process_group()
+
+
+REDUCE_SIZES = (1, 1 << 16, 1 << 20)
+"""Floats of the all-reduces that calibrate `reduce_times`: 4 B, 256 KiB, 4 MiB."""
+
+
+def _overlap(dist, nn) -> float:
+    """The fraction of a 4 MiB all-reduce hidden behind a backward that runs meanwhile, as DDP
+    overlaps them: 1 where the wire has its own engine; on CPU workers gloo's threads take
+    their time from the same cores."""
+    import torch
+
+    layer, x = nn.Linear(512, 512), torch.randn(128, 512, requires_grad=True)
+    grad, t = torch.ones(128, 512), torch.zeros(1 << 20)
+
+    def work():
+        for _ in range(4):
+            layer(x).backward(grad)
+
+    def both():
+        w = dist.all_reduce(t, async_op=True)
+        work()
+        w.wait()
+
+    alone, reduce = _median(work, 10), _median(lambda: dist.all_reduce(t), 10)
+    return min(1.0, max(0.0, (alone + reduce - _median(both, 10)) / reduce))
 
 
 def _pipeline_action(rank: int, latency: float, microbatches: int = 4) -> float:

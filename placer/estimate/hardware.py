@@ -6,7 +6,9 @@ training kernels reach in practice; their fixed costs (latency, per layer, per c
 assumed, not measured. The `cpu` profile is measured
 on this machine by `estimate/calibrate.py` (about 15 s, with the thread count each CPU worker
 gets) and cached under ~/.cache/placer (XDG_CACHE_HOME), keyed by the machine, the CPU count, torch's
-version and the threads.
+version and the threads. `placer plan --hardware cpu` then times the plan's own layers and
+optimizer steps at each device's shapes (`estimate/layertime.py`, cached beside it per layer):
+`layer_times` and `step_times`, which replace the rates and the update cost where present.
 """
 from __future__ import annotations
 
@@ -43,6 +45,13 @@ class Hardware:
     """Seconds per message: each copy or send."""
     collective_s: float
     """Fixed seconds of a small collective (an all-reduce of one float)."""
+    reduce_times: tuple = ()
+    """Measured ((bytes, seconds), ...) of an all-reduce between two processes by size: its bytes
+    cost more than the link's bandwidth says (chunks, the sums). Empty: `link_bw` alone."""
+    overlap: float = 1.0
+    """The fraction of an all-reduce's time that a backward running meanwhile hides (DDP's
+    overlap): 1 where the link has its own engine; measured on CPU workers, whose gloo threads
+    share the cores with the compute."""
     sharded_s: float
     """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
     split_s: float
@@ -63,6 +72,9 @@ class Hardware:
     """(segment, layer) -> (forward, backward) seconds of one call on one device of the plan's
     segment, measured (estimate/layertime.py; the cpu profile); these replace the layer's rate
     model and fixed cost. Empty: the rates serve every layer (data-sheet profiles)."""
+    step_times: dict = field(default_factory=dict, compare=False, repr=False)
+    """device -> measured seconds of its optimizer step (all it steps), in place of `update_s` and
+    `tensor_overhead` (estimate/layertime.py; the cpu profile)."""
 
 
 def _gpu(name, fp32_tflops, bf16_tflops, mem_tbps, link_gbps, pcie_gbps, source) -> Hardware:
@@ -84,24 +96,25 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 2
+CALIBRATION = 3
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
-(1: no `conv_rates`) is measured again."""
+(1: no `conv_rates`; 2: no `reduce_times` nor `overlap`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
     """A named profile; `cpu` is measured on this machine (cached) for `workers_per_host` workers."""
     if name != "cpu":
         return PROFILES[name]
-    return cached_cpu(_threads(workers_per_host))
+    return cached_cpu(threads(workers_per_host))
 
 
-def _threads(workers_per_host: int) -> int:
+def threads(workers_per_host: int) -> int:
+    """The threads each CPU worker of a run gets: this machine's cores shared among its workers."""
     return max(1, (os.cpu_count() or 1) // max(1, workers_per_host))
 
 
 def is_cached(workers_per_host: int) -> bool:
-    return _cache_path(_threads(workers_per_host)).exists()
+    return _cache_path(threads(workers_per_host)).exists()
 
 
 def _cache_path(threads: int) -> Path:
@@ -124,7 +137,8 @@ def cached_cpu(threads: int) -> Hardware:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             fields = doc["profile"]
-            return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in ("rates", "conv_rates")}})
+            tables = ("rates", "conv_rates", "reduce_times")
+            return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in tables}})
     except (OSError, ValueError, TypeError):
         pass
     from placer.estimate.calibrate import calibrate
@@ -133,7 +147,7 @@ def cached_cpu(threads: int) -> Hardware:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        fields = {k: v for k, v in asdict(hw).items() if k != "layer_times"}  # the plan's, not the machine's
+        fields = {k: v for k, v in asdict(hw).items() if k not in ("layer_times", "step_times")}  # the plan's
         tmp.write_text(json.dumps({"key": key, "profile": fields}, indent=1))
         tmp.replace(path)
     except OSError:
@@ -143,6 +157,20 @@ def cached_cpu(threads: int) -> Hardware:
 
 CONV_OPS = frozenset(f"{p}{n}d" for p in ("Conv", "ConvTranspose", "LazyConv", "LazyConvTranspose") for n in "123")
 """Layers whose FLOPs run at `conv_rates` (transformers' `Conv1D` is a Linear: not one of them)."""
+
+
+def reduce_seconds(hw: Hardware, nbytes: float) -> float:
+    """Seconds of the bytes of an all-reduce that sends `nbytes` from each device, beyond a
+    1-float all-reduce's: interpolated linearly between the measured sizes (past the largest,
+    at its last step's rate); `link_bw` where the profile has no `reduce_times`."""
+    pts = hw.reduce_times
+    if len(pts) < 2:
+        return nbytes / hw.link_bw
+    (b0, t0), *rest = pts
+    for (b1, t1), (b2, t2) in zip(pts, rest):
+        if nbytes <= b2 or (b2, t2) == pts[-1]:
+            return max(0.0, t1 + (t2 - t1) * (nbytes - b1) / (b2 - b1) - t0)
+    return 0.0
 
 
 def rate(hw: Hardware, flops: float, backward: bool = False, conv: bool = False) -> float:

@@ -10,7 +10,9 @@ the rows), then by the micro-batches and micro-steps. Measured, one worker's thr
 repetitions, a low quantile (other work on a shared machine only adds): the forward, and the
 forward with its backward (its input's gradient too where the layer's input trains), each
 including the fixed cost per call (Python, autograd) that the rate model adds as
-`layer_overhead`.
+`layer_overhead`. Each device's optimizer step is timed too (the spec's optimizer over tensors
+of as many elements as it steps: `step_numels`), in place of the profile's Adam update per
+element and fixed cost per tensor.
 
 Times are cached per layer signature (the module's repr, which holds its class and arguments,
 the input's shape and dtype, whether it trains, the threads, torch's version) under the cpu
@@ -51,8 +53,10 @@ class Job:
 class Timings:
     times: dict = field(default_factory=dict)
     """(segment, layer) -> (forward seconds, backward seconds) of one call on one device."""
+    steps: dict = field(default_factory=dict)
+    """device -> seconds of its optimizer step (every segment's it holds)."""
     timed: int = 0
-    """Layers measured now (the others came from the cache)."""
+    """Layers and steps measured now (the others came from the cache)."""
     seconds: float = 0.0
     """Time spent measuring."""
     skipped: list = field(default_factory=list)
@@ -143,7 +147,48 @@ def _time(module, job: Job) -> tuple[float, float] | None:
     return fwd, max(low(both) - fwd, 0.0)
 
 
-def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budget_s: float = BUDGET_S) -> Timings:
+def step_numels(plan: Plan, est, model, slots: int) -> dict[str, tuple[int, ...]]:
+    """Per device, the elements of each parameter tensor its optimizer steps: its segments'
+    trainable tensors (each once), each cut to the share of them the device steps (FSDP2's and
+    ZeRO-1's shards: its optimizer state over all of theirs; else its parameters over theirs)."""
+    out = {}
+    for d in plan.devices:
+        seen, full = set(), []
+        for seg in plan.segments:
+            if d in seg.devices:
+                for name in seg.layers:
+                    for p in model.get_submodule(name).parameters():
+                        if p.requires_grad and id(p) not in seen:
+                            seen.add(id(p))
+                            full.append(p.numel())
+        m, total = est.per_device[d], sum(full)
+        if total:
+            share = m.optimizer_bytes / (slots * 4 * total) if slots else m.param_bytes / (4 * total)
+            out[d] = tuple(max(1, round(n * min(1.0, share))) for n in full if share > 0)
+    return out
+
+
+def _time_step(numels: tuple[int, ...], optimizer) -> float:
+    """Seconds of one `optimizer` step (the spec's class and arguments) over 1-D parameters of
+    `numels` elements, its state made by two steps first."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(n) * 0.02) for n in numels]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    kwargs = dict(optimizer.kwargs) | ({"lr": optimizer.lr} if optimizer.lr is not None else {})
+    opt = getattr(torch.optim, optimizer.op)(params, **kwargs)
+    opt.step()
+    ts = []
+    for _ in range(REPEAT):
+        t = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[REPEAT // 3]
+
+
+def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budget_s: float = BUDGET_S,
+            est=None, optimizer=None) -> Timings:
     """Time the plan's layers (`build()`: the model on the meta device) with `threads` threads,
     reading and adding to the cache at `cache_path` (a JSON file)."""
     import torch
@@ -180,6 +225,21 @@ def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budg
             cache[key] = list(got)
             out.times[(job.segment, job.layer)] = got
             out.timed += 1
+        if est is not None and optimizer is not None and hasattr(__import__("torch").optim, optimizer.op):
+            from placer.estimate.memory import state_slots
+
+            model = model or build()
+            for d, numels in step_numels(plan, est, model, state_slots(optimizer)[0]).items():
+                text = json.dumps([optimizer.op, optimizer.lr, optimizer.kwargs, numels, threads, torch.__version__],
+                                  sort_keys=True, default=str)
+                key = "step-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+                if key not in cache:
+                    if time.perf_counter() - start > budget_s:
+                        out.skipped.append((f"{d}'s optimizer step", f"the {budget_s:g} s budget was spent"))
+                        continue
+                    cache[key] = _time_step(numels, optimizer)
+                    out.timed += 1
+                out.steps[d] = cache[key]
     finally:
         torch.set_num_threads(before)
         out.seconds = time.perf_counter() - start

@@ -12,9 +12,13 @@ device runs its ops in order on one clock:
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
   through a host at the host's bandwidth); all of its devices wait for it;
 - a pipeline send leaves at once; its receive waits until it has arrived;
+- an all-reduce's or reduce-scatter's bytes take the measured all-reduce time by size where the
+  profile has it;
 - a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
-  gradients are ready, and the optimizer step waits for it;
-- the optimizer step reads and writes each held parameter, gradient and state buffer once;
+  gradients are ready, and the optimizer step waits for it; the part of it the profile's
+  `overlap` does not hide (CPU workers: gloo's threads share the cores) delays the device too;
+- the optimizer step reads and writes each held parameter, gradient and state buffer once, plus
+  a fixed cost per tensor; or as measured (`Hardware.step_times`);
 - `accumulate: N` replays each device's op list N times, each micro-step on 1/N of the rows: the
   fixed costs per layer, action and message (pipeline fill and crossings included) repeat N
   times, while the gradient sync, the step and what follows it run once, in the last.
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from placer.device import Device
 from placer.estimate.comm import op_moves
 from placer.estimate.cost import BACKWARD_FACTOR
-from placer.estimate.hardware import CONV_OPS, Hardware, rate
+from placer.estimate.hardware import CONV_OPS, Hardware, rate, reduce_seconds
 from placer.model.graph import ModelGraph
 from placer.plan.ir import COLLECTIVES, TRANSFERS, Op, OpKind, Plan
 
@@ -90,7 +94,10 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
             host = max(host, n)
         else:
             sent[a] = sent.get(a, 0) + n
-    return fixed_seconds(op, hw) + max(sent.values(), default=0) / hw.link_bw + 2 * host / hw.host_bw
+    most = max(sent.values(), default=0)
+    # a reduction sums on the device as it goes: at the measured all-reduce's rate by size
+    wire = reduce_seconds(hw, most) if op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER) else most / hw.link_bw
+    return fixed_seconds(op, hw) + wire + 2 * host / hw.host_bw
 
 
 def fixed_seconds(op: Op, hw: Hardware) -> float:
@@ -128,7 +135,9 @@ def micro_steps(plan: Plan, device: str) -> list[tuple[Op, int]]:
 
 def step_seconds(plan: Plan, graph: ModelGraph, device: str, est, hw: Hardware) -> float:
     """The optimizer step of what `device` holds (its parameters and their state slots), plus a
-    fixed cost per parameter tensor (two per layer)."""
+    fixed cost per parameter tensor (two per layer); measured where the profile has timed it."""
+    if device in hw.step_times:
+        return hw.step_times[device]
     m = est.per_device[device]
     tensors = sum(2 for s in plan.segments if device in s.devices for l in s.layers if graph.layer(l).params)
     elements = (m.param_bytes + m.optimizer_bytes) / 4  # fp32: the parameters and every state slot
@@ -206,9 +215,14 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
             seconds = micro_step_seconds(op, hw, n)
             if _overlapped(op, plan):
                 start = max(max(_bucket_ready(op, last_bwd[g], plan, graph), comm_free[g]) for g in group)
+                stolen = (1 - hw.overlap) * seconds  # what the backward does not hide: its cores' time
                 for g in group:
                     comm_free[g] = start + seconds
-                    busy[g]["overlapped"] += seconds
+                    busy[g]["overlapped"] += seconds - stolen
+                    if stolen:
+                        busy[g]["comm"] += stolen
+                        spans[g].append((clock[g], clock[g] + stolen, op))
+                        clock[g] += stolen
             else:
                 start = max(clock[g] for g in group)
                 for g in group:
