@@ -34,7 +34,9 @@ BUDGET_S = 5.0
 """Seconds of timing a plan may spend in all; the layers not yet timed keep the rate model."""
 LAYER_CAP_S = 0.25
 """A layer whose first forward takes longer is not timed further (its rates serve)."""
-REPEAT = 7
+REPEAT = 11
+FLUSH_BYTES = 32 << 20
+"""A buffer written before each timed call, larger than a CPU's caches (L2, most of an L3)."""
 
 
 @dataclass(frozen=True)
@@ -134,17 +136,25 @@ def _time(module, job: Job) -> tuple[float, float] | None:
         module.zero_grad(set_to_none=True)  # as each step of the program starts
         module(x).backward(grad)
 
-    def low(fn):
-        fn()  # warm up
-        ts = []
-        for _ in range(REPEAT):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[REPEAT // 3]
+    fwd = _low(lambda: module(x))
+    return fwd, max(_low(both) - fwd, 0.0)
 
-    fwd = low(lambda: module(x))
-    return fwd, max(low(both) - fwd, 0.0)
+
+def _low(fn) -> float:
+    """A low quantile of REPEAT calls of `fn` (other work on the machine only adds), each started
+    with the caches flushed: in a step the other layers' weights and activations pass through
+    them between two calls of a layer, so its own come from memory, not from a warm cache."""
+    import torch
+
+    flush = torch.zeros(FLUSH_BYTES // 4)
+    fn()  # warm up
+    ts = []
+    for _ in range(REPEAT):
+        flush.add_(1)
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[REPEAT // 5]
 
 
 def step_numels(plan: Plan, est, model, slots: int) -> dict[str, tuple[int, ...]]:
@@ -170,7 +180,7 @@ def step_numels(plan: Plan, est, model, slots: int) -> dict[str, tuple[int, ...]
 
 def _time_step(numels: tuple[int, ...], optimizer) -> float:
     """Seconds of one `optimizer` step (the spec's class and arguments) over 1-D parameters of
-    `numels` elements, its state made by two steps first."""
+    `numels` elements, its state made first."""
     import torch
 
     params = [torch.nn.Parameter(torch.randn(n) * 0.02) for n in numels]
@@ -178,13 +188,8 @@ def _time_step(numels: tuple[int, ...], optimizer) -> float:
         p.grad = torch.randn_like(p) * 1e-3
     kwargs = dict(optimizer.kwargs) | ({"lr": optimizer.lr} if optimizer.lr is not None else {})
     opt = getattr(torch.optim, optimizer.op)(params, **kwargs)
-    opt.step()
-    ts = []
-    for _ in range(REPEAT):
-        t = time.perf_counter()
-        opt.step()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[REPEAT // 3]
+    opt.step()  # its state made
+    return _low(opt.step)
 
 
 def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budget_s: float = BUDGET_S,
