@@ -4,8 +4,8 @@ Everything a CPU worker of a run spends time on, timed as such a worker runs it:
 Conv2d layers' forward and backward by size, memory bandwidth, fixed costs per layer and
 optimizer tensor, Adam's update, and between two gloo processes (`probe`, run as `python -m
 placer.estimate.calibrate PORT RANK`) message latency, bandwidth, all-reduces by size, how much
-of an all-reduce a backward hides, and the fixed costs FSDP2, DTensor and torch's pipeline
-schedules add.
+of an all-reduce a backward hides, and the fixed costs FSDP2, DTensor, torch's pipeline
+schedules and the program's spatial halo exchange add.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def calibrate(threads: int) -> Hardware:
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
                     action_s=link["action"], reduce_times=tuple(tuple(r) for r in link["reduce_times"]),
-                    overlap=link["overlap"],
+                    overlap=link["overlap"], halo_s=link["halo"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
                     source=f"measured on this machine, {threads} thread(s) per worker, gloo between 2 processes")
@@ -116,14 +116,17 @@ def _probe_gloo() -> dict:
     return json.loads(outs[0])
 
 
-def _median(fn, n: int) -> float:
+def _low(fn, n: int) -> float:
+    """A low quantile (the tenth) of n timings of fn: the two processes share the cores with
+    whatever else runs on the machine, which only adds, and stalls every message whose peer is
+    not running then: a quiet machine's figure."""
     fn()
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2]
+    return sorted(times)[n // 10]
 
 
 def probe(port: int, rank: int) -> None:
@@ -153,20 +156,20 @@ def probe(port: int, rank: int) -> None:
             t0 = time.perf_counter()
             pingpong(small, 1)
             trips.append(time.perf_counter() - t0)
-        latency = sorted(trips)[len(trips) // 2] / 2
+        latency = sorted(trips)[len(trips) // 10] / 2  # a round trip needs both processes running
         pingpong(big, 1)
         dist.barrier()
         t0 = time.perf_counter()
         pingpong(big, 4)
         bandwidth = big.numel() * 4 * 8 / (time.perf_counter() - t0)
-        collective = _median(lambda: dist.all_reduce(small), 100)
+        collective = _low(lambda: dist.all_reduce(small), 100)
         # an all-reduce by size: gloo's chunks and its sums on the CPU cost more than the bytes
         # on the wire, the more so the smaller the tensor
-        reduce_times = [(4 * n, _median(lambda t=torch.zeros(n): dist.all_reduce(t), 20)) for n in REDUCE_SIZES]
+        reduce_times = [(4 * n, _low(lambda t=torch.zeros(n): dist.all_reduce(t), 20)) for n in REDUCE_SIZES]
         overlap = _overlap(dist, nn)
 
         def train(model, x):
-            return _median(lambda: model(x).sum().backward(), 20)
+            return _low(lambda: model(x).sum().backward(), 30)
 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -186,11 +189,12 @@ def probe(port: int, rank: int) -> None:
         parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
         split_s = (train(pair, x) - alone) / 2  # an all-reduce forward and one backward
         action_s = _pipeline_action(rank, latency)
+        halo_s = _halo(rank, nn)
         if rank == 0:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
                               "reduce_times": reduce_times, "overlap": overlap,
                               "sharded": max(sharded_s, collective), "split": max(split_s, collective),
-                              "action": action_s}))
+                              "action": action_s, "halo": halo_s}))
     finally:
         dist.destroy_process_group()
 
@@ -217,8 +221,35 @@ def _overlap(dist, nn) -> float:
         work()
         w.wait()
 
-    alone, reduce = _median(work, 10), _median(lambda: dist.all_reduce(t), 10)
-    return min(1.0, max(0.0, (alone + reduce - _median(both, 10)) / reduce))
+    alone, reduce = _low(work, 20), _low(lambda: dist.all_reduce(t), 20)
+    return min(1.0, max(0.0, (alone + reduce - _low(both, 20)) / reduce))
+
+
+def _halo(rank: int, nn) -> float:
+    """Seconds of one halo exchange as a spatial segment's program runs it (the runtime's own
+    `halo_exchange`: its autograd Function, a message posted each way and waited on, the rows
+    put together), forward and backward averaged, on a small band (a row of 2 KiB), each after
+    a layer's backward on both ranks: what a run does between two layers."""
+    import torch
+    import torch.distributed as dist
+
+    from placer.codegen.runtime.spatial import halo_exchange
+
+    layer, x, grad = nn.Linear(256, 256), torch.randn(64, 256, requires_grad=True), torch.ones(64, 256)
+    band = torch.randn(8, 4, 8, 16, requires_grad=True)
+    owned, needed = [(0, 8), (8, 16)], [(0, 9), (7, 16)]  # one row from the other rank each
+
+    def exchange():
+        dist.barrier()
+        layer(x).backward(grad)
+        t0 = time.perf_counter()
+        y = halo_exchange(band, [0, 1], owned, needed, 2)
+        y.backward(torch.ones_like(y))
+        return time.perf_counter() - t0
+
+    exchange()
+    times = sorted(exchange() for _ in range(40))
+    return times[len(times) // 10] / 2
 
 
 def _pipeline_action(rank: int, latency: float, microbatches: int = 4) -> float:
@@ -230,7 +261,7 @@ def _pipeline_action(rank: int, latency: float, microbatches: int = 4) -> float:
     stage = PipelineStage(nn.Linear(64, 64), rank, 2, torch.device("cpu"))
     schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda y, target: (y - target).pow(2).mean())
     x, target = torch.randn(8 * microbatches, 64), torch.zeros(8 * microbatches, 64)
-    step = _median(lambda: schedule.step(x) if rank == 0 else schedule.step(target=target), 10)
+    step = _low(lambda: schedule.step(x) if rank == 0 else schedule.step(target=target), 30)
     return max(step / (2 * microbatches) - latency, 0.0)
 
 

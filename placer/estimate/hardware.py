@@ -58,6 +58,9 @@ class Hardware:
     """Fixed seconds of each all-reduce a tensor-parallel (DTensor) pair runs."""
     action_s: float
     """Fixed seconds of each pipeline action (a stage's forward or backward of one micro-batch)."""
+    halo_s: float = 0.0
+    """Fixed seconds of each spatial halo exchange as the program runs it (its autograd Function,
+    a message each way, the rows put together); 0: `latency`, as any message."""
     layer_overhead: float
     """Seconds per layer per pass that do not depend on its size (kernel launch, Python, autograd)."""
     update_s: float
@@ -96,9 +99,10 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 3
+CALIBRATION = 5
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
-(1: no `conv_rates`; 2: no `reduce_times` nor `overlap`) is measured again."""
+(1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
+medians, not low quantiles) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
