@@ -331,3 +331,13 @@ def test_an_overlapped_all_reduce_that_the_cores_do_not_hide_delays_the_device(t
     ovl = hidden.per_device["cpu:0"].overlapped_s
     assert ovl > 0 and shown.per_device["cpu:0"].comm_s == pytest.approx(0.75 * ovl)
     assert shown.per_device["cpu:0"].overlapped_s == pytest.approx(0.25 * ovl)
+
+
+def test_a_halo_exchange_costs_the_programs_measured_exchange_not_a_bare_message(tmp_path):
+    _, graph, plan, est = planned(tmp_path, SPATIAL)
+    halos = [(s, e) for s, e, op in step_time(plan, graph, est, HW).spans["cpu:0"] if op.kind.value == "halo"]
+    slow = [(s, e) for s, e, op in step_time(plan, graph, est, replace(HW, halo_s=0.5)).spans["cpu:0"]
+            if op.kind.value == "halo"]
+    assert len(halos) == len(slow) >= 1  # conv's halo forward (its input has no gradient to send back)
+    for (s0, e0), (s1, e1) in zip(halos, slow):
+        assert (e1 - s1) - (e0 - s0) == pytest.approx(0.5 - HW.latency)  # the same bytes, another fixed cost
