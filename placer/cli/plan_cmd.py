@@ -78,7 +78,8 @@ def time_lines(st) -> list[str]:
     return (["", f"predicted step time on {hw.name} ({hw.source}): {units.seconds(st.step_s)}, "
              f"{st.critical} finishes last"] + _table(rows, set(range(1, 7)))
             + ["  comm: copies and collectives a device waits for; overlapped: all-reduce beside the "
-               "backward; the step adds a fixed cost per step of " + units.seconds(hw.step_overhead)])
+               "backward; the step adds a fixed cost per step of " + units.seconds(hw.step_overhead)
+               + (f" and {units.seconds(hw.batch_s)} to make its batch" if hw.batch_s else "")])
 
 
 def time_json(st) -> dict:
@@ -241,7 +242,7 @@ def predict(plan, graph, est, hardware: str, say=lambda msg: None, spec=None):
 def _timed_layers(plan, graph, est, hw, spec, workers: int, say):
     """`hw` with the plan's layers timed at each device's shapes (estimate/layertime.py)."""
     from placer.estimate import hardware as hw_profiles
-    from placer.estimate.layertime import measure
+    from placer.estimate.layertime import measure, time_batch
     from placer.model.build import build_module
 
     threads = hw_profiles.threads(workers)
@@ -253,7 +254,8 @@ def _timed_layers(plan, graph, est, hw, spec, workers: int, say):
     if t.skipped:
         say(f"{len(t.skipped)} layer(s) not timed, their FLOPs at the calibrated rates: "
             + ", ".join(f"{name} ({why})" for name, why in t.skipped[:5]) + (" ..." if len(t.skipped) > 5 else ""))
-    return dataclasses.replace(hw, layer_times=t.times, step_times=t.steps)
+    source = hw.source + ("; the plan's layers timed at each device's shapes" if t.times else "")
+    return dataclasses.replace(hw, layer_times=t.times, step_times=t.steps, batch_s=time_batch(spec), source=source)
 
 
 def _timeline(plan, graph):

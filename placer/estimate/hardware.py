@@ -78,6 +78,9 @@ class Hardware:
     step_times: dict = field(default_factory=dict, compare=False, repr=False)
     """device -> measured seconds of its optimizer step (all it steps), in place of `update_s` and
     `tensor_overhead` (estimate/layertime.py; the cpu profile)."""
+    batch_s: float = 0.0
+    """Measured seconds each rank spends making the step's batch (the spec's synthetic data, as
+    the program makes it; estimate/layertime.py); 0: not measured."""
 
 
 def _gpu(name, fp32_tflops, bf16_tflops, mem_tbps, link_gbps, pcie_gbps, source) -> Hardware:
@@ -151,7 +154,7 @@ def cached_cpu(threads: int) -> Hardware:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        fields = {k: v for k, v in asdict(hw).items() if k not in ("layer_times", "step_times")}  # the plan's
+        fields = {k: v for k, v in asdict(hw).items() if k not in ("layer_times", "step_times", "batch_s")}  # the plan's
         tmp.write_text(json.dumps({"key": key, "profile": fields}, indent=1))
         tmp.replace(path)
     except OSError:

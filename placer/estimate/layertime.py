@@ -57,6 +57,8 @@ class Timings:
     """(segment, layer) -> (forward seconds, backward seconds) of one call on one device."""
     steps: dict = field(default_factory=dict)
     """device -> seconds of its optimizer step (every segment's it holds)."""
+    batch_s: float = 0.0
+    """Seconds to make one step's batch (every rank makes the whole batch)."""
     timed: int = 0
     """Layers and steps measured now (the others came from the cache)."""
     seconds: float = 0.0
@@ -190,6 +192,28 @@ def _time_step(numels: tuple[int, ...], optimizer) -> float:
     opt = getattr(torch.optim, optimizer.op)(params, **kwargs)
     opt.step()  # its state made
     return _low(opt.step)
+
+
+def time_batch(spec) -> float:
+    """Seconds to make one step's synthetic batch as the program does on every rank (a generator
+    seeded for the step, the input and target drawn whole: runtime/batch.py); 0 for a spec's
+    own data (its cost is the user's loader's, not known here)."""
+    import torch
+
+    from placer.codegen.runtime.batch import make_tensor, step_generator
+
+    if spec.training.data.module is not None:
+        return 0.0
+    b, m = spec.training.batch_size, spec.model
+    tensors = [(t.concrete(b), getattr(torch, t.dtype), (t.high or 2) - (t.low or 0)) for t in (m.input, m.target)]
+
+    def make(step=[0]):  # noqa: B006  (a new step each call, as the program's)
+        step[0] += 1
+        gen = step_generator(spec.training.seed, step[0])
+        for shape, dtype, high in tensors:
+            make_tensor(gen, shape, dtype, high)
+
+    return _low(make)
 
 
 def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budget_s: float = BUDGET_S,

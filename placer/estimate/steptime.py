@@ -23,7 +23,8 @@ device runs its ops in order on one clock:
   fixed costs per layer, action and message (pipeline fill and crossings included) repeat N
   times, while the gradient sync, the step and what follows it run once, in the last.
 
-The step is the last device's finish plus a fixed cost per step. The timeline it yields is the
+The step is the last device's finish plus a fixed cost per step and the making of its batch
+(measured on the cpu profile: `Hardware.batch_s`). The timeline it yields is the
 plan's critical path, pipeline bubbles included.
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ class StepTime:
     per_device: dict
     """device -> DeviceTime, in plan order."""
     step_s: float
-    """The whole step: the last device's finish plus the fixed cost per step."""
+    """The whole step: the last device's finish plus the fixed cost per step and the batch's making."""
     critical: str
     """The device that finishes last."""
     spans: dict
@@ -250,7 +251,7 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
                          overlapped_s=busy[d]["overlapped"], step_s=busy[d]["step"], finish_s=finish[d])
            for d in plan.devices}
     critical = max(plan.devices, key=lambda d: finish[d])
-    return StepTime(hardware=hw, per_device=per, step_s=finish[critical] + hw.step_overhead, critical=critical,
+    return StepTime(hardware=hw, per_device=per, step_s=finish[critical] + hw.step_overhead + hw.batch_s, critical=critical,
                     spans={d: tuple(s) for d, s in spans.items()})
 
 

@@ -278,6 +278,8 @@ def test_measured_layer_and_step_times_replace_the_rate_model(tmp_path):
     assert t.compute_s == pytest.approx(33.0) and t.step_s == pytest.approx(100.0)
     only_fc1 = replace(HW, layer_times={(0, "fc1"): (1.0, 2.0)})  # fc2 keeps its FLOPs at 1 GFLOP/s: 1 + 2 ms
     assert step_time(plan, graph, est, only_fc1).per_device["cpu:0"].compute_s == pytest.approx(3.003)
+    batch = step_time(plan, graph, est, replace(hw, batch_s=7.0))  # every rank makes the batch first
+    assert batch.step_s == pytest.approx(step_time(plan, graph, est, hw).step_s + 7.0)
 
 
 def test_layer_timings_are_cached_and_a_layer_too_large_keeps_its_rates(tmp_path, monkeypatch):
@@ -312,6 +314,7 @@ def test_plan_on_the_cpu_profile_times_the_layers_and_says_so(tmp_path, monkeypa
     assert out.exit_code == 0, out.output
     assert "timed 3 of the plan's layers and optimizer steps" in out.output
     assert hardware.layers_cache_path(hardware.threads(2)).exists()
+    assert "to make its batch" in out.output  # measured on every plan (a few milliseconds)
     out = CliRunner().invoke(main, ["plan", str(spec), "--hardware", "cpu"])
     assert "timed" not in out.output  # the second plan reads them back
 
