@@ -316,7 +316,7 @@ def test_plan_on_the_cpu_profile_times_the_layers_and_says_so(tmp_path, monkeypa
     assert hardware.layers_cache_path(hardware.threads(2)).exists()
     assert "to make its batch" in out.output  # measured on every plan (a few milliseconds)
     out = CliRunner().invoke(main, ["plan", str(spec), "--hardware", "cpu"])
-    assert "timed" not in out.output  # the second plan reads them back
+    assert "placer: timed" not in out.output  # the second plan reads them back
 
 
 def test_an_all_reduce_takes_the_measured_time_by_size_and_what_overlap_leaves_delays():
