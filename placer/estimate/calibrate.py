@@ -3,7 +3,8 @@
 Everything a CPU worker of a run spends time on, timed as such a worker runs it: Linear and
 Conv2d layers' forward and backward by size, memory bandwidth, fixed costs per layer and
 optimizer tensor, Adam's update, and between two gloo processes (`probe`, run as `python -m
-placer.estimate.calibrate PORT RANK`) message latency, bandwidth, all-reduces by size, how much
+placer.estimate.calibrate PORT RANK`) message latency, bandwidth, all-reduces, all-gathers and
+reduce-scatters by size, how much
 of an all-reduce a backward hides, and the fixed costs FSDP2, DTensor, torch's pipeline
 schedules and the program's spatial halo exchange add.
 """
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 from placer.estimate.hardware import Hardware
 
@@ -95,7 +97,8 @@ def calibrate(threads: int) -> Hardware:
                     bf16_flops=rates[-1][1], mem_bw=mem_bw,
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
-                    action_s=link["action"], reduce_times=tuple(tuple(r) for r in link["reduce_times"]),
+                    action_s=link["action"],
+                    **{k: tuple(tuple(r) for r in link[k]) for k in ("reduce_times", "gather_times", "scatter_times")},
                     overlap=link["overlap"], halo_s=link["halo"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
@@ -171,7 +174,15 @@ def probe(port: int, rank: int) -> None:
         collective = _low(lambda: dist.all_reduce(small), 100)
         # an all-reduce by size: gloo's chunks and its sums on the CPU cost more than the bytes
         # on the wire, the more so the smaller the tensor
-        reduce_times = [(4 * n, _low(lambda t=torch.zeros(n): dist.all_reduce(t), 20)) for n in REDUCE_SIZES]
+        # each kind by size, keyed by the bytes each process sends: a whole tensor of n floats
+        # for an all-reduce, half of it for an all-gather or a reduce-scatter (two processes)
+        reduce_times, gather_times, scatter_times = [], [], []
+        warnings.simplefilter("ignore", FutureWarning)  # *_into_tensor's newer names: not in older torch
+        for n in REDUCE_SIZES:
+            whole, half = torch.zeros(n), torch.zeros(n // 2)
+            reduce_times.append((4 * n, _low(lambda: dist.all_reduce(whole), 20)))
+            gather_times.append((2 * n, _low(lambda: dist.all_gather_into_tensor(whole, half), 20)))
+            scatter_times.append((2 * n, _low(lambda: dist.reduce_scatter_tensor(half, whole), 20)))
         overlap = _overlap(dist, nn)
 
         def train(model, x):
@@ -198,15 +209,17 @@ def probe(port: int, rank: int) -> None:
         halo_s = _halo(rank, nn)
         if rank == 0:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
-                              "reduce_times": reduce_times, "overlap": overlap,
+                              "reduce_times": reduce_times, "gather_times": gather_times,
+                              "scatter_times": scatter_times, "overlap": overlap,
                               "sharded": max(sharded_s, collective), "split": max(split_s, collective),
                               "action": action_s, "halo": halo_s}))
     finally:
         dist.destroy_process_group()
 
 
-REDUCE_SIZES = (1, 1 << 16, 1 << 20)
-"""Floats of the all-reduces that calibrate `reduce_times`: 4 B, 256 KiB, 4 MiB."""
+REDUCE_SIZES = (2, 1 << 16, 1 << 20)
+"""Floats of the whole tensors whose all-reduce, all-gather and reduce-scatter calibrate
+`reduce_times`, `gather_times` and `scatter_times`: 8 B, 256 KiB, 4 MiB."""
 
 
 def _overlap(dist, nn) -> float:

@@ -46,8 +46,13 @@ class Hardware:
     collective_s: float
     """Fixed seconds of a small collective (an all-reduce of one float)."""
     reduce_times: tuple = ()
-    """Measured ((bytes, seconds), ...) of an all-reduce between two processes by size: its bytes
-    cost more than the link's bandwidth says (chunks, the sums). Empty: `link_bw` alone."""
+    """Measured ((bytes each process sends, seconds), ...) of an all-reduce between two processes
+    by size: its bytes cost more than the link's bandwidth says (chunks, the sums). Empty:
+    `link_bw` alone."""
+    gather_times: tuple = ()
+    """The same of an all-gather (FSDP2's parameters)."""
+    scatter_times: tuple = ()
+    """The same of a reduce-scatter (FSDP2's gradients)."""
     overlap: float = 1.0
     """The fraction of an all-reduce's time that a backward running meanwhile hides (DDP's
     overlap): 1 where the link has its own engine; measured on CPU workers, whose gloo threads
@@ -102,10 +107,10 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 5
+CALIBRATION = 6
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
 (1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
-medians, not low quantiles) is measured again."""
+medians, not low quantiles; 5: no `gather_times` nor `scatter_times`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
@@ -144,7 +149,7 @@ def cached_cpu(threads: int) -> Hardware:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             fields = doc["profile"]
-            tables = ("rates", "conv_rates", "reduce_times")
+            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times")
             return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in tables}})
     except (OSError, ValueError, TypeError):
         pass
@@ -162,15 +167,20 @@ def cached_cpu(threads: int) -> Hardware:
     return hw
 
 
+def reduce_seconds(hw: Hardware, nbytes: float) -> float:
+    """An all-reduce's bytes (`sized_seconds` on `reduce_times`)."""
+    return sized_seconds(hw.reduce_times, hw, nbytes)
+
+
 CONV_OPS = frozenset(f"{p}{n}d" for p in ("Conv", "ConvTranspose", "LazyConv", "LazyConvTranspose") for n in "123")
 """Layers whose FLOPs run at `conv_rates` (transformers' `Conv1D` is a Linear: not one of them)."""
 
 
-def reduce_seconds(hw: Hardware, nbytes: float) -> float:
-    """Seconds of the bytes of an all-reduce that sends `nbytes` from each device, beyond a
-    1-float all-reduce's: interpolated linearly between the measured sizes (past the largest,
-    at its last step's rate); `link_bw` where the profile has no `reduce_times`."""
-    pts = hw.reduce_times
+def sized_seconds(pts: tuple, hw: Hardware, nbytes: float) -> float:
+    """Seconds of the bytes of a collective that sends `nbytes` from each device, beyond the
+    smallest one's, from its measured times by size `pts` (reduce_times, gather_times,
+    scatter_times): interpolated linearly between the sizes (past the largest, at its last
+    step's rate); `link_bw` where the profile has no such table."""
     if len(pts) < 2:
         return nbytes / hw.link_bw
     (b0, t0), *rest = pts

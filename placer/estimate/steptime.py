@@ -12,8 +12,8 @@ device runs its ops in order on one clock:
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
   through a host at the host's bandwidth); all of its devices wait for it;
 - a pipeline send leaves at once; its receive waits until it has arrived;
-- an all-reduce's or reduce-scatter's bytes take the measured all-reduce time by size where the
-  profile has it;
+- an all-reduce's, all-gather's or reduce-scatter's bytes take that collective's measured time
+  by size where the profile has it (`reduce_times`, ...), others' the link's bandwidth;
 - a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
   gradients are ready, and the optimizer step waits for it; the part of it the profile's
   `overlap` does not hide (CPU workers: gloo's threads share the cores) delays the device too;
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from placer.device import Device
 from placer.estimate.comm import op_moves
 from placer.estimate.cost import BACKWARD_FACTOR
-from placer.estimate.hardware import CONV_OPS, Hardware, rate, reduce_seconds
+from placer.estimate.hardware import CONV_OPS, Hardware, rate, sized_seconds
 from placer.model.graph import ModelGraph
 from placer.plan.ir import COLLECTIVES, TRANSFERS, Op, OpKind, Plan
 
@@ -96,8 +96,10 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
         else:
             sent[a] = sent.get(a, 0) + n
     most = max(sent.values(), default=0)
-    # a reduction sums on the device as it goes: at the measured all-reduce's rate by size
-    wire = reduce_seconds(hw, most) if op.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER) else most / hw.link_bw
+    # a collective's bytes at its measured time by size (chunks, the sums on the device)
+    table = {OpKind.ALL_REDUCE: hw.reduce_times, OpKind.ALL_GATHER: hw.gather_times,
+             OpKind.REDUCE_SCATTER: hw.scatter_times}.get(op.kind, ())
+    wire = sized_seconds(table, hw, most)
     return fixed_seconds(op, hw) + wire + 2 * host / hw.host_bw
 
 

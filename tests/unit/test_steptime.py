@@ -327,6 +327,18 @@ def test_an_all_reduce_takes_the_measured_time_by_size_and_what_overlap_leaves_d
     assert hardware.reduce_seconds(HW, 1000) == pytest.approx(1e-3)  # no table: the link's 1 MB/s
 
 
+def test_fsdp2s_gathers_and_scatters_take_their_own_measured_times(tmp_path):
+    fsdp = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, shard: full}}\n"
+    table = ((4, 0.0), (1_000_004, 2.0))  # 2 s a sent MB: twice the link's time
+    plain, _, _ = timed(tmp_path, fsdp)
+    gathers, _, _ = timed(tmp_path, fsdp, hw=replace(HW, gather_times=table))
+    scatters, _, _ = timed(tmp_path, fsdp, hw=replace(HW, scatter_times=table))
+    # each device sends half of each layer's 40,400 B: 20.2 ms at the link's 1 MB/s, 40.4 ms at the table's rate;
+    # fc1 and fc2 are gathered for the forward and again for the backward, and their gradients scattered once
+    assert gathers.step_s - plain.step_s == pytest.approx(4 * 20.2e-3, rel=1e-3)
+    assert scatters.step_s - plain.step_s == pytest.approx(2 * 20.2e-3, rel=1e-3)
+
+
 def test_an_overlapped_all_reduce_that_the_cores_do_not_hide_delays_the_device(tmp_path):
     data = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, overlap: true}}\n"
     hidden, _, _ = timed(tmp_path, data)
