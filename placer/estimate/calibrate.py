@@ -119,12 +119,6 @@ def _probe_gloo() -> dict:
     return json.loads(outs[0])
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _low(fn, n: int) -> float:
     """A low quantile (the tenth) of n timings of fn: the two processes share the cores with
     whatever else runs on the machine, which only adds, and stalls every message whose peer is
@@ -201,11 +195,13 @@ def probe(port: int, rank: int) -> None:
         # per layer: an all-gather forward, again backward, and a reduce-scatter
         sharded_s = (train(sharded, x) - plain) / 12
         mesh = init_device_mesh("cpu", (2,))
-        pair = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        # a column-row pair with its activation between, as an MLP block has it: DTensor's
+        # dispatch on each of its layers, forward and backward, and the two all-reduces
+        pair = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
         alone = train(pair, x)
-        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         split_s = (train(pair, x) - alone) / 2  # an all-reduce forward and one backward
-        action_s = _pipeline_action(rank, latency)
+        action_s = _pipeline_action(rank)
         halo_s = _halo(rank, nn)
         if rank == 0:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
@@ -247,44 +243,55 @@ def _overlap(dist, nn) -> float:
 def _halo(rank: int, nn) -> float:
     """Seconds of one halo exchange as a spatial segment's program runs it (the runtime's own
     `halo_exchange`: its autograd Function, a message posted each way and waited on, the rows
-    put together), forward and backward averaged, on a small band (a row of 2 KiB), each after
-    a layer's backward on both ranks: what a run does between two layers."""
+    put together), forward and backward averaged, on a small band (a row of 2 KiB), the two
+    processes started together (a barrier): its machinery, not the wait for a late peer, which
+    the plan's timeline has. A low quantile (a quarter) of 60."""
     import torch
     import torch.distributed as dist
 
     from placer.codegen.runtime.spatial import halo_exchange
 
-    layer, x, grad = nn.Linear(256, 256), torch.randn(64, 256, requires_grad=True), torch.ones(64, 256)
     band = torch.randn(8, 4, 8, 16, requires_grad=True)
     owned, needed = [(0, 8), (8, 16)], [(0, 9), (7, 16)]  # one row from the other rank each
 
     def exchange():
-        dist.barrier()
-        layer(x).backward(grad)
-        t0 = time.perf_counter()
         y = halo_exchange(band, [0, 1], owned, needed, 2)
         y.backward(torch.ones_like(y))
+
+    def timed():
+        dist.barrier()
+        t0 = time.perf_counter()
+        exchange()
         return time.perf_counter() - t0
 
     exchange()
-    return min(exchange() for _ in range(60)) / 2  # the quietest: see _pipeline_action
+    times = sorted(timed() for _ in range(60))
+    return times[len(times) // 4] / 2
 
 
-def _pipeline_action(rank: int, latency: float, microbatches: int = 4) -> float:
-    """Seconds per action of torch's 1F1B on two tiny stages, less one message each: the
-    quietest of 60 steps, as each step waits on the other process at every action, and on a
-    shared machine even the tenth-fastest step varies fivefold from one probe to the next."""
+def _pipeline_action(rank: int, microbatches: int = 4) -> float:
+    """Seconds per action that torch's 1F1B schedule adds to its stage's work: a one-stage
+    pipeline on each process (a group of its own) against the same forwards and backwards run
+    plainly, the tenth-fastest of 30 steps each. Its messages are not in it: the plan's sends
+    and receives cost `latency` each (a two-stage probe mixed in the other process's stalls,
+    and varied fivefold from one probe to the next on a shared machine)."""
     import torch
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    stage = PipelineStage(nn.Linear(64, 64), rank, 2, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda y, target: (y - target).pow(2).mean())
+    solo = [dist.new_group([r]) for r in (0, 1)][rank]  # every process makes every group
+    layer = nn.Linear(64, 64)
+    loss = lambda y, target: (y - target).pow(2).mean()  # noqa: E731
+    schedule = Schedule1F1B(PipelineStage(layer, 0, 1, torch.device("cpu"), group=solo), microbatches, loss_fn=loss)
     x, target = torch.randn(8 * microbatches, 64), torch.zeros(8 * microbatches, 64)
-    run = lambda: schedule.step(x) if rank == 0 else schedule.step(target=target)  # noqa: E731
-    run()
-    step = min(_timed(run) for _ in range(60))
-    return max(step / (2 * microbatches) - latency, 0.0)
+
+    def plain():
+        for xm, tm in zip(x.chunk(microbatches), target.chunk(microbatches)):
+            loss(layer(xm), tm).backward()
+
+    piped = _low(lambda: schedule.step(x, target=target), 30)
+    return max(piped - _low(plain, 30), 0.0) / (2 * microbatches)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,11 @@ class Hardware:
     sharded_s: float
     """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
     split_s: float
-    """Fixed seconds of each all-reduce a tensor-parallel (DTensor) pair runs."""
+    """Fixed seconds of each all-reduce a tensor-parallel (DTensor) pair runs, with DTensor's
+    dispatch on the pair's layers (measured on a column-row pair with its activation between)."""
     action_s: float
-    """Fixed seconds of each pipeline action (a stage's forward or backward of one micro-batch)."""
+    """Fixed seconds of each pipeline action (a stage's forward or backward of one micro-batch):
+    the schedule's own machinery; its messages are the plan's sends and receives."""
     halo_s: float = 0.0
     """Fixed seconds of each spatial halo exchange as the program runs it (its autograd Function,
     a message each way, the rows put together); 0: `latency`, as any message."""
@@ -107,10 +109,12 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 6
+CALIBRATION = 9
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
 (1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
-medians, not low quantiles; 5: no `gather_times` nor `scatter_times`) is measured again."""
+medians, not low quantiles; 5: no `gather_times` nor `scatter_times`; 6: `action_s` with two
+processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's activation) is
+measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
