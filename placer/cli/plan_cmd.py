@@ -240,14 +240,12 @@ def predict(plan, graph, est, hardware: str, say=lambda msg: None, spec=None):
 
 
 def _timed_layers(plan, graph, est, hw, spec, workers: int, say):
-    """`hw` with the plan's layers timed at each device's shapes (estimate/layertime.py)."""
+    """`hw` with the plan's layers, optimizer steps and batch timed (estimate/layertime.py)."""
     from placer.estimate import hardware as hw_profiles
-    from placer.estimate.layertime import measure, time_batch
-    from placer.model.build import build_module
+    from placer.estimate.layertime import measure
 
     threads = hw_profiles.threads(workers)
-    t = measure(plan, graph, lambda: build_module(spec), threads, hw_profiles.layers_cache_path(threads),
-                est=est, optimizer=spec.training.optimizer)
+    t = measure(plan, graph, spec, threads, hw_profiles.layers_cache_path(threads), est=est)
     if t.timed:
         say(f"timed {t.timed} of the plan's layers and optimizer steps at each device's shapes in "
             f"{t.seconds:.1f} s ({threads} thread(s); cached)")
@@ -255,7 +253,7 @@ def _timed_layers(plan, graph, est, hw, spec, workers: int, say):
         say(f"{len(t.skipped)} layer(s) not timed, their FLOPs at the calibrated rates: "
             + ", ".join(f"{name} ({why})" for name, why in t.skipped[:5]) + (" ..." if len(t.skipped) > 5 else ""))
     source = hw.source + ("; the plan's layers timed at each device's shapes" if t.times else "")
-    return dataclasses.replace(hw, layer_times=t.times, step_times=t.steps, batch_s=time_batch(spec), source=source)
+    return dataclasses.replace(hw, layer_times=t.times, step_times=t.steps, batch_s=t.batch_s, source=source)
 
 
 def _timeline(plan, graph):

@@ -22,6 +22,7 @@ run alone (a module model's layer that takes several inputs), or that would take
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -35,6 +36,8 @@ BUDGET_S = 5.0
 LAYER_CAP_S = 0.25
 """A layer whose first forward takes longer is not timed further (its rates serve)."""
 REPEAT = 11
+TIMING = 1
+"""How layers and steps are timed, in the cache's keys: a new way times them again."""
 FLUSH_BYTES = 32 << 20
 """A buffer written before each timed call, larger than a CPU's caches (L2, most of an L3)."""
 
@@ -93,7 +96,7 @@ def jobs(plan: Plan, graph: ModelGraph) -> list[Job]:
 def _key(module, job: Job, threads: int) -> str:
     import torch
 
-    text = json.dumps([repr(module), job.shape, job.dtype, job.trains_input, threads, torch.__version__])
+    text = json.dumps([TIMING, repr(module), job.shape, job.dtype, job.trains_input, threads, torch.__version__])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -216,11 +219,15 @@ def time_batch(spec) -> float:
     return _low(make)
 
 
-def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budget_s: float = BUDGET_S,
-            est=None, optimizer=None) -> Timings:
-    """Time the plan's layers (`build()`: the model on the meta device) with `threads` threads,
-    reading and adding to the cache at `cache_path` (a JSON file)."""
+def measure(plan: Plan, graph: ModelGraph, spec, threads: int, cache_path, budget_s: float = BUDGET_S,
+            est=None) -> Timings:
+    """Time the plan's layers, each device's optimizer step (given the plan's estimate `est`) and
+    the making of a batch with `threads` threads, reading and adding to the cache at `cache_path`
+    (a JSON file)."""
     import torch
+
+    from placer.estimate.memory import state_slots
+    from placer.model.build import build_module
 
     try:
         cache = json.loads(cache_path.read_text())
@@ -233,7 +240,7 @@ def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budg
     try:
         for job in jobs(plan, graph):
             try:
-                model = model or build()
+                model = model or build_module(spec)  # on the meta device: each layer is copied out
                 meta = model.get_submodule(job.layer)
                 key = _key(meta, job, threads)
                 if key in cache:
@@ -242,8 +249,6 @@ def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budg
                 if time.perf_counter() - start > budget_s:
                     out.skipped.append((job.layer, f"the {budget_s:g} s budget was spent"))
                     continue
-                import copy
-
                 got = _time(_materialize(copy.deepcopy(meta)), job)
             except Exception as e:  # noqa: BLE001  (a layer that does not run alone: its rates serve)
                 out.skipped.append((job.layer, f"does not run alone ({type(e).__name__})"))
@@ -254,21 +259,25 @@ def measure(plan: Plan, graph: ModelGraph, build, threads: int, cache_path, budg
             cache[key] = list(got)
             out.times[(job.segment, job.layer)] = got
             out.timed += 1
-        if est is not None and optimizer is not None and hasattr(__import__("torch").optim, optimizer.op):
-            from placer.estimate.memory import state_slots
-
-            model = model or build()
-            for d, numels in step_numels(plan, est, model, state_slots(optimizer)[0]).items():
-                text = json.dumps([optimizer.op, optimizer.lr, optimizer.kwargs, numels, threads, torch.__version__],
+        opt = spec.training.optimizer
+        if est is not None and hasattr(torch.optim, opt.op):
+            model = model or build_module(spec)
+            for d, numels in step_numels(plan, est, model, state_slots(opt)[0]).items():
+                text = json.dumps([TIMING, opt.op, opt.lr, opt.kwargs, numels, threads, torch.__version__],
                                   sort_keys=True, default=str)
                 key = "step-" + hashlib.sha256(text.encode()).hexdigest()[:24]
                 if key not in cache:
                     if time.perf_counter() - start > budget_s:
                         out.skipped.append((f"{d}'s optimizer step", f"the {budget_s:g} s budget was spent"))
                         continue
-                    cache[key] = _time_step(numels, optimizer)
+                    try:
+                        cache[key] = _time_step(numels, opt)
+                    except Exception as e:  # noqa: BLE001  (arguments it takes only with real parameters)
+                        out.skipped.append((f"{d}'s optimizer step", f"does not run alone ({type(e).__name__})"))
+                        continue
                     out.timed += 1
                 out.steps[d] = cache[key]
+        out.batch_s = time_batch(spec)  # a few milliseconds: not cached
     finally:
         torch.set_num_threads(before)
         out.seconds = time.perf_counter() - start

@@ -284,24 +284,23 @@ def test_measured_layer_and_step_times_replace_the_rate_model(tmp_path):
 
 def test_layer_timings_are_cached_and_a_layer_too_large_keeps_its_rates(tmp_path, monkeypatch):
     from placer.estimate import layertime
-    from placer.model.build import build_module
 
     spec, graph, plan, est = planned(tmp_path, SPATIAL)
     cache = tmp_path / "layers.json"
-    t = layertime.measure(plan, graph, lambda: build_module(spec), 1, cache, est=est, optimizer=spec.training.optimizer)
+    t = layertime.measure(plan, graph, spec, 1, cache, est=est)
     assert set(t.times) == {(0, "conv"), (0, "act")} and all(f > 0 and b > 0 for f, b in t.times.values())
     assert set(t.steps) == {"cpu:0", "cpu:1"} and t.timed == 3 and not t.skipped  # one step: both hold the same
+    assert t.batch_s > 0  # the synthetic batch, made each step on every rank
     monkeypatch.setattr(layertime, "_time", lambda *a: pytest.fail("timed again"))
     monkeypatch.setattr(layertime, "_time_step", lambda *a: pytest.fail("timed again"))
-    again = layertime.measure(plan, graph, lambda: build_module(spec), 1, cache, est=est,
-                              optimizer=spec.training.optimizer)
+    again = layertime.measure(plan, graph, spec, 1, cache, est=est)
     assert again.times == t.times and again.steps == t.steps and again.timed == 0
     # another thread count is another key: timed again, here each layer as longer than its cap
     monkeypatch.undo()
     monkeypatch.setattr(layertime, "LAYER_CAP_S", -1.0)
-    big = layertime.measure(plan, graph, lambda: build_module(spec), 2, cache)
+    big = layertime.measure(plan, graph, spec, 2, cache)
     assert not big.times and [name for name, _ in big.skipped] == ["conv", "act"]
-    none = layertime.measure(plan, graph, lambda: build_module(spec), 3, cache, budget_s=-1.0)
+    none = layertime.measure(plan, graph, spec, 3, cache, budget_s=-1.0)
     assert not none.times and "budget" in none.skipped[0][1]
 
 
