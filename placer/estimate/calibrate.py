@@ -97,6 +97,7 @@ def calibrate(threads: int) -> Hardware:
                     bf16_flops=rates[-1][1], mem_bw=mem_bw,
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
+                    split_grad_s=link["split_grad"],
                     action_s=link["action"],
                     **{k: tuple(tuple(r) for r in link[k]) for k in ("reduce_times", "gather_times", "scatter_times")},
                     overlap=link["overlap"], halo_s=link["halo"],
@@ -195,12 +196,16 @@ def probe(port: int, rank: int) -> None:
         # per layer: an all-gather forward, again backward, and a reduce-scatter
         sharded_s = (train(sharded, x) - plain) / 12
         mesh = init_device_mesh("cpu", (2,))
-        # a column-row pair with its activation between, as an MLP block has it: DTensor's
-        # dispatch on each of its layers, forward and backward, and the two all-reduces
+        # a column-row pair with its activation between, as an MLP block has it. On an input
+        # that does not train it runs DTensor's dispatch on each layer, forward and backward,
+        # and the forward's all-reduce: what the plan's forward all-reduce of a pair stands for
+        # (every pair has one). One whose input trains adds the backward's all-reduce.
         pair = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-        alone = train(pair, x)
+        trains = torch.randn(8, 64, requires_grad=True)
+        alone, alone_trains = train(pair, x), train(pair, trains)
         parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        split_s = (train(pair, x) - alone) / 2  # an all-reduce forward and one backward
+        split_s = train(pair, x) - alone
+        split_grad_s = train(pair, trains) - alone_trains - split_s
         action_s = _pipeline_action(rank)
         halo_s = _halo(rank, nn)
         if rank == 0:
@@ -208,6 +213,7 @@ def probe(port: int, rank: int) -> None:
                               "reduce_times": reduce_times, "gather_times": gather_times,
                               "scatter_times": scatter_times, "overlap": overlap,
                               "sharded": max(sharded_s, collective), "split": max(split_s, collective),
+                              "split_grad": max(split_grad_s, collective),
                               "action": action_s, "halo": halo_s}))
     finally:
         dist.destroy_process_group()

@@ -60,8 +60,12 @@ class Hardware:
     sharded_s: float
     """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
     split_s: float
-    """Fixed seconds of each all-reduce a tensor-parallel (DTensor) pair runs, with DTensor's
-    dispatch on the pair's layers (measured on a column-row pair with its activation between)."""
+    """Fixed seconds of a tensor-parallel (DTensor) pair's forward all-reduce, with DTensor's
+    dispatch on the pair's layers forward and backward (measured on a column-row pair with its
+    activation between, its input not training)."""
+    split_grad_s: float = 0.0
+    """Fixed seconds of the backward all-reduce of a pair whose input trains (what such a pair
+    adds); 0: `split_s`."""
     action_s: float
     """Fixed seconds of each pipeline action (a stage's forward or backward of one micro-batch):
     the schedule's own machinery; its messages are the plan's sends and receives."""
@@ -109,12 +113,12 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 9
+CALIBRATION = 10
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
 (1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
 medians, not low quantiles; 5: no `gather_times` nor `scatter_times`; 6: `action_s` with two
-processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's activation) is
-measured again."""
+processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's activation; 9:
+`split_s` halved over both all-reduces, no `split_grad_s`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:

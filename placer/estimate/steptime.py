@@ -108,8 +108,8 @@ def fixed_seconds(op: Op, hw: Hardware) -> float:
     it (FSDP2's per-layer gathers, DTensor's activation all-reduce, the program's halo exchange)."""
     if op.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER) and op.tensor in ("params", "grads"):
         return hw.sharded_s
-    if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):
-        return hw.split_s
+    if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):  # a pair's forward; backward
+        return hw.split_grad_s if op.tensor == "grad" and hw.split_grad_s else hw.split_s
     if op.kind == OpKind.HALO and hw.halo_s:
         return hw.halo_s
     if op.kind in COLLECTIVES:

@@ -355,3 +355,14 @@ def test_a_halo_exchange_costs_the_programs_measured_exchange_not_a_bare_message
     assert len(halos) == len(slow) >= 1  # conv's halo forward (its input has no gradient to send back)
     for (s0, e0), (s1, e1) in zip(halos, slow):
         assert (e1 - s1) - (e0 - s0) == pytest.approx(0.5 - HW.latency)  # the same bytes, another fixed cost
+
+
+def test_a_tensor_pairs_forward_all_reduce_carries_its_dtensor_dispatch_and_the_backwards_its_own():
+    from placer.estimate.steptime import fixed_seconds
+    from placer.plan.ir import Op, OpKind
+
+    hw = replace(HW, split_s=5.0, split_grad_s=2.0)
+    fwd, bwd = (Op(kind=OpKind.ALL_REDUCE, devices=("cpu:0", "cpu:1"), segment=0, phase=p, tensor=t)
+                for p, t in (("fwd", "act"), ("bwd", "grad")))
+    assert fixed_seconds(fwd, hw) == 5.0 and fixed_seconds(bwd, hw) == 2.0
+    assert fixed_seconds(bwd, replace(hw, split_grad_s=0.0)) == 5.0  # a profile without it: split_s
