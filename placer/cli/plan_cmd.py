@@ -250,7 +250,7 @@ def _timed_layers(plan, graph, est, hw, spec, workers: int, say):
         say(f"timed {t.timed} of the plan's layers and optimizer steps at each device's shapes in "
             f"{t.seconds:.1f} s ({threads} thread(s); cached)")
     if t.skipped:
-        say(f"{len(t.skipped)} layer(s) not timed, their FLOPs at the calibrated rates: "
+        say(f"{len(t.skipped)} not timed, left to the calibrated rates: "
             + ", ".join(f"{name} ({why})" for name, why in t.skipped[:5]) + (" ..." if len(t.skipped) > 5 else ""))
     source = hw.source + ("; the plan's layers timed at each device's shapes" if t.times else "")
     return dataclasses.replace(hw, layer_times=t.times, step_times=t.steps, batch_s=t.batch_s, source=source)

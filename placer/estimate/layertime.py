@@ -18,7 +18,8 @@ Times are cached per layer signature (the module's repr, which holds its class a
 the input's shape and dtype, whether it trains, the threads, torch's version) under the cpu
 profile's cache folder, so a second `placer plan` is instant. A layer that cannot be built or
 run alone (a module model's layer that takes several inputs), or that would take longer than
-`LAYER_CAP_S`, or once `BUDGET_S` is spent, keeps the rate model: the caller says how many.
+`LAYER_CAP_S`, or once `BUDGET_S` is spent, keeps the rate model, as does an optimizer step over
+more than `STEP_CAP` parameters: the caller says how many.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ BUDGET_S = 5.0
 """Seconds of timing a plan may spend in all; the layers not yet timed keep the rate model."""
 LAYER_CAP_S = 0.25
 """A layer whose first forward takes longer is not timed further (its rates serve)."""
+STEP_CAP = 1 << 25
+"""A device's optimizer step over more parameters is not timed (their state would take GBs)."""
 REPEAT = 11
 TIMING = 1
 """How layers and steps are timed, in the cache's keys: a new way times them again."""
@@ -233,14 +236,18 @@ def measure(plan: Plan, graph: ModelGraph, spec, threads: int, cache_path, budge
         cache = json.loads(cache_path.read_text())
     except (OSError, ValueError):
         cache = {}
-    out, model = Timings(), None
+    out = Timings()
+    try:
+        model = build_module(spec)  # on the meta device: each layer is copied out to be timed
+    except Exception as e:  # noqa: BLE001  (planning built it already: not expected)
+        out.skipped.append(("every layer", f"the model does not build here ({type(e).__name__})"))
+        return out
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     start = time.perf_counter()
     try:
         for job in jobs(plan, graph):
             try:
-                model = model or build_module(spec)  # on the meta device: each layer is copied out
                 meta = model.get_submodule(job.layer)
                 key = _key(meta, job, threads)
                 if key in cache:
@@ -261,8 +268,10 @@ def measure(plan: Plan, graph: ModelGraph, spec, threads: int, cache_path, budge
             out.timed += 1
         opt = spec.training.optimizer
         if est is not None and hasattr(torch.optim, opt.op):
-            model = model or build_module(spec)
             for d, numels in step_numels(plan, est, model, state_slots(opt)[0]).items():
+                if sum(numels) > STEP_CAP:
+                    out.skipped.append((f"{d}'s optimizer step", f"over {STEP_CAP:,} parameters"))
+                    continue
                 text = json.dumps([TIMING, opt.op, opt.lr, opt.kwargs, numels, threads, torch.__version__],
                                   sort_keys=True, default=str)
                 key = "step-" + hashlib.sha256(text.encode()).hexdigest()[:24]
