@@ -5,8 +5,8 @@ Conv2d layers' forward and backward by size, memory bandwidth, fixed costs per l
 optimizer tensor, Adam's update, and between two gloo processes (`probe`, run as `python -m
 placer.estimate.calibrate PORT RANK`) message latency, bandwidth, all-reduces, all-gathers and
 reduce-scatters by size, how much
-of an all-reduce a backward hides, and the fixed costs FSDP2, DTensor, torch's pipeline
-schedules and the program's spatial halo exchange add.
+of an all-reduce a backward hides, and the fixed costs DDP's gradient buckets, FSDP2, DTensor,
+torch's pipeline schedules and the program's spatial halo exchange add.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def calibrate(threads: int) -> Hardware:
                     bf16_flops=rates[-1][1], mem_bw=mem_bw,
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
-                    split_grad_s=link["split_grad"],
+                    split_grad_s=link["split_grad"], bucket_s=link["bucket"],
                     action_s=link["action"],
                     **{k: tuple(tuple(r) for r in link[k]) for k in ("reduce_times", "gather_times", "scatter_times")},
                     overlap=link["overlap"], halo_s=link["halo"],
@@ -195,6 +195,12 @@ def probe(port: int, rank: int) -> None:
         fully_shard(sharded)
         # per layer: an all-gather forward, again backward, and a reduce-scatter
         sharded_s = (train(sharded, x) - plain) / 12
+        # a bucket of gradients all-reduced as DDP does it (its hooks, the gradients copied into
+        # the bucket and back, the all-reduce of 16 KiB): what a step's all-reduce of gradients
+        # costs beyond its bytes
+        from torch.nn.parallel import DistributedDataParallel
+
+        bucket_s = train(DistributedDataParallel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])), x) - plain
         mesh = init_device_mesh("cpu", (2,))
         # a column-row pair with its activation between, as an MLP block has it. On an input
         # that does not train it runs DTensor's dispatch on each layer, forward and backward,
@@ -213,7 +219,7 @@ def probe(port: int, rank: int) -> None:
                               "reduce_times": reduce_times, "gather_times": gather_times,
                               "scatter_times": scatter_times, "overlap": overlap,
                               "sharded": max(sharded_s, collective), "split": max(split_s, collective),
-                              "split_grad": max(split_grad_s, collective),
+                              "split_grad": max(split_grad_s, collective), "bucket": max(bucket_s, collective),
                               "action": action_s, "halo": halo_s}))
     finally:
         dist.destroy_process_group()

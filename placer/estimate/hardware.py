@@ -59,6 +59,9 @@ class Hardware:
     share the cores with the compute."""
     sharded_s: float
     """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
+    bucket_s: float = 0.0
+    """Fixed seconds of each all-reduce of a bucket of gradients, as DDP runs it (its hooks, the
+    gradients copied into the bucket and back); 0: `collective_s`."""
     split_s: float
     """Fixed seconds of a tensor-parallel (DTensor) pair's forward all-reduce, with DTensor's
     dispatch on the pair's layers forward and backward (measured on a column-row pair with its
@@ -113,12 +116,13 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 10
+CALIBRATION = 11
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
 (1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
 medians, not low quantiles; 5: no `gather_times` nor `scatter_times`; 6: `action_s` with two
 processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's activation; 9:
-`split_s` halved over both all-reduces, no `split_grad_s`) is measured again."""
+`split_s` halved over both all-reduces, no `split_grad_s`; 10: no `bucket_s`) is measured
+again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:

@@ -105,13 +105,16 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
 
 def fixed_seconds(op: Op, hw: Hardware) -> float:
     """What an op costs whatever its size: a message, or a collective with the machinery around
-    it (FSDP2's per-layer gathers, DTensor's activation all-reduce, the program's halo exchange)."""
+    it (FSDP2's per-layer gathers, DTensor's activation all-reduce, a bucket of gradients as DDP
+    all-reduces it, the program's halo exchange)."""
     if op.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER) and op.tensor in ("params", "grads"):
         return hw.sharded_s
     if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):  # a pair's forward; backward
         return hw.split_grad_s if op.tensor == "grad" and hw.split_grad_s else hw.split_s
     if op.kind == OpKind.HALO and hw.halo_s:
         return hw.halo_s
+    if op.kind == OpKind.ALL_REDUCE and op.tensor == "grads" and hw.bucket_s:
+        return hw.bucket_s
     if op.kind in COLLECTIVES:
         return hw.collective_s * max(1, len(op.devices) - 1)
     return hw.latency

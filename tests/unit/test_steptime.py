@@ -369,3 +369,11 @@ def test_a_tensor_pairs_forward_all_reduce_carries_its_dtensor_dispatch_and_the_
                 for p, t in (("fwd", "act"), ("bwd", "grad")))
     assert fixed_seconds(fwd, hw) == 5.0 and fixed_seconds(bwd, hw) == 2.0
     assert fixed_seconds(bwd, replace(hw, split_grad_s=0.0)) == 5.0  # a profile without it: split_s
+
+
+def test_a_bucket_of_gradients_costs_the_measured_bucket_all_reduce(tmp_path):
+    data = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, overlap: false}}\n"
+    plain, _, _ = timed(tmp_path, data)
+    buckets, _, _ = timed(tmp_path, data, hw=replace(HW, bucket_s=0.5))
+    n = sum(1 for op in plain.spans["cpu:0"] if op[2].kind.value == "all_reduce")
+    assert n >= 1 and buckets.step_s - plain.step_s == pytest.approx(n * (0.5 - HW.collective_s))
