@@ -99,7 +99,8 @@ def calibrate(threads: int) -> Hardware:
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
                     split_grad_s=link["split_grad"], bucket_s=link["bucket"],
                     action_s=link["action"],
-                    **{k: tuple(tuple(r) for r in link[k]) for k in ("reduce_times", "gather_times", "scatter_times")},
+                    **{k: tuple(tuple(r) for r in link[k])
+                       for k in ("reduce_times", "gather_times", "scatter_times", "sharded_times")},
                     overlap=link["overlap"], halo_s=link["halo"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
@@ -187,14 +188,23 @@ def probe(port: int, rank: int) -> None:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+        def fsdp2(width: int, rows: int) -> tuple[int, float]:
+            """(a layer's parameter bytes, seconds of each of its FSDP2 collectives) on four
+            Linear layers: per layer an all-gather forward, again backward, and a reduce-scatter,
+            as FSDP2 runs them beside the compute (on CPU workers its gloo thread shares the
+            core with it), with their copies in and out."""
+            xs = torch.randn(rows, width)
+            plain = train(nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), xs)
+            sharded = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+            for layer in sharded:
+                fully_shard(layer)
+            fully_shard(sharded)
+            return 4 * (width * width + width), (train(sharded, xs) - plain) / 12
+
+        sharded_times = [fsdp2(w, r) for w, r in SHARDED_SIZES]
+        sharded_s = sharded_times[0][1]
         x = torch.randn(8, 64)
         plain = train(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), x)
-        sharded = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
-        for layer in sharded:
-            fully_shard(layer)
-        fully_shard(sharded)
-        # per layer: an all-gather forward, again backward, and a reduce-scatter
-        sharded_s = (train(sharded, x) - plain) / 12
         # a bucket of gradients all-reduced as DDP does it (its hooks, the gradients copied into
         # the bucket and back, the all-reduce of 16 KiB): what a step's all-reduce of gradients
         # costs beyond its bytes
@@ -218,13 +228,17 @@ def probe(port: int, rank: int) -> None:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
                               "reduce_times": reduce_times, "gather_times": gather_times,
                               "scatter_times": scatter_times, "overlap": overlap,
-                              "sharded": max(sharded_s, collective), "split": max(split_s, collective),
+                              "sharded": max(sharded_s, collective), "sharded_times": sharded_times,
+                              "split": max(split_s, collective),
                               "split_grad": max(split_grad_s, collective), "bucket": max(bucket_s, collective),
                               "action": action_s, "halo": halo_s}))
     finally:
         dist.destroy_process_group()
 
 
+SHARDED_SIZES = ((64, 8), (512, 64))
+"""(width, rows) of the Linear layers whose FSDP2 collectives calibrate `sharded_times`: 16 KiB
+and 1 MiB of parameters a layer."""
 REDUCE_SIZES = (2, 1 << 16, 1 << 20)
 """Floats of the whole tensors whose all-reduce, all-gather and reduce-scatter calibrate
 `reduce_times`, `gather_times` and `scatter_times`: 8 B, 256 KiB, 4 MiB."""

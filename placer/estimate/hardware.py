@@ -59,6 +59,10 @@ class Hardware:
     share the cores with the compute."""
     sharded_s: float
     """Fixed seconds of each all-gather / reduce-scatter a fully sharded (FSDP2) layer runs."""
+    sharded_times: tuple = ()
+    """Measured ((a layer's parameter bytes, seconds), ...) of each FSDP2 collective of a layer by
+    its size, its bytes, FSDP2's copies and its gloo thread's share of the core included: these
+    replace `sharded_s` and the collective's bytes where present."""
     bucket_s: float = 0.0
     """Fixed seconds of each all-reduce of a bucket of gradients, as DDP runs it (its hooks, the
     gradients copied into the bucket and back); 0: `collective_s`."""
@@ -116,13 +120,13 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 11
+CALIBRATION = 12
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
 (1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
 medians, not low quantiles; 5: no `gather_times` nor `scatter_times`; 6: `action_s` with two
 processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's activation; 9:
-`split_s` halved over both all-reduces, no `split_grad_s`; 10: no `bucket_s`) is measured
-again."""
+`split_s` halved over both all-reduces, no `split_grad_s`; 10: no `bucket_s`; 11: no
+`sharded_times`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
@@ -161,7 +165,7 @@ def cached_cpu(threads: int) -> Hardware:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             fields = doc["profile"]
-            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times")
+            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times", "sharded_times")
             return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in tables}})
     except (OSError, ValueError, TypeError):
         pass

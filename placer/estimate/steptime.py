@@ -13,7 +13,8 @@ device runs its ops in order on one clock:
   through a host at the host's bandwidth); all of its devices wait for it;
 - a pipeline send leaves at once; its receive waits until it has arrived;
 - an all-reduce's, all-gather's or reduce-scatter's bytes take that collective's measured time
-  by size where the profile has it (`reduce_times`, ...), others' the link's bandwidth;
+  by size where the profile has it (`reduce_times`, ...), others' the link's bandwidth; an
+  FSDP2 layer's gathers and scatters take FSDP2's measured time by the layer's size whole;
 - a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
   gradients are ready, and the optimizer step waits for it; the part of it the profile's
   `overlap` does not hide (CPU workers: gloo's threads share the cores) delays the device too;
@@ -95,6 +96,8 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
             host = max(host, n)
         else:
             sent[a] = sent.get(a, 0) + n
+    if _sharded(op) and len(hw.sharded_times) > 1:  # FSDP2's, measured whole by the layer's size
+        return sized_seconds(hw.sharded_times, hw, op.bytes) + hw.sharded_times[0][1] + 2 * host / hw.host_bw
     most = max(sent.values(), default=0)
     # a collective's bytes at its measured time by size (chunks, the sums on the device)
     table = {OpKind.ALL_REDUCE: hw.reduce_times, OpKind.ALL_GATHER: hw.gather_times,
@@ -107,8 +110,8 @@ def fixed_seconds(op: Op, hw: Hardware) -> float:
     """What an op costs whatever its size: a message, or a collective with the machinery around
     it (FSDP2's per-layer gathers, DTensor's activation all-reduce, a bucket of gradients as DDP
     all-reduces it, the program's halo exchange)."""
-    if op.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER) and op.tensor in ("params", "grads"):
-        return hw.sharded_s
+    if _sharded(op):
+        return hw.sharded_times[0][1] if hw.sharded_times else hw.sharded_s
     if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):  # a pair's forward; backward
         return hw.split_grad_s if op.tensor == "grad" and hw.split_grad_s else hw.split_s
     if op.kind == OpKind.HALO and hw.halo_s:
@@ -118,6 +121,11 @@ def fixed_seconds(op: Op, hw: Hardware) -> float:
     if op.kind in COLLECTIVES:
         return hw.collective_s * max(1, len(op.devices) - 1)
     return hw.latency
+
+
+def _sharded(op: Op) -> bool:
+    """One of a fully sharded (FSDP2) layer's all-gathers or reduce-scatters."""
+    return op.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER) and op.tensor in ("params", "grads")
 
 
 def once_per_step(op: Op) -> bool:

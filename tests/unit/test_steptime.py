@@ -377,3 +377,11 @@ def test_a_bucket_of_gradients_costs_the_measured_bucket_all_reduce(tmp_path):
     buckets, _, _ = timed(tmp_path, data, hw=replace(HW, bucket_s=0.5))
     n = sum(1 for op in plain.spans["cpu:0"] if op[2].kind.value == "all_reduce")
     assert n >= 1 and buckets.step_s - plain.step_s == pytest.approx(n * (0.5 - HW.collective_s))
+
+
+def test_fsdp2s_collectives_take_fsdp2s_measured_time_by_the_layers_size_where_calibrated(tmp_path):
+    fsdp = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, shard: full}}\n"
+    hw = replace(HW, sharded_times=((0, 1e-3), (80_800, 3e-3)))  # a 40,400 B layer: 2 ms each, bytes included
+    st, _, _ = timed(tmp_path, fsdp, hw=hw)
+    spans = [e - s for s, e, op in st.spans["cpu:0"] if op.kind.value in ("all_gather", "reduce_scatter")]
+    assert len(spans) == 6 and spans == pytest.approx([2e-3] * 6)
