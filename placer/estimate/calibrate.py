@@ -100,7 +100,8 @@ def calibrate(threads: int) -> Hardware:
                     split_grad_s=link["split_grad"], bucket_s=link["bucket"],
                     action_s=link["action"],
                     **{k: tuple(tuple(r) for r in link[k])
-                       for k in ("reduce_times", "gather_times", "scatter_times", "sharded_times")},
+                       for k in ("reduce_times", "gather_times", "scatter_times", "sharded_times", "split_times",
+                                 "split_grad_times")},
                     overlap=link["overlap"], halo_s=link["halo"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
@@ -216,12 +217,16 @@ def probe(port: int, rank: int) -> None:
         # that does not train it runs DTensor's dispatch on each layer, forward and backward,
         # and the forward's all-reduce: what the plan's forward all-reduce of a pair stands for
         # (every pair has one). One whose input trains adds the backward's all-reduce.
-        pair = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-        trains = torch.randn(8, 64, requires_grad=True)
-        alone, alone_trains = train(pair, x), train(pair, trains)
-        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        split_s = train(pair, x) - alone
-        split_grad_s = train(pair, trains) - alone_trains - split_s
+        # By size: (the all-reduced activation's bytes, forward's, backward's seconds).
+        split_times = []
+        for width, rows in SPLIT_SIZES:
+            pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            still, trains = torch.randn(rows, width), torch.randn(rows, width, requires_grad=True)
+            alone, alone_trains = train(pair, still), train(pair, trains)
+            parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fwd = train(pair, still) - alone
+            split_times.append((4 * rows * width, fwd, train(pair, trains) - alone_trains - fwd))
+        (_, split_s, split_grad_s), *_ = split_times
         action_s = _pipeline_action(rank)
         halo_s = _halo(rank, nn)
         if rank == 0:
@@ -230,6 +235,8 @@ def probe(port: int, rank: int) -> None:
                               "scatter_times": scatter_times, "overlap": overlap,
                               "sharded": max(sharded_s, collective), "sharded_times": sharded_times,
                               "split": max(split_s, collective),
+                              "split_times": [(b, max(f, collective)) for b, f, _ in split_times],
+                              "split_grad_times": [(b, max(g, collective)) for b, _, g in split_times],
                               "split_grad": max(split_grad_s, collective), "bucket": max(bucket_s, collective),
                               "action": action_s, "halo": halo_s}))
     finally:
@@ -239,6 +246,9 @@ def probe(port: int, rank: int) -> None:
 SHARDED_SIZES = ((64, 8), (512, 64))
 """(width, rows) of the Linear layers whose FSDP2 collectives calibrate `sharded_times`: 16 KiB
 and 1 MiB of parameters a layer."""
+SPLIT_SIZES = ((64, 8), (512, 128))
+"""(width, rows) of the tensor-parallel pairs that calibrate `split_times`: activations of 2 KiB
+and 256 KiB all-reduced."""
 REDUCE_SIZES = (2, 1 << 16, 1 << 20)
 """Floats of the whole tensors whose all-reduce, all-gather and reduce-scatter calibrate
 `reduce_times`, `gather_times` and `scatter_times`: 8 B, 256 KiB, 4 MiB."""

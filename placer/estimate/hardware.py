@@ -73,6 +73,11 @@ class Hardware:
     split_grad_s: float = 0.0
     """Fixed seconds of the backward all-reduce of a pair whose input trains (what such a pair
     adds); 0: `split_s`."""
+    split_times: tuple = ()
+    """Measured ((the all-reduced activation's bytes, seconds), ...) of a pair's forward all-reduce
+    as `split_s` counts it, by size, its bytes included: these replace `split_s` and the bytes."""
+    split_grad_times: tuple = ()
+    """The same of a pair's backward all-reduce (`split_grad_s`)."""
     action_s: float
     """Fixed seconds of each pipeline action (a stage's forward or backward of one micro-batch):
     the schedule's own machinery; its messages are the plan's sends and receives."""
@@ -120,13 +125,13 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 12
+CALIBRATION = 13
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
 (1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
 medians, not low quantiles; 5: no `gather_times` nor `scatter_times`; 6: `action_s` with two
 processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's activation; 9:
 `split_s` halved over both all-reduces, no `split_grad_s`; 10: no `bucket_s`; 11: no
-`sharded_times`) is measured again."""
+`sharded_times`; 12: no `split_times`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
@@ -165,7 +170,8 @@ def cached_cpu(threads: int) -> Hardware:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             fields = doc["profile"]
-            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times", "sharded_times")
+            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times", "sharded_times",
+                      "split_times", "split_grad_times")
             return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in tables}})
     except (OSError, ValueError, TypeError):
         pass

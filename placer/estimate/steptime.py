@@ -14,7 +14,8 @@ device runs its ops in order on one clock:
 - a pipeline send leaves at once; its receive waits until it has arrived;
 - an all-reduce's, all-gather's or reduce-scatter's bytes take that collective's measured time
   by size where the profile has it (`reduce_times`, ...), others' the link's bandwidth; an
-  FSDP2 layer's gathers and scatters take FSDP2's measured time by the layer's size whole;
+  FSDP2 layer's gathers and scatters take FSDP2's measured time by the layer's size whole, a
+  tensor-parallel pair's all-reduces DTensor's by the activation's size;
 - a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
   gradients are ready, and the optimizer step waits for it; the part of it the profile's
   `overlap` does not hide (CPU workers: gloo's threads share the cores) delays the device too;
@@ -96,8 +97,9 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
             host = max(host, n)
         else:
             sent[a] = sent.get(a, 0) + n
-    if _sharded(op) and len(hw.sharded_times) > 1:  # FSDP2's, measured whole by the layer's size
-        return sized_seconds(hw.sharded_times, hw, op.bytes) + hw.sharded_times[0][1] + 2 * host / hw.host_bw
+    whole = hw.sharded_times if _sharded(op) else _split_times(op, hw)
+    if len(whole) > 1:  # FSDP2's or DTensor's, measured whole by size
+        return sized_seconds(whole, hw, op.bytes) + whole[0][1] + 2 * host / hw.host_bw
     most = max(sent.values(), default=0)
     # a collective's bytes at its measured time by size (chunks, the sums on the device)
     table = {OpKind.ALL_REDUCE: hw.reduce_times, OpKind.ALL_GATHER: hw.gather_times,
@@ -112,6 +114,8 @@ def fixed_seconds(op: Op, hw: Hardware) -> float:
     all-reduces it, the program's halo exchange)."""
     if _sharded(op):
         return hw.sharded_times[0][1] if hw.sharded_times else hw.sharded_s
+    if _split_times(op, hw):
+        return _split_times(op, hw)[0][1]
     if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):  # a pair's forward; backward
         return hw.split_grad_s if op.tensor == "grad" and hw.split_grad_s else hw.split_s
     if op.kind == OpKind.HALO and hw.halo_s:
@@ -121,6 +125,13 @@ def fixed_seconds(op: Op, hw: Hardware) -> float:
     if op.kind in COLLECTIVES:
         return hw.collective_s * max(1, len(op.devices) - 1)
     return hw.latency
+
+
+def _split_times(op: Op, hw: Hardware) -> tuple:
+    """A tensor-parallel pair's forward or backward all-reduce: its measured times by size."""
+    if op.kind != OpKind.ALL_REDUCE or op.tensor not in ("act", "grad"):
+        return ()
+    return hw.split_grad_times if op.tensor == "grad" and hw.split_grad_times else hw.split_times
 
 
 def _sharded(op: Op) -> bool:

@@ -385,3 +385,13 @@ def test_fsdp2s_collectives_take_fsdp2s_measured_time_by_the_layers_size_where_c
     st, _, _ = timed(tmp_path, fsdp, hw=hw)
     spans = [e - s for s, e, op in st.spans["cpu:0"] if op.kind.value in ("all_gather", "reduce_scatter")]
     assert len(spans) == 6 and spans == pytest.approx([2e-3] * 6)
+
+
+def test_a_tensor_pairs_all_reduces_take_the_measured_time_by_size_where_calibrated():
+    from placer.estimate.steptime import comm_seconds
+    from placer.plan.ir import Op, OpKind
+
+    hw = replace(HW, split_times=((0, 1.0), (1000, 3.0)), split_grad_times=((0, 0.5), (1000, 0.7)))
+    fwd, bwd = (Op(kind=OpKind.ALL_REDUCE, devices=("cpu:0", "cpu:1"), segment=0, phase=p, tensor=t, bytes=500)
+                for p, t in (("fwd", "act"), ("bwd", "grad")))
+    assert comm_seconds(fwd, hw) == pytest.approx(2.0) and comm_seconds(bwd, hw) == pytest.approx(0.6)
