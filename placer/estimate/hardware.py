@@ -152,12 +152,13 @@ def is_cached(workers_per_host: int) -> bool:
 
 def _cache_path(threads: int) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "placer"
-    return base / f"cpu-{platform.node() or 'host'}-{threads}t.json"
+    # the calibration in the name too: placer versions that measure differently keep their own
+    return base / f"cpu-{platform.node() or 'host'}-{threads}t-c{CALIBRATION}.json"
 
 
 def layers_cache_path(threads: int) -> Path:
     """Where the plan's layers timed with `threads` threads are kept (estimate/layertime.py)."""
-    return _cache_path(threads).with_name(f"layers-{platform.node() or 'host'}-{threads}t.json")
+    return _cache_path(threads).with_name(f"layers-{platform.node() or 'host'}-{threads}t-c{CALIBRATION}.json")
 
 
 def cached_cpu(threads: int) -> Hardware:
