@@ -43,6 +43,7 @@ TIMING = 1
 """How layers and steps are timed, in the cache's keys: a new way times them again."""
 FLUSH_BYTES = 32 << 20
 """A buffer written before each timed call, larger than a CPU's caches (L2, most of an L3)."""
+_FLUSH: dict = {}  # the buffer, made once
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def _low(fn) -> float:
     them between two calls of a layer, so its own come from memory, not from a warm cache."""
     import torch
 
-    flush = torch.zeros(FLUSH_BYTES // 4)
+    flush = _FLUSH.setdefault("buffer", torch.zeros(FLUSH_BYTES // 4))
     fn()  # warm up
     ts = []
     for _ in range(REPEAT):
