@@ -155,7 +155,9 @@ def _low(fn) -> float:
     them between two calls of a layer, so its own come from memory, not from a warm cache."""
     import torch
 
-    flush = _FLUSH.setdefault("buffer", torch.zeros(FLUSH_BYTES // 4))
+    if "buffer" not in _FLUSH:
+        _FLUSH["buffer"] = torch.zeros(FLUSH_BYTES // 4)
+    flush = _FLUSH["buffer"]
     fn()  # warm up
     ts = []
     for _ in range(REPEAT):
