@@ -220,9 +220,11 @@ def probe(port: int, rank: int) -> None:
         # By size: (the all-reduced activation's bytes, forward's, backward's seconds).
         split_times = []
         for width, rows in SPLIT_SIZES:
-            pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            # against what one device of the two computes plainly: half of each layer
+            half = nn.Sequential(nn.Linear(width, width // 2), nn.ReLU(), nn.Linear(width // 2, width))
             still, trains = torch.randn(rows, width), torch.randn(rows, width, requires_grad=True)
-            alone, alone_trains = train(pair, still), train(pair, trains)
+            alone, alone_trains = train(half, still), train(half, trains)
+            pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
             parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
             fwd = train(pair, still) - alone
             split_times.append((4 * rows * width, fwd, train(pair, trains) - alone_trains - fwd))
