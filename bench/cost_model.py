@@ -6,7 +6,8 @@ against the measured time per step of the generated program, for every spec in b
     python bench/cost_model.py --reps 5 bench/specs/data.yaml examples/pipeline_gpipe/spec.yaml
 
 The prediction is the plan's (`placer.cli.plan_cmd.predict`, the `cpu` profile measured on this
-machine and cached). Each measured run starts its workers directly, as bench/vs_torch.py does
+machine and cached; the spec's own layers and optimizer steps timed at each device's shapes,
+cached too, as `placer plan --hardware cpu` does). Each measured run starts its workers directly, as bench/vs_torch.py does
 (one gloo group, max(1, cores // workers) threads each, start-up left out); its time per step
 is the median of its step-to-step intervals after --warmup steps, and a spec's is the median
 over repetitions (p10: the same of each run's 10th-percentile interval, the figure least
@@ -37,8 +38,9 @@ def predicted(path: Path) -> tuple[float, str]:
     from placer.api import load
     from placer.cli.plan_cmd import build_and_plan, predict
 
-    graph, plan, est, _ = build_and_plan(load(str(path)))
-    st, _ = predict(plan, graph, est, "cpu", lambda msg: print(msg, flush=True))
+    spec = load(str(path))
+    graph, plan, est, _ = build_and_plan(spec)
+    st, _ = predict(plan, graph, est, "cpu", lambda msg: print(msg, flush=True), spec)
     return st.step_s, st.hardware.source
 
 

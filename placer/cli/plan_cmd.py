@@ -78,7 +78,8 @@ def time_lines(st) -> list[str]:
     return (["", f"predicted step time on {hw.name} ({hw.source}): {units.seconds(st.step_s)}, "
              f"{st.critical} finishes last"] + _table(rows, set(range(1, 7)))
             + ["  comm: copies and collectives a device waits for; overlapped: all-reduce beside the "
-               "backward; the step adds a fixed cost per step of " + units.seconds(hw.step_overhead)])
+               "backward; the step adds a fixed cost per step of " + units.seconds(hw.step_overhead)
+               + (f" and {units.seconds(hw.batch_s)} to make its batch" if hw.batch_s else "")])
 
 
 def time_json(st) -> dict:
@@ -223,8 +224,9 @@ def build_and_plan(spec, progress=None):
     return graph, plan, est, _timeline(plan, graph)
 
 
-def predict(plan, graph, est, hardware: str, say=lambda msg: None):
-    """(StepTime, pipeline timeline in seconds or None) on a named hardware profile."""
+def predict(plan, graph, est, hardware: str, say=lambda msg: None, spec=None):
+    """(StepTime, pipeline timeline in seconds or None) on a named hardware profile; on `cpu`,
+    with the plan's layers timed on this machine where `spec` is given (its model is built)."""
     from placer.estimate import hardware as hw_profiles
     from placer.estimate.steptime import pipeline_seconds, step_time, workers_per_host
 
@@ -232,7 +234,26 @@ def predict(plan, graph, est, hardware: str, say=lambda msg: None):
     if hardware == "cpu" and not hw_profiles.is_cached(workers):
         say("measuring this machine's CPU for the cost model (once; cached) ...")
     hw = hw_profiles.profile(hardware, workers)
+    if hardware == "cpu" and spec is not None:
+        hw = _timed_layers(plan, graph, est, hw, spec, workers, say)
     return step_time(plan, graph, est, hw), pipeline_seconds(plan, graph, hw)
+
+
+def _timed_layers(plan, graph, est, hw, spec, workers: int, say):
+    """`hw` with the plan's layers, optimizer steps and batch timed (estimate/layertime.py)."""
+    from placer.estimate import hardware as hw_profiles
+    from placer.estimate.layertime import measure
+
+    threads = hw_profiles.threads(workers)
+    t = measure(plan, graph, spec, threads, hw_profiles.layers_cache_path(threads), est=est)
+    if t.timed:
+        say(f"timed {t.timed} of the plan's layers and optimizer steps at each device's shapes in "
+            f"{t.seconds:.1f} s ({threads} thread(s); cached)")
+    if t.skipped:
+        say(f"{len(t.skipped)} not timed, left to the calibrated rates: "
+            + ", ".join(f"{name} ({why})" for name, why in t.skipped[:5]) + (" ..." if len(t.skipped) > 5 else ""))
+    source = hw.source + ("; the plan's layers timed at each device's shapes" if t.times else "")
+    return dataclasses.replace(hw, layer_times=t.times, step_times=t.steps, batch_s=t.batch_s, source=source)
 
 
 def _timeline(plan, graph):
@@ -322,7 +343,7 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
         echo(f"placer: planned in {time.perf_counter() - t0:.2f} s", level=DETAIL, err=True)
         st = None
         if hardware:
-            st, seconds = predict(plan, graph, est, hardware, say)
+            st, seconds = predict(plan, graph, est, hardware, say, spec)
             timeline = seconds or timeline
         _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say)
     except PlacerError as e:

@@ -3,8 +3,10 @@
 Everything a CPU worker of a run spends time on, timed as such a worker runs it: Linear and
 Conv2d layers' forward and backward by size, memory bandwidth, fixed costs per layer and
 optimizer tensor, Adam's update, and between two gloo processes (`probe`, run as `python -m
-placer.estimate.calibrate PORT RANK`) message latency, bandwidth, a small all-reduce and the
-fixed costs FSDP2, DTensor and torch's pipeline schedules add.
+placer.estimate.calibrate PORT RANK`) message latency, bandwidth, all-reduces, all-gathers and
+reduce-scatters by size, how much
+of an all-reduce a backward hides, and the fixed costs DDP's gradient buckets, FSDP2, DTensor,
+torch's pipeline schedules and the program's spatial halo exchange add.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 from placer.estimate.hardware import Hardware
 
@@ -94,7 +97,12 @@ def calibrate(threads: int) -> Hardware:
                     bf16_flops=rates[-1][1], mem_bw=mem_bw,
                     link_bw=link["bandwidth"], host_bw=mem_bw, latency=link["latency"],
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
+                    split_grad_s=link["split_grad"], bucket_s=link["bucket"],
                     action_s=link["action"],
+                    **{k: tuple(tuple(r) for r in link[k])
+                       for k in ("reduce_times", "gather_times", "scatter_times", "sharded_times", "split_times",
+                                 "split_grad_times")},
+                    overlap=link["overlap"], halo_s=link["halo"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
                     source=f"measured on this machine, {threads} thread(s) per worker, gloo between 2 processes")
@@ -114,14 +122,17 @@ def _probe_gloo() -> dict:
     return json.loads(outs[0])
 
 
-def _median(fn, n: int) -> float:
+def _low(fn, n: int) -> float:
+    """A low quantile (the tenth) of n timings of fn: the two processes share the cores with
+    whatever else runs on the machine, which only adds, and stalls every message whose peer is
+    not running then: a quiet machine's figure."""
     fn()
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2]
+    return sorted(times)[n // 10]
 
 
 def probe(port: int, rank: int) -> None:
@@ -151,54 +162,174 @@ def probe(port: int, rank: int) -> None:
             t0 = time.perf_counter()
             pingpong(small, 1)
             trips.append(time.perf_counter() - t0)
-        latency = sorted(trips)[len(trips) // 2] / 2
+        latency = sorted(trips)[len(trips) // 10] / 2  # a round trip needs both processes running
         pingpong(big, 1)
         dist.barrier()
         t0 = time.perf_counter()
         pingpong(big, 4)
         bandwidth = big.numel() * 4 * 8 / (time.perf_counter() - t0)
-        collective = _median(lambda: dist.all_reduce(small), 100)
+        collective = _low(lambda: dist.all_reduce(small), 100)
+        # an all-reduce by size: gloo's chunks and its sums on the CPU cost more than the bytes
+        # on the wire, the more so the smaller the tensor
+        # each kind by size, keyed by the bytes each process sends: a whole tensor of n floats
+        # for an all-reduce, half of it for an all-gather or a reduce-scatter (two processes)
+        reduce_times, gather_times, scatter_times = [], [], []
+        warnings.simplefilter("ignore", FutureWarning)  # *_into_tensor's newer names: not in older torch
+        for n in REDUCE_SIZES:
+            whole, half = torch.zeros(n), torch.zeros(n // 2)
+            reduce_times.append((4 * n, _low(lambda: dist.all_reduce(whole), 20)))
+            gather_times.append((2 * n, _low(lambda: dist.all_gather_into_tensor(whole, half), 20)))
+            scatter_times.append((2 * n, _low(lambda: dist.reduce_scatter_tensor(half, whole), 20)))
+        overlap = _overlap(dist, nn)
 
         def train(model, x):
-            return _median(lambda: model(x).sum().backward(), 20)
+            return _low(lambda: model(x).sum().backward(), 30)
 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+        def fsdp2(width: int, rows: int) -> tuple[int, float]:
+            """(a layer's parameter bytes, seconds of each of its FSDP2 collectives) on four
+            Linear layers: per layer an all-gather forward, again backward, and a reduce-scatter,
+            as FSDP2 runs them beside the compute (on CPU workers its gloo thread shares the
+            core with it), with their copies in and out."""
+            xs = torch.randn(rows, width)
+            plain = train(nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), xs)
+            sharded = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+            for layer in sharded:
+                fully_shard(layer)
+            fully_shard(sharded)
+            return 4 * (width * width + width), (train(sharded, xs) - plain) / 12
+
+        sharded_times = [fsdp2(w, r) for w, r in SHARDED_SIZES]
+        sharded_s = sharded_times[0][1]
         x = torch.randn(8, 64)
         plain = train(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), x)
-        sharded = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
-        for layer in sharded:
-            fully_shard(layer)
-        fully_shard(sharded)
-        # per layer: an all-gather forward, again backward, and a reduce-scatter
-        sharded_s = (train(sharded, x) - plain) / 12
+        # a bucket of gradients all-reduced as DDP does it (its hooks, the gradients copied into
+        # the bucket and back, the all-reduce of 16 KiB): what a step's all-reduce of gradients
+        # costs beyond its bytes
+        from torch.nn.parallel import DistributedDataParallel
+
+        bucket_s = train(DistributedDataParallel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])), x) - plain
         mesh = init_device_mesh("cpu", (2,))
-        pair = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-        alone = train(pair, x)
-        parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-        split_s = (train(pair, x) - alone) / 2  # an all-reduce forward and one backward
-        action_s = _pipeline_action(rank, latency)
+        # a column-row pair with its activation between, as an MLP block has it. On an input
+        # that does not train it runs DTensor's dispatch on each layer, forward and backward,
+        # and the forward's all-reduce: what the plan's forward all-reduce of a pair stands for
+        # (every pair has one). One whose input trains adds the backward's all-reduce.
+        # By size: (the all-reduced activation's bytes, forward's, backward's seconds).
+        split_times = []
+        for width, rows in SPLIT_SIZES:
+            # against what one device of the two computes plainly: half of each layer
+            half = nn.Sequential(nn.Linear(width, width // 2), nn.ReLU(), nn.Linear(width // 2, width))
+            still, trains = torch.randn(rows, width), torch.randn(rows, width, requires_grad=True)
+            alone, alone_trains = train(half, still), train(half, trains)
+            pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fwd = train(pair, still) - alone
+            split_times.append((4 * rows * width, fwd, train(pair, trains) - alone_trains - fwd))
+        (_, split_s, split_grad_s), *_ = split_times
+        action_s = _pipeline_action(rank)
+        halo_s = _halo(rank, nn)
         if rank == 0:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
-                              "sharded": max(sharded_s, collective), "split": max(split_s, collective),
-                              "action": action_s}))
+                              "reduce_times": reduce_times, "gather_times": gather_times,
+                              "scatter_times": scatter_times, "overlap": overlap,
+                              "sharded": max(sharded_s, collective), "sharded_times": sharded_times,
+                              "split": max(split_s, collective),
+                              "split_times": [(b, max(f, collective)) for b, f, _ in split_times],
+                              "split_grad_times": [(b, max(g, collective)) for b, _, g in split_times],
+                              "split_grad": max(split_grad_s, collective), "bucket": max(bucket_s, collective),
+                              "action": action_s, "halo": halo_s}))
     finally:
         dist.destroy_process_group()
 
 
-def _pipeline_action(rank: int, latency: float, microbatches: int = 4) -> float:
-    """Seconds per action of torch's 1F1B on two tiny stages, less one message each."""
+SHARDED_SIZES = ((64, 8), (512, 64))
+"""(width, rows) of the Linear layers whose FSDP2 collectives calibrate `sharded_times`: 16 KiB
+and 1 MiB of parameters a layer."""
+SPLIT_SIZES = ((64, 8), (512, 128))
+"""(width, rows) of the tensor-parallel pairs that calibrate `split_times`: activations of 2 KiB
+and 256 KiB all-reduced."""
+REDUCE_SIZES = (2, 1 << 16, 1 << 20)
+"""Floats of the whole tensors whose all-reduce, all-gather and reduce-scatter calibrate
+`reduce_times`, `gather_times` and `scatter_times`: 8 B, 256 KiB, 4 MiB."""
+
+
+def _overlap(dist, nn) -> float:
+    """The fraction of a 4 MiB all-reduce hidden behind a backward that runs meanwhile, as DDP
+    overlaps them: 1 where the wire has its own engine; on CPU workers gloo's threads take
+    their time from the same cores."""
     import torch
+
+    layer, x = nn.Linear(512, 512), torch.randn(128, 512, requires_grad=True)
+    grad, t = torch.ones(128, 512), torch.zeros(1 << 20)
+
+    def work():
+        for _ in range(4):
+            layer(x).backward(grad)
+
+    def both():
+        w = dist.all_reduce(t, async_op=True)
+        work()
+        w.wait()
+
+    alone, reduce = _low(work, 20), _low(lambda: dist.all_reduce(t), 20)
+    return min(1.0, max(0.0, (alone + reduce - _low(both, 20)) / reduce))
+
+
+def _halo(rank: int, nn) -> float:
+    """Seconds of one halo exchange as a spatial segment's program runs it (the runtime's own
+    `halo_exchange`: its autograd Function, a message posted each way and waited on, the rows
+    put together), forward and backward averaged, on a small band (a row of 2 KiB), the two
+    processes started together (a barrier): its machinery, not the wait for a late peer, which
+    the plan's timeline has. A low quantile (a quarter) of 60."""
+    import torch
+    import torch.distributed as dist
+
+    from placer.codegen.runtime.spatial import halo_exchange
+
+    band = torch.randn(8, 4, 8, 16, requires_grad=True)
+    owned, needed = [(0, 8), (8, 16)], [(0, 9), (7, 16)]  # one row from the other rank each
+
+    def exchange():
+        y = halo_exchange(band, [0, 1], owned, needed, 2)
+        y.backward(torch.ones_like(y))
+
+    def timed():
+        dist.barrier()
+        t0 = time.perf_counter()
+        exchange()
+        return time.perf_counter() - t0
+
+    exchange()
+    times = sorted(timed() for _ in range(60))
+    return times[len(times) // 4] / 2
+
+
+def _pipeline_action(rank: int, microbatches: int = 4) -> float:
+    """Seconds per action that torch's 1F1B schedule adds to its stage's work: a one-stage
+    pipeline on each process (a group of its own) against the same forwards and backwards run
+    plainly, the tenth-fastest of 30 steps each. Its messages are not in it: the plan's sends
+    and receives cost `latency` each (a two-stage probe mixed in the other process's stalls,
+    and varied fivefold from one probe to the next on a shared machine)."""
+    import torch
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    stage = PipelineStage(nn.Linear(64, 64), rank, 2, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda y, target: (y - target).pow(2).mean())
+    solo = [dist.new_group([r]) for r in (0, 1)][rank]  # every process makes every group
+    layer = nn.Linear(64, 64)
+    loss = lambda y, target: (y - target).pow(2).mean()  # noqa: E731
+    schedule = Schedule1F1B(PipelineStage(layer, 0, 1, torch.device("cpu"), group=solo), microbatches, loss_fn=loss)
     x, target = torch.randn(8 * microbatches, 64), torch.zeros(8 * microbatches, 64)
-    step = _median(lambda: schedule.step(x) if rank == 0 else schedule.step(target=target), 10)
-    return max(step / (2 * microbatches) - latency, 0.0)
+
+    def plain():
+        for xm, tm in zip(x.chunk(microbatches), target.chunk(microbatches)):
+            loss(layer(xm), tm).backward()
+
+    piped = _low(lambda: schedule.step(x, target=target), 30)
+    return max(piped - _low(plain, 30), 0.0) / (2 * microbatches)
 
 
 if __name__ == "__main__":

@@ -3,22 +3,30 @@
 It replays the lowered plan's op lists on a hardware profile (`estimate/hardware.py`). Each
 device runs its ops in order on one clock:
 
-- compute: per layer, the larger of FLOPs / FLOP/s (a convolution's at the profile's conv rates)
-  and bytes in and out / memory bandwidth, plus a fixed cost per layer and pass; backward is
-  twice the forward (a zero-bubble half once); a pipeline's action (one micro-batch) adds the
-  schedule's fixed cost per action;
+- compute: per layer, its measured forward and backward where the profile has timed the plan's
+  layers at each device's shapes (`Hardware.layer_times`, estimate/layertime.py); else the larger
+  of FLOPs / FLOP/s (a convolution's at the profile's conv rates) and bytes in and out / memory
+  bandwidth, plus a fixed cost per layer and pass, backward twice the forward (a zero-bubble
+  half once); a pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
 - a copy, split, merge or collective starts when every device in it has reached it and ends
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
   through a host at the host's bandwidth); all of its devices wait for it;
 - a pipeline send leaves at once; its receive waits until it has arrived;
+- an all-reduce's, all-gather's or reduce-scatter's bytes take that collective's measured time
+  by size where the profile has it (`reduce_times`, ...), others' the link's bandwidth; an
+  FSDP2 layer's gathers and scatters take FSDP2's measured time by the layer's size whole, a
+  tensor-parallel pair's all-reduces DTensor's by the activation's size;
 - a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
-  gradients are ready, and the optimizer step waits for it;
-- the optimizer step reads and writes each held parameter, gradient and state buffer once;
+  gradients are ready, and the optimizer step waits for it; the part of it the profile's
+  `overlap` does not hide (CPU workers: gloo's threads share the cores) delays the device too;
+- the optimizer step reads and writes each held parameter, gradient and state buffer once, plus
+  a fixed cost per tensor; or as measured (`Hardware.step_times`);
 - `accumulate: N` replays each device's op list N times, each micro-step on 1/N of the rows: the
   fixed costs per layer, action and message (pipeline fill and crossings included) repeat N
   times, while the gradient sync, the step and what follows it run once, in the last.
 
-The step is the last device's finish plus a fixed cost per step. The timeline it yields is the
+The step is the last device's finish plus a fixed cost per step and the making of its batch
+(measured on the cpu profile: `Hardware.batch_s`). The timeline it yields is the
 plan's critical path, pipeline bubbles included.
 """
 from __future__ import annotations
@@ -28,7 +36,7 @@ from dataclasses import dataclass
 from placer.device import Device
 from placer.estimate.comm import op_moves
 from placer.estimate.cost import BACKWARD_FACTOR
-from placer.estimate.hardware import CONV_OPS, Hardware, rate
+from placer.estimate.hardware import CONV_OPS, Hardware, rate, sized_seconds
 from placer.model.graph import ModelGraph
 from placer.plan.ir import COLLECTIVES, TRANSFERS, Op, OpKind, Plan
 
@@ -53,7 +61,7 @@ class StepTime:
     per_device: dict
     """device -> DeviceTime, in plan order."""
     step_s: float
-    """The whole step: the last device's finish plus the fixed cost per step."""
+    """The whole step: the last device's finish plus the fixed cost per step and the batch's making."""
     critical: str
     """The device that finishes last."""
     spans: dict
@@ -68,6 +76,10 @@ def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_s
     t = 0.0
     for name in plan.chunk_layers(op):
         layer = graph.layer(name)
+        timed = hw.layer_times.get((op.segment, name))
+        if timed:  # measured at this device's shape, its fixed cost included; a zero-bubble half: half
+            t += timed[0] if op.phase == "fwd" else factor / 2 * timed[1]
+            continue
         flops, conv = layer.flops / share, layer.op in CONV_OPS
         if op.phase == "fwd":
             work = flops / rate(hw, flops, conv=conv) if flops else 0.0
@@ -85,19 +97,46 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
             host = max(host, n)
         else:
             sent[a] = sent.get(a, 0) + n
-    return fixed_seconds(op, hw) + max(sent.values(), default=0) / hw.link_bw + 2 * host / hw.host_bw
+    whole = hw.sharded_times if _sharded(op) else _split_times(op, hw)
+    if len(whole) > 1:  # FSDP2's or DTensor's, measured whole by size
+        return sized_seconds(whole, hw, op.bytes) + whole[0][1] + 2 * host / hw.host_bw
+    most = max(sent.values(), default=0)
+    # a collective's bytes at its measured time by size (chunks, the sums on the device)
+    table = {OpKind.ALL_REDUCE: hw.reduce_times, OpKind.ALL_GATHER: hw.gather_times,
+             OpKind.REDUCE_SCATTER: hw.scatter_times}.get(op.kind, ())
+    wire = sized_seconds(table, hw, most)
+    return fixed_seconds(op, hw) + wire + 2 * host / hw.host_bw
 
 
 def fixed_seconds(op: Op, hw: Hardware) -> float:
     """What an op costs whatever its size: a message, or a collective with the machinery around
-    it (FSDP2's per-layer gathers, DTensor's activation all-reduce)."""
-    if op.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER) and op.tensor in ("params", "grads"):
-        return hw.sharded_s
-    if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):
-        return hw.split_s
+    it (FSDP2's per-layer gathers, DTensor's activation all-reduce, a bucket of gradients as DDP
+    all-reduces it, the program's halo exchange)."""
+    if _sharded(op):
+        return hw.sharded_times[0][1] if hw.sharded_times else hw.sharded_s
+    if _split_times(op, hw):
+        return _split_times(op, hw)[0][1]
+    if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):  # a pair's forward; backward
+        return hw.split_grad_s if op.tensor == "grad" and hw.split_grad_s else hw.split_s
+    if op.kind == OpKind.HALO and hw.halo_s:
+        return hw.halo_s
+    if op.kind == OpKind.ALL_REDUCE and op.tensor == "grads" and hw.bucket_s:
+        return hw.bucket_s
     if op.kind in COLLECTIVES:
         return hw.collective_s * max(1, len(op.devices) - 1)
     return hw.latency
+
+
+def _split_times(op: Op, hw: Hardware) -> tuple:
+    """A tensor-parallel pair's forward or backward all-reduce: its measured times by size."""
+    if op.kind != OpKind.ALL_REDUCE or op.tensor not in ("act", "grad"):
+        return ()
+    return hw.split_grad_times if op.tensor == "grad" and hw.split_grad_times else hw.split_times
+
+
+def _sharded(op: Op) -> bool:
+    """One of a fully sharded (FSDP2) layer's all-gathers or reduce-scatters."""
+    return op.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER) and op.tensor in ("params", "grads")
 
 
 def once_per_step(op: Op) -> bool:
@@ -123,7 +162,9 @@ def micro_steps(plan: Plan, device: str) -> list[tuple[Op, int]]:
 
 def step_seconds(plan: Plan, graph: ModelGraph, device: str, est, hw: Hardware) -> float:
     """The optimizer step of what `device` holds (its parameters and their state slots), plus a
-    fixed cost per parameter tensor (two per layer)."""
+    fixed cost per parameter tensor (two per layer); measured where the profile has timed it."""
+    if device in hw.step_times:
+        return hw.step_times[device]
     m = est.per_device[device]
     tensors = sum(2 for s in plan.segments if device in s.devices for l in s.layers if graph.layer(l).params)
     elements = (m.param_bytes + m.optimizer_bytes) / 4  # fp32: the parameters and every state slot
@@ -201,9 +242,14 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
             seconds = micro_step_seconds(op, hw, n)
             if _overlapped(op, plan):
                 start = max(max(_bucket_ready(op, last_bwd[g], plan, graph), comm_free[g]) for g in group)
+                stolen = (1 - hw.overlap) * seconds  # what the backward does not hide: its cores' time
                 for g in group:
                     comm_free[g] = start + seconds
-                    busy[g]["overlapped"] += seconds
+                    busy[g]["overlapped"] += seconds - stolen
+                    if stolen:
+                        busy[g]["comm"] += stolen
+                        spans[g].append((clock[g], clock[g] + stolen, op))
+                        clock[g] += stolen
             else:
                 start = max(clock[g] for g in group)
                 for g in group:
@@ -229,7 +275,7 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
                          overlapped_s=busy[d]["overlapped"], step_s=busy[d]["step"], finish_s=finish[d])
            for d in plan.devices}
     critical = max(plan.devices, key=lambda d: finish[d])
-    return StepTime(hardware=hw, per_device=per, step_s=finish[critical] + hw.step_overhead, critical=critical,
+    return StepTime(hardware=hw, per_device=per, step_s=finish[critical] + hw.step_overhead + hw.batch_s, critical=critical,
                     spans={d: tuple(s) for d, s in spans.items()})
 
 

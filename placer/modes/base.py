@@ -129,6 +129,13 @@ class Mode:
     def collectives(self, a: Attached, seg, info, grads: Sequence[bool], op, ctx: Lowering) -> None:
         """The collectives the mode adds in and around the segment (`op` makes a group op)."""
 
+    def work_cut(self, seg) -> dict[int, int]:
+        """{input dim: parts}: the input a device's call of one of the segment's layers computes on,
+        as the cost model times it (estimate/layertime.py): by default the batch's rows cut into
+        the segment's degree, exact for data parallelism; a tensor or channel device's slice of
+        the weights is timed as the whole layer on its share of the rows (as many FLOPs)."""
+        return {0: seg.degree}
+
     def sliced_dims(self, seg, info) -> list[int | None]:
         """Per layer (LayerInfo), the dim of its output each device holds a slice of (None: whole)."""
         return [self.layout_dim(seg)] * len(info)

@@ -296,6 +296,13 @@ class Spatial(Mode):
     def layout_dim(self, seg):
         return seg.options.get("axis", 2)
 
+    def work_cut(self, seg):
+        """Each device's band of the split dim (of its replica's rows, 2-D): the layer's own padding
+        stands for the halo rows, so a Conv on the band computes what the program's does on the
+        band with its halo (the exchange and its copies are the plan's halo ops)."""
+        replicas = seg.options.get("data", 1)
+        return {0: replicas, self.layout_dim(seg): seg.degree // replicas}
+
     def collectives(self, a, seg, info, grads, op, ctx):
         if seg.options.get("data", 1) > 1:
             return replica_collectives(a, seg, info, grads, op, ctx)

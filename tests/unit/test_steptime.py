@@ -225,10 +225,173 @@ def test_a_profile_cached_by_an_older_calibration_is_measured_again(tmp_path, mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(calibrate, "calibrate", lambda threads: replace(HW, name="cpu", conv_rates=((1.0, 2.0, 3.0),)))
     first = hardware.profile("cpu", workers_per_host=1)
-    path = hardware._cache_path(hardware._threads(1))
+    path = hardware._cache_path(hardware.threads(1))
     doc = json.loads(path.read_text())
     assert hardware.profile("cpu", workers_per_host=1) == first  # read back, conv_rates as tuples
     doc["key"]["calibration"] = 1
     path.write_text(json.dumps(doc))
     monkeypatch.setattr(calibrate, "calibrate", lambda threads: replace(HW, name="cpu", source="again"))
     assert hardware.profile("cpu", workers_per_host=1).source == "again"
+
+
+# ---- the plan's layers and optimizer steps timed on this machine (estimate/layertime.py) ----------
+
+SPATIAL = """placer: 1
+name: sp
+model:
+  layers:
+    - {name: conv, op: Conv2d, args: [3, 4, 3], kwargs: {padding: 1}}
+    - {name: act, op: ReLU}
+  input: {shape: [B, 3, 8, 8]}
+  target: {shape: [B, 4, 8, 8]}
+  loss: MSELoss
+devices: [cpu:0, cpu:1]
+placement:
+  - {layers: conv..act, devices: [cpu:0, cpu:1], parallel: {mode: spatial, dim: H}}
+training: {batch_size: 4, steps: 1, optimizer: {op: Adam, lr: 0.1}}
+"""
+
+
+def planned(tmp_path, text):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    spec = load_spec(str(path))
+    graph, plan, est, _ = build_and_plan(spec)
+    return spec, graph, plan, est
+
+
+def test_each_layer_is_timed_on_the_input_one_device_computes(tmp_path):
+    from placer.estimate.layertime import jobs
+
+    _, graph, plan, _ = planned(tmp_path, MODEL + "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], "
+                                "parallel: data}\n")
+    assert {(j.layer, j.shape, j.trains_input) for j in jobs(plan, graph)} == {
+        ("fc1", (25, 100), False), ("fc2", (25, 100), True)}  # half the 50 rows; the model's input has no grad
+    _, graph, plan, _ = planned(tmp_path, SPATIAL)
+    assert {j.shape for j in jobs(plan, graph)} == {(4, 3, 4, 8), (4, 4, 4, 8)}  # a band: half the rows of H
+
+
+def test_measured_layer_and_step_times_replace_the_rate_model(tmp_path):
+    _, graph, plan, est = planned(tmp_path, MODEL + "placement:\n  - {layers: fc1..fc2, device: cpu:0}\n")
+    hw = replace(HW, layer_times={(0, "fc1"): (1.0, 2.0), (0, "fc2"): (10.0, 20.0)}, step_times={"cpu:0": 100.0})
+    t = step_time(plan, graph, est, hw).per_device["cpu:0"]
+    assert t.compute_s == pytest.approx(33.0) and t.step_s == pytest.approx(100.0)
+    only_fc1 = replace(HW, layer_times={(0, "fc1"): (1.0, 2.0)})  # fc2 keeps its FLOPs at 1 GFLOP/s: 1 + 2 ms
+    assert step_time(plan, graph, est, only_fc1).per_device["cpu:0"].compute_s == pytest.approx(3.003)
+    batch = step_time(plan, graph, est, replace(hw, batch_s=7.0))  # every rank makes the batch first
+    assert batch.step_s == pytest.approx(step_time(plan, graph, est, hw).step_s + 7.0)
+
+
+def test_layer_timings_are_cached_and_a_layer_too_large_keeps_its_rates(tmp_path, monkeypatch):
+    from placer.estimate import layertime
+
+    spec, graph, plan, est = planned(tmp_path, SPATIAL)
+    cache = tmp_path / "layers.json"
+    t = layertime.measure(plan, graph, spec, 1, cache, est=est)
+    assert set(t.times) == {(0, "conv"), (0, "act")} and all(f > 0 and b > 0 for f, b in t.times.values())
+    assert set(t.steps) == {"cpu:0", "cpu:1"} and t.timed == 3 and not t.skipped  # one step: both hold the same
+    assert t.batch_s > 0  # the synthetic batch, made each step on every rank
+    monkeypatch.setattr(layertime, "_time", lambda *a: pytest.fail("timed again"))
+    monkeypatch.setattr(layertime, "_time_step", lambda *a: pytest.fail("timed again"))
+    again = layertime.measure(plan, graph, spec, 1, cache, est=est)
+    assert again.times == t.times and again.steps == t.steps and again.timed == 0
+    # another thread count is another key: timed again, here each layer as longer than its cap
+    monkeypatch.undo()
+    monkeypatch.setattr(layertime, "LAYER_CAP_S", -1.0)
+    big = layertime.measure(plan, graph, spec, 2, cache)
+    assert not big.times and [name for name, _ in big.skipped] == ["conv", "act"]
+    none = layertime.measure(plan, graph, spec, 3, cache, budget_s=-1.0)
+    assert not none.times and "budget" in none.skipped[0][1]
+    monkeypatch.setattr(layertime, "STEP_CAP", 1)  # a step over too many parameters: the update cost serves
+    capped = layertime.measure(plan, graph, spec, 4, cache, est=est)
+    assert not capped.steps and [why for what, why in capped.skipped if "step" in what] == ["over 1 parameters"] * 2
+
+
+def test_plan_on_the_cpu_profile_times_the_layers_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "calibrate", lambda threads: replace(HW, name="cpu"))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPATIAL)
+    out = CliRunner().invoke(main, ["plan", str(spec), "--hardware", "cpu"])
+    assert out.exit_code == 0, out.output
+    assert "timed 3 of the plan's layers and optimizer steps" in out.output
+    assert hardware.layers_cache_path(hardware.threads(2)).exists()
+    assert "to make its batch" in out.output  # measured on every plan (a few milliseconds)
+    out = CliRunner().invoke(main, ["plan", str(spec), "--hardware", "cpu"])
+    assert "placer: timed" not in out.output  # the second plan reads them back
+
+
+def test_an_all_reduce_takes_the_measured_time_by_size_and_what_overlap_leaves_delays():
+    hw = replace(HW, reduce_times=((4, 1e-3), (1004, 2e-3), (2004, 4e-3)))
+    assert hardware.reduce_seconds(hw, 4) == 0.0  # the 1-float all-reduce is the fixed cost
+    assert hardware.reduce_seconds(hw, 504) == pytest.approx(0.5e-3)
+    assert hardware.reduce_seconds(hw, 3004) == pytest.approx(5e-3)  # past the largest: its last step's rate
+    assert hardware.reduce_seconds(HW, 1000) == pytest.approx(1e-3)  # no table: the link's 1 MB/s
+
+
+def test_fsdp2s_gathers_and_scatters_take_their_own_measured_times(tmp_path):
+    fsdp = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, shard: full}}\n"
+    table = ((4, 0.0), (1_000_004, 2.0))  # 2 s a sent MB: twice the link's time
+    plain, _, _ = timed(tmp_path, fsdp)
+    gathers, _, _ = timed(tmp_path, fsdp, hw=replace(HW, gather_times=table))
+    scatters, _, _ = timed(tmp_path, fsdp, hw=replace(HW, scatter_times=table))
+    # each device sends half of each layer's 40,400 B: 20.2 ms at the link's 1 MB/s, 40.4 ms at the table's rate;
+    # fc1 and fc2 are gathered for the forward and again for the backward, and their gradients scattered once
+    assert gathers.step_s - plain.step_s == pytest.approx(4 * 20.2e-3, rel=1e-3)
+    assert scatters.step_s - plain.step_s == pytest.approx(2 * 20.2e-3, rel=1e-3)
+
+
+def test_an_overlapped_all_reduce_that_the_cores_do_not_hide_delays_the_device(tmp_path):
+    data = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, overlap: true}}\n"
+    hidden, _, _ = timed(tmp_path, data)
+    shown, _, _ = timed(tmp_path, data, hw=replace(HW, overlap=0.25))
+    ovl = hidden.per_device["cpu:0"].overlapped_s
+    assert ovl > 0 and shown.per_device["cpu:0"].comm_s == pytest.approx(0.75 * ovl)
+    assert shown.per_device["cpu:0"].overlapped_s == pytest.approx(0.25 * ovl)
+
+
+def test_a_halo_exchange_costs_the_programs_measured_exchange_not_a_bare_message(tmp_path):
+    _, graph, plan, est = planned(tmp_path, SPATIAL)
+    halos = [(s, e) for s, e, op in step_time(plan, graph, est, HW).spans["cpu:0"] if op.kind.value == "halo"]
+    slow = [(s, e) for s, e, op in step_time(plan, graph, est, replace(HW, halo_s=0.5)).spans["cpu:0"]
+            if op.kind.value == "halo"]
+    assert len(halos) == len(slow) >= 1  # conv's halo forward (its input has no gradient to send back)
+    for (s0, e0), (s1, e1) in zip(halos, slow):
+        assert (e1 - s1) - (e0 - s0) == pytest.approx(0.5 - HW.latency)  # the same bytes, another fixed cost
+
+
+def test_a_tensor_pairs_forward_all_reduce_carries_its_dtensor_dispatch_and_the_backwards_its_own():
+    from placer.estimate.steptime import fixed_seconds
+    from placer.plan.ir import Op, OpKind
+
+    hw = replace(HW, split_s=5.0, split_grad_s=2.0)
+    fwd, bwd = (Op(kind=OpKind.ALL_REDUCE, devices=("cpu:0", "cpu:1"), segment=0, phase=p, tensor=t)
+                for p, t in (("fwd", "act"), ("bwd", "grad")))
+    assert fixed_seconds(fwd, hw) == 5.0 and fixed_seconds(bwd, hw) == 2.0
+    assert fixed_seconds(bwd, replace(hw, split_grad_s=0.0)) == 5.0  # a profile without it: split_s
+
+
+def test_a_bucket_of_gradients_costs_the_measured_bucket_all_reduce(tmp_path):
+    data = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, overlap: false}}\n"
+    plain, _, _ = timed(tmp_path, data)
+    buckets, _, _ = timed(tmp_path, data, hw=replace(HW, bucket_s=0.5))
+    n = sum(1 for op in plain.spans["cpu:0"] if op[2].kind.value == "all_reduce")
+    assert n >= 1 and buckets.step_s - plain.step_s == pytest.approx(n * (0.5 - HW.collective_s))
+
+
+def test_fsdp2s_collectives_take_fsdp2s_measured_time_by_the_layers_size_where_calibrated(tmp_path):
+    fsdp = "placement:\n  - {layers: fc1..fc2, devices: [cpu:0, cpu:1], parallel: {mode: data, shard: full}}\n"
+    hw = replace(HW, sharded_times=((0, 1e-3), (80_800, 3e-3)))  # a 40,400 B layer: 2 ms each, bytes included
+    st, _, _ = timed(tmp_path, fsdp, hw=hw)
+    spans = [e - s for s, e, op in st.spans["cpu:0"] if op.kind.value in ("all_gather", "reduce_scatter")]
+    assert len(spans) == 6 and spans == pytest.approx([2e-3] * 6)
+
+
+def test_a_tensor_pairs_all_reduces_take_the_measured_time_by_size_where_calibrated():
+    from placer.estimate.steptime import comm_seconds
+    from placer.plan.ir import Op, OpKind
+
+    hw = replace(HW, split_times=((0, 1.0), (1000, 3.0)), split_grad_times=((0, 0.5), (1000, 0.7)))
+    fwd, bwd = (Op(kind=OpKind.ALL_REDUCE, devices=("cpu:0", "cpu:1"), segment=0, phase=p, tensor=t, bytes=500)
+                for p, t in (("fwd", "act"), ("bwd", "grad")))
+    assert comm_seconds(fwd, hw) == pytest.approx(2.0) and comm_seconds(bwd, hw) == pytest.approx(0.6)
