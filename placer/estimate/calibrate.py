@@ -99,13 +99,18 @@ def calibrate(threads: int) -> Hardware:
                     collective_s=link["collective"], sharded_s=link["sharded"], split_s=link["split"],
                     split_grad_s=link["split_grad"], bucket_s=link["bucket"],
                     action_s=link["action"],
-                    **{k: tuple(tuple(r) for r in link[k])
-                       for k in ("reduce_times", "gather_times", "scatter_times", "sharded_times", "split_times",
-                                 "split_grad_times")},
+                    reduce_times=_table(link["reduce_times"]), gather_times=_table(link["gather_times"]),
+                    scatter_times=_table(link["scatter_times"]), sharded_times=_table(link["sharded_times"]),
+                    split_times=_table(link["split_times"]), split_grad_times=_table(link["split_grad_times"]),
                     overlap=link["overlap"], halo_s=link["halo"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
                     step_overhead=step_overhead,
                     source=f"measured on this machine, {threads} thread(s) per worker, gloo between 2 processes")
+
+
+def _table(rows) -> tuple:
+    """A JSON list of rows as the profile keeps it: a tuple of tuples."""
+    return tuple(tuple(r) for r in rows)
 
 
 def _probe_gloo() -> dict:
@@ -221,9 +226,9 @@ def probe(port: int, rank: int) -> None:
         split_times = []
         for width, rows in SPLIT_SIZES:
             # against what one device of the two computes plainly: half of each layer
-            half = nn.Sequential(nn.Linear(width, width // 2), nn.ReLU(), nn.Linear(width // 2, width))
+            mine = nn.Sequential(nn.Linear(width, width // 2), nn.ReLU(), nn.Linear(width // 2, width))
             still, trains = torch.randn(rows, width), torch.randn(rows, width, requires_grad=True)
-            alone, alone_trains = train(half, still), train(half, trains)
+            alone, alone_trains = train(mine, still), train(mine, trains)
             pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
             parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
             fwd = train(pair, still) - alone
