@@ -21,14 +21,22 @@ import warnings
 from placer.estimate.hardware import Hardware
 
 
-def _best(fn, repeat: int = 5) -> float:
-    fn()  # warm up
+def low_quantile(fn, n: int, at: int, before=lambda: None) -> float:
+    """Seconds of one call of `fn`: the (1/at)-th quantile of n timed calls after one to warm up
+    (other work on a shared machine only adds); `before` runs ahead of each, untimed."""
+    fn()
     times = []
-    for _ in range(repeat):
+    for _ in range(n):
+        before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[repeat // 3]  # a low quantile: other work on the machine only adds
+    return sorted(times)[n // at]
+
+
+def _best(fn) -> float:
+    """A local figure: the third of five calls."""
+    return low_quantile(fn, 5, 3)
 
 
 LINEAR_SIZES = ((64, 256, 256), (128, 512, 512), (256, 1024, 1024))
@@ -128,16 +136,10 @@ def _probe_gloo() -> dict:
 
 
 def _low(fn, n: int) -> float:
-    """A low quantile (the tenth) of n timings of fn: the two processes share the cores with
-    whatever else runs on the machine, which only adds, and stalls every message whose peer is
-    not running then: a quiet machine's figure."""
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 10]
+    """The tenth of n calls: the two processes share the cores with whatever else runs on the
+    machine, which only adds, and stalls every message whose peer is not running then: a quiet
+    machine's figure."""
+    return low_quantile(fn, n, 10)
 
 
 def probe(port: int, rank: int) -> None:

@@ -29,6 +29,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from placer.estimate.calibrate import low_quantile
 from placer.model.graph import INPUT, ModelGraph
 from placer.plan.ir import OpKind, Plan
 
@@ -158,14 +159,7 @@ def _low(fn) -> float:
     if "buffer" not in _FLUSH:
         _FLUSH["buffer"] = torch.zeros(FLUSH_BYTES // 4)
     flush = _FLUSH["buffer"]
-    fn()  # warm up
-    ts = []
-    for _ in range(REPEAT):
-        flush.add_(1)
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[REPEAT // 5]
+    return low_quantile(fn, REPEAT, 5, before=lambda: flush.add_(1))
 
 
 def step_numels(plan: Plan, est, model, slots: int) -> dict[str, tuple[int, ...]]:

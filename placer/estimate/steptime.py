@@ -114,8 +114,8 @@ def fixed_seconds(op: Op, hw: Hardware) -> float:
     all-reduces it, the program's halo exchange)."""
     if _sharded(op):
         return hw.sharded_times[0][1] if hw.sharded_times else hw.sharded_s
-    if _split_times(op, hw):
-        return _split_times(op, hw)[0][1]
+    if split := _split_times(op, hw):
+        return split[0][1]
     if op.kind == OpKind.ALL_REDUCE and op.tensor in ("act", "grad"):  # a pair's forward; backward
         return hw.split_grad_s if op.tensor == "grad" and hw.split_grad_s else hw.split_s
     if op.kind == OpKind.HALO and hw.halo_s:
