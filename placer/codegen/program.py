@@ -138,7 +138,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     used |= {"precision"} if pl and spec.training.precision == "bf16" else set()
     used |= {"accumulate"} if spec.training.accumulate > 1 and TrainWriter(
         segs, len(devices), devices, False, False).syncs_in_backward else set()
-    pieces = ["batch"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
+    pieces = ["batch", "host_memory"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
     ckpt = spec.training.checkpoint is not None

@@ -169,6 +169,7 @@ class TrainWriter(TrainingOptions):
           "backend = pick_backend(simulate)",
           'if device.type == "cpu":  # share the cores among this machine\'s workers',
           '    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))',
+          "keep_freed_memory()  # each step's new tensors reuse freed pages instead of faulting in new ones",
           "dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))",
           "if args.measure:  # placer run asks for the bytes each rank sends",
           "    count_sent_bytes()",

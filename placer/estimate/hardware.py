@@ -125,14 +125,15 @@ PROFILES = {
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
 }
 CHOICES = ("cpu", *PROFILES)
-CALIBRATION = 14
+CALIBRATION = 15
 """What `calibrate` measures, in the cache's key: a profile cached by an older calibration
 (1: no `conv_rates`; 2: no `reduce_times` nor `overlap`; 3: no `halo_s`; 4: the gloo figures'
 medians, not low quantiles; 5: no `gather_times` nor `scatter_times`; 6: `action_s` with two
 processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's activation; 9:
 `split_s` halved over both all-reduces, no `split_grad_s`; 10: no `bucket_s`; 11: no
-`sharded_times`; 12: no `split_times`; 13: `split_times` against a whole pair's compute) is
-measured again."""
+`sharded_times`; 12: no `split_times`; 13: `split_times` against a whole pair's compute; 14:
+the collectives back to back, at a low quantile, each call's freed memory handed back to the
+kernel) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:

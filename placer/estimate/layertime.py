@@ -40,7 +40,7 @@ LAYER_CAP_S = 0.25
 STEP_CAP = 1 << 25
 """A device's optimizer step over more parameters is not timed (their state would take GBs)."""
 REPEAT = 11
-TIMING = 1
+TIMING = 2
 """How layers and steps are timed, in the cache's keys: a new way times them again."""
 FLUSH_BYTES = 32 << 20
 """A buffer written before each timed call, larger than a CPU's caches (L2, most of an L3)."""
@@ -226,8 +226,11 @@ def measure(plan: Plan, graph: ModelGraph, spec, threads: int, cache_path, budge
     (a JSON file)."""
     import torch
 
+    from placer.codegen.runtime.host_memory import keep_freed_memory
     from placer.estimate.memory import state_slots
     from placer.model.build import build_module
+
+    keep_freed_memory()  # as the program's workers do: else each call's temporaries fault pages in
 
     try:
         cache = json.loads(cache_path.read_text())
