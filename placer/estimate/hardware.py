@@ -53,6 +53,9 @@ class Hardware:
     """The same of an all-gather (FSDP2's parameters)."""
     scatter_times: tuple = ()
     """The same of a reduce-scatter (FSDP2's gradients)."""
+    broadcast_times: tuple = ()
+    """The same of a broadcast, keyed by the bytes its root sends (ZeRO-1's parameters after
+    the step, a parameter server's)."""
     overlap: float = 1.0
     """The fraction of an all-reduce's time that a backward running meanwhile hides (DDP's
     overlap): 1 where the link has its own engine; measured on CPU workers, whose gloo threads
@@ -133,7 +136,7 @@ processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's ac
 `split_s` halved over both all-reduces, no `split_grad_s`; 10: no `bucket_s`; 11: no
 `sharded_times`; 12: no `split_times`; 13: `split_times` against a whole pair's compute; 14:
 the collectives back to back, at a low quantile, each call's freed memory handed back to the
-kernel) is measured again."""
+kernel, no `broadcast_times`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
@@ -173,10 +176,10 @@ def cached_cpu(threads: int) -> Hardware:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             fields = doc["profile"]
-            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times", "sharded_times",
-                      "split_times", "split_grad_times")
+            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times", "broadcast_times",
+                      "sharded_times", "split_times", "split_grad_times")
             return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in tables}})
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, KeyError):  # none yet, or unreadable: measure again
         pass
     from placer.estimate.calibrate import calibrate
 

@@ -103,7 +103,7 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
     most = max(sent.values(), default=0)
     # a collective's bytes at its measured time by size (chunks, the sums on the device)
     table = {OpKind.ALL_REDUCE: hw.reduce_times, OpKind.ALL_GATHER: hw.gather_times,
-             OpKind.REDUCE_SCATTER: hw.scatter_times}.get(op.kind, ())
+             OpKind.REDUCE_SCATTER: hw.scatter_times, OpKind.BROADCAST: hw.broadcast_times}.get(op.kind, ())
     wire = sized_seconds(table, hw, most)
     return fixed_seconds(op, hw) + wire + 2 * host / hw.host_bw
 
