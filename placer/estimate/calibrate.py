@@ -112,7 +112,8 @@ def calibrate(threads: int) -> Hardware:
                     action_s=link["action"],
                     reduce_times=_table(link["reduce_times"]), gather_times=_table(link["gather_times"]),
                     scatter_times=_table(link["scatter_times"]),
-                    broadcast_times=_table(link["broadcast_times"]), sharded_times=_table(link["sharded_times"]),
+                    broadcast_times=_table(link["broadcast_times"]), send_times=_table(link["send_times"]),
+                    sharded_times=_table(link["sharded_times"]),
                     split_times=_table(link["split_times"]), split_grad_times=_table(link["split_grad_times"]),
                     overlap=link["overlap"], halo_s=link["halo"],
                     layer_overhead=layer_overhead, update_s=update_s, tensor_overhead=tensor_overhead,
@@ -220,6 +221,7 @@ def probe(port: int, rank: int) -> None:
             gather_times.append((2 * n, _busy(lambda: dist.all_gather_into_tensor(whole, half), 40)))
             scatter_times.append((2 * n, _busy(lambda: dist.reduce_scatter_tensor(half, whole), 40)))
             broadcast_times.append((4 * n, _busy(lambda: dist.broadcast(whole, 0), 40)))
+        send_times = _send_times(rank)
         overlap = _overlap(dist, nn)
 
         def train(model, x):
@@ -275,6 +277,7 @@ def probe(port: int, rank: int) -> None:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
                               "reduce_times": reduce_times, "gather_times": gather_times,
                               "scatter_times": scatter_times, "broadcast_times": broadcast_times,
+                              "send_times": send_times,
                               "overlap": overlap,
                               "sharded": max(sharded_s, collective), "sharded_times": sharded_times,
                               "split": max(split_s, collective),
@@ -295,6 +298,28 @@ and 256 KiB all-reduced."""
 REDUCE_SIZES = (2, 1 << 16, 1 << 20)
 """Floats of the whole tensors whose all-reduce, all-gather and reduce-scatter calibrate
 `reduce_times`, `gather_times`, `scatter_times` and `broadcast_times`: 8 B, 256 KiB, 4 MiB."""
+
+
+SEND_SIZES = (1 << 12, 1 << 16, 1 << 20)
+"""Bytes of the messages that calibrate `send_times`: 4 KiB, 64 KiB, 1 MiB."""
+
+
+def _send_times(rank: int) -> list:
+    """((bytes, seconds), ...) of one message from rank 0 to rank 1 after compute (`_busy`), the
+    slower of the two sides (the receiver waits for the sender's compute too). On the 2-core
+    bench machine 0.08 ms for 4 KiB but 0.5-0.7 ms for 64 KiB to 1 MiB, where back to back
+    the link's 4.6 GB/s would take 0.01-0.2 ms."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for n in SEND_SIZES:
+        t = torch.zeros(n // 4)
+        one = (lambda: dist.send(t, 1)) if rank == 0 else (lambda: dist.recv(t, 0))
+        out.append(_busy(one, 40))
+    slower = torch.tensor(out, dtype=torch.float64)
+    dist.all_reduce(slower, op=dist.ReduceOp.MAX)
+    return list(zip(SEND_SIZES, slower.tolist()))
 
 
 def _overlap(dist, nn) -> float:
@@ -322,14 +347,15 @@ def _overlap(dist, nn) -> float:
 def _halo(rank: int, nn) -> float:
     """Seconds of one halo exchange as a spatial segment's program runs it (the runtime's own
     `halo_exchange`: its autograd Function, a message posted each way and waited on, the rows
-    put together) on a small band (a row of 2 KiB), as a step meets it: after compute
+    put together) on a band of an image model's size (a row of 16 KiB: one of 2 KiB was
+    five times faster, rows of 16-64 KiB took alike), as a step meets it: after compute
     (`_busy`). The forward's: the backward's exchange also follows a layer's compute, and
     moves as many rows."""
     import torch
 
     from placer.codegen.runtime.spatial import halo_exchange
 
-    band = torch.randn(8, 4, 8, 16)
+    band = torch.randn(64, 4, 8, 16)
     owned, needed = [(0, 8), (8, 16)], [(0, 9), (7, 16)]  # one row from the other rank each
 
     return _busy(lambda: halo_exchange(band, [0, 1], owned, needed, 2), 40)

@@ -53,6 +53,9 @@ class Hardware:
     """The same of an all-gather (FSDP2's parameters)."""
     scatter_times: tuple = ()
     """The same of a reduce-scatter (FSDP2's gradients)."""
+    send_times: tuple = ()
+    """The same of one message between two processes, keyed by its bytes: a copy's or a
+    pipeline's send, after compute (the receiver's wait)."""
     broadcast_times: tuple = ()
     """The same of a broadcast, keyed by the bytes its root sends (ZeRO-1's parameters after
     the step, a parameter server's)."""
@@ -99,8 +102,9 @@ class Hardware:
     source: str
     layer_times: dict = field(default_factory=dict, compare=False, repr=False)
     """(segment, layer) -> (forward, backward) seconds of one call on one device of the plan's
-    segment, measured (estimate/layertime.py; the cpu profile); these replace the layer's rate
-    model and fixed cost. Empty: the rates serve every layer (data-sheet profiles)."""
+    segment, measured (estimate/layertime.py; the cpu profile), then the same with its weights
+    still in cache where a step repeats it (micro-batches); these replace the layer's rate model
+    and fixed cost. Empty: the rates serve every layer (data-sheet profiles)."""
     step_times: dict = field(default_factory=dict, compare=False, repr=False)
     """device -> measured seconds of its optimizer step (all it steps), in place of `update_s` and
     `tensor_overhead` (estimate/layertime.py; the cpu profile)."""
@@ -136,7 +140,7 @@ processes' stalls; 7: `halo_s` after a layer; 8: `split_s` without the pair's ac
 `split_s` halved over both all-reduces, no `split_grad_s`; 10: no `bucket_s`; 11: no
 `sharded_times`; 12: no `split_times`; 13: `split_times` against a whole pair's compute; 14:
 the collectives back to back, at a low quantile, each call's freed memory handed back to the
-kernel, no `broadcast_times`) is measured again."""
+kernel, no `broadcast_times` nor `send_times`) is measured again."""
 
 
 def profile(name: str, workers_per_host: int = 1) -> Hardware:
@@ -176,7 +180,7 @@ def cached_cpu(threads: int) -> Hardware:
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
             fields = doc["profile"]
-            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times", "broadcast_times",
+            tables = ("rates", "conv_rates", "reduce_times", "gather_times", "scatter_times", "send_times", "broadcast_times",
                       "sharded_times", "split_times", "split_grad_times")
             return Hardware(**{**fields, **{k: tuple(tuple(r) for r in fields[k]) for k in tables}})
     except (OSError, ValueError, TypeError, KeyError):  # none yet, or unreadable: measure again

@@ -68,8 +68,11 @@ class StepTime:
     """device -> ((start, end, op), ...): what the schedule chart draws."""
 
 
-def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_steps: int = 1) -> float:
-    """One COMPUTE op; under accumulate, one of its `micro_steps` (1/N of the rows, every fixed cost)."""
+def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_steps: int = 1,
+                    again: bool = False) -> float:
+    """One COMPUTE op; under accumulate, one of its `micro_steps` (1/N of the rows, every fixed cost).
+    `again`: the device ran the same layers in the same pass just before (the next micro-batch),
+    so they take their warm times where measured."""
     seg = plan.segments[op.segment]
     share = seg.degree * plan.microbatches * micro_steps
     factor = BACKWARD_FACTOR[op.phase]
@@ -78,7 +81,8 @@ def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_s
         layer = graph.layer(name)
         timed = hw.layer_times.get((op.segment, name))
         if timed:  # measured at this device's shape, its fixed cost included; a zero-bubble half: half
-            t += timed[0] if op.phase == "fwd" else factor / 2 * timed[1]
+            fwd, bwd = timed[2:] if again and len(timed) == 4 else timed[:2]
+            t += fwd if op.phase == "fwd" else factor / 2 * bwd
             continue
         flops, conv = layer.flops / share, layer.op in CONV_OPS
         if op.phase == "fwd":
@@ -103,7 +107,8 @@ def comm_seconds(op: Op, hw: Hardware) -> float:
     most = max(sent.values(), default=0)
     # a collective's bytes at its measured time by size (chunks, the sums on the device)
     table = {OpKind.ALL_REDUCE: hw.reduce_times, OpKind.ALL_GATHER: hw.gather_times,
-             OpKind.REDUCE_SCATTER: hw.scatter_times, OpKind.BROADCAST: hw.broadcast_times}.get(op.kind, ())
+             OpKind.REDUCE_SCATTER: hw.scatter_times, OpKind.BROADCAST: hw.broadcast_times,
+             OpKind.SEND: hw.send_times, **dict.fromkeys(TRANSFERS, hw.send_times)}.get(op.kind, ())
     wire = sized_seconds(table, hw, most)
     return fixed_seconds(op, hw) + wire + 2 * host / hw.host_bw
 
@@ -206,6 +211,7 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
     spans: dict[str, list] = {d: [] for d in plan.devices}
     arrivals: dict[tuple, list[float]] = {}
     last_bwd: dict[str, tuple | None] = {d: None for d in plan.devices}
+    ran: dict[str, set] = {d: set() for d in plan.devices}  # what each device has computed this step
 
     def run(d: str, seconds: float, what: str, op: Op) -> None:
         spans[d].append((clock[d], clock[d] + seconds, op))
@@ -217,7 +223,9 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
         k = op.kind
         if k == OpKind.COMPUTE:
             start = clock[d]
-            run(d, compute_seconds(op, plan, graph, hw, n), "compute", op)
+            again = (op.segment, op.tensor, op.phase) in ran[d]
+            ran[d].add((op.segment, op.tensor, op.phase))
+            run(d, compute_seconds(op, plan, graph, hw, n, again), "compute", op)
             if op.phase in ("bwd", "bwd_weight"):
                 last_bwd[d] = (start, clock[d], op)
         elif k == OpKind.STEP:

@@ -395,3 +395,35 @@ def test_a_tensor_pairs_all_reduces_take_the_measured_time_by_size_where_calibra
     fwd, bwd = (Op(kind=OpKind.ALL_REDUCE, devices=("cpu:0", "cpu:1"), segment=0, phase=p, tensor=t, bytes=500)
                 for p, t in (("fwd", "act"), ("bwd", "grad")))
     assert comm_seconds(fwd, hw) == pytest.approx(2.0) and comm_seconds(bwd, hw) == pytest.approx(0.6)
+
+
+def test_a_pipelines_next_micro_batch_takes_its_layers_warm_times(tmp_path):
+    # GPipe, 2 micro-batches, free sends: each stage runs each layer twice in each pass; the
+    # second time its weights are still in cache (the timed 4-tuple's warm half)
+    _, graph, plan, est = planned(tmp_path, MODEL + "placement:\n  - {layers: fc1, device: cpu:0}\n"
+                                  "  - {layers: fc2, device: cpu:1}\npipeline: {microbatches: 2, schedule: gpipe}\n")
+    quick = replace(HW, link_bw=1e12, latency=0.0)
+    cold = replace(quick, layer_times={(0, "fc1"): (1.0, 2.0), (1, "fc2"): (1.0, 2.0)})
+    warm = replace(quick, layer_times={(0, "fc1"): (1.0, 2.0, 0.5, 1.0), (1, "fc2"): (1.0, 2.0, 0.5, 1.0)})
+    assert step_time(plan, graph, est, cold).per_device["cpu:1"].compute_s == pytest.approx(6.0)  # 2 x (1 + 2)
+    assert step_time(plan, graph, est, warm).per_device["cpu:1"].compute_s == pytest.approx(1 + 0.5 + 2 + 1)
+    _, graph, plan, est = planned(tmp_path, MODEL + "placement:\n  - {layers: fc1..fc2, device: cpu:0}\n")
+    one = step_time(plan, graph, est, replace(warm, layer_times={(0, "fc1"): (1.0, 2.0, 0.5, 1.0)}))
+    assert one.per_device["cpu:0"].compute_s == pytest.approx(3.003)  # no repeat: fc1's cold pair, fc2's rates
+
+
+def test_layers_are_timed_warm_too_only_where_a_step_repeats_them_and_the_workers_fit_the_cache(tmp_path, monkeypatch):
+    from placer.estimate import layertime
+
+    spec, graph, plan, est = planned(tmp_path, MODEL + "placement:\n  - {layers: fc1, device: cpu:0}\n"
+                                     "  - {layers: fc2, device: cpu:1}\npipeline: {microbatches: 2, schedule: gpipe}\n")
+    monkeypatch.setattr(layertime, "cache_bytes", lambda: 1 << 30)
+    assert layertime.fits_cache(plan, est) == {"cpu:0": True, "cpu:1": True}
+    t = layertime.measure(plan, graph, spec, 1, tmp_path / "warm.json", est=est)
+    assert all(len(v) == 4 for v in t.times.values())
+    total = sum(est.per_device[d].total_bytes for d in plan.devices)  # both workers share one machine's cache
+    monkeypatch.setattr(layertime, "cache_bytes", lambda: total - 1)
+    assert not any(layertime.fits_cache(plan, est).values())
+    cold = layertime.measure(plan, graph, spec, 1, tmp_path / "cold.json", est=est)
+    assert all(len(v) == 2 for v in cold.times.values())
+    assert layertime.fits_cache(plan, None) == {"cpu:0": False, "cpu:1": False}  # no estimate: cold
