@@ -40,7 +40,7 @@ LAYER_CAP_S = 0.25
 STEP_CAP = 1 << 25
 """A device's optimizer step over more parameters is not timed (their state would take GBs)."""
 REPEAT = 11
-TIMING = 2
+TIMING = 3
 """How layers and steps are timed, in the cache's keys: a new way times them again."""
 FLUSH_BYTES = 32 << 20
 """A buffer written before each timed call, larger than a CPU's caches (L2, most of an L3)."""
