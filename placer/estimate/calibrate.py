@@ -10,6 +10,7 @@ torch's pipeline schedules and the program's spatial halo exchange add.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -140,29 +141,32 @@ def _probe_gloo() -> dict:
     return json.loads(outs[0])
 
 
-def _busy(fn, n: int) -> float:
-    """Seconds of one call of `fn` (a collective) as a training step meets it: each call right
-    after about a millisecond of compute on both processes, the mean of the middle 80% of n.
-    Back to back, a 256 KiB all-reduce between two gloo processes took 0.4 ms on the 2-core
-    bench machine; after compute, anywhere from 0.2 to 5 ms (median 1.5, mean 2): its threads
-    and the peer's are woken from sleep, and the peer may still be computing. A mean, since a
-    step's time adds up its calls; a median of so wide a spread moved twofold between runs.
-    The slowest tenth are left out: other work on a shared machine only adds."""
+def _busy(fns, n: int) -> list[float]:
+    """Seconds of one call of each of `fns` (collectives) as a training step meets it: each call
+    right after about a millisecond of compute on both processes, the mean of the middle 80% of
+    n. Back to back, a 256 KiB all-reduce between two gloo processes took 0.4 ms on the 2-core
+    bench machine; after compute, anywhere from 0.2 to 5 ms: its threads and the peer's are
+    woken from sleep, the peer may still be computing, and for a few dozen calls at a time
+    every such all-reduce took about 3.5 ms instead of 0.4. So the calls take turns, n rounds
+    of one each, and each meets those spells alike; a mean, since a step's time adds up its
+    calls (a median of so wide a spread moved twofold between runs). The slowest tenth are
+    left out: other work on a shared machine only adds."""
     import statistics
 
     import torch
 
     a, w = torch.randn(64, 512), torch.randn(512, 512)
-    fn()
-    times = []
-    for _ in range(n):
-        for _ in range(3):  # about 1 ms on one thread of a 2-core machine
-            a @ w
-        t0 = time.perf_counter()
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return statistics.mean(times[n // 10:n - n // 10])
+    for _ in range(n):
+        for fn, got in zip(fns, times):
+            for _ in range(3):  # about 1 ms on one thread of a 2-core machine
+                a @ w
+            t0 = time.perf_counter()
+            fn()
+            got.append(time.perf_counter() - t0)
+    return [statistics.mean(sorted(t)[n // 10:n - n // 10]) for t in times]
 
 
 def _low(fn, n: int) -> float:
@@ -208,24 +212,29 @@ def probe(port: int, rank: int) -> None:
         t0 = time.perf_counter()
         pingpong(big, 4)
         bandwidth = big.numel() * 4 * 8 / (time.perf_counter() - t0)
-        collective = _busy(lambda: dist.all_reduce(small), 60)
         # an all-reduce by size: gloo's chunks and its sums on the CPU cost more than the bytes
         # on the wire, the more so the smaller the tensor
         # each kind by size, keyed by the bytes each process sends: a whole tensor of n floats
         # for an all-reduce, half of it for an all-gather or a reduce-scatter (two processes)
-        reduce_times, gather_times, scatter_times, broadcast_times = [], [], [], []
         warnings.simplefilter("ignore", FutureWarning)  # *_into_tensor's newer names: not in older torch
+        fns, keys = [], []
         for n in REDUCE_SIZES:
             whole, half = torch.zeros(n), torch.zeros(n // 2)
-            reduce_times.append((4 * n, _busy(lambda: dist.all_reduce(whole), 40)))
-            gather_times.append((2 * n, _busy(lambda: dist.all_gather_into_tensor(whole, half), 40)))
-            scatter_times.append((2 * n, _busy(lambda: dist.reduce_scatter_tensor(half, whole), 40)))
-            broadcast_times.append((4 * n, _busy(lambda: dist.broadcast(whole, 0), 40)))
+            fns += [functools.partial(dist.all_reduce, whole),
+                    functools.partial(dist.all_gather_into_tensor, whole, half),
+                    functools.partial(dist.reduce_scatter_tensor, half, whole),
+                    functools.partial(dist.broadcast, whole, 0)]
+            keys += [4 * n, 2 * n, 2 * n, 4 * n]
+        got = list(zip(keys, _busy(fns, 40)))
+        reduce_times, gather_times, scatter_times, broadcast_times = (got[k::4] for k in range(4))
+        collective = reduce_times[0][1]  # an all-reduce of 2 floats
         send_times = _send_times(rank)
         overlap = _overlap(dist, nn)
 
-        def train(model, x):
-            return _busy(lambda: model(x).sum().backward(), 40)  # its collectives after compute, as in a step
+        def train(*runs):
+            """Seconds of a forward and backward of each (model, input), taking turns (`_busy`):
+            its collectives after compute, as in a step."""
+            return _busy([functools.partial(lambda m, x: m(x).sum().backward(), m, x) for m, x in runs], 40)
 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -237,23 +246,24 @@ def probe(port: int, rank: int) -> None:
             as FSDP2 runs them beside the compute (on CPU workers its gloo thread shares the
             core with it), with their copies in and out."""
             xs = torch.randn(rows, width)
-            plain = train(nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), xs)
             sharded = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
             for layer in sharded:
                 fully_shard(layer)
             fully_shard(sharded)
-            return 4 * (width * width + width), (train(sharded, xs) - plain) / 12
+            plain, whole = train((nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]), xs), (sharded, xs))
+            return 4 * (width * width + width), (whole - plain) / 12
 
         sharded_times = [fsdp2(w, r) for w, r in SHARDED_SIZES]
         sharded_s = sharded_times[0][1]
         x = torch.randn(8, 64)
-        plain = train(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), x)
         # a bucket of gradients all-reduced as DDP does it (its hooks, the gradients copied into
         # the bucket and back, the all-reduce of 16 KiB): what a step's all-reduce of gradients
         # costs beyond its bytes
         from torch.nn.parallel import DistributedDataParallel
 
-        bucket_s = train(DistributedDataParallel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])), x) - plain
+        plain, ddp = train((nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]), x),
+                           (DistributedDataParallel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])), x))
+        bucket_s = ddp - plain
         mesh = init_device_mesh("cpu", (2,))
         # a column-row pair with its activation between, as an MLP block has it. On an input
         # that does not train it runs DTensor's dispatch on each layer, forward and backward,
@@ -265,11 +275,11 @@ def probe(port: int, rank: int) -> None:
             # against what one device of the two computes plainly: half of each layer
             mine = nn.Sequential(nn.Linear(width, width // 2), nn.ReLU(), nn.Linear(width // 2, width))
             still, trains = torch.randn(rows, width), torch.randn(rows, width, requires_grad=True)
-            alone, alone_trains = train(mine, still), train(mine, trains)
             pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
             parallelize_module(pair, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-            fwd = train(pair, still) - alone
-            split_times.append((4 * rows * width, fwd, train(pair, trains) - alone_trains - fwd))
+            alone, alone_trains, split, split_trains = train((mine, still), (mine, trains), (pair, still), (pair, trains))
+            fwd = split - alone
+            split_times.append((4 * rows * width, fwd, split_trains - alone_trains - fwd))
         (_, split_s, split_grad_s), *_ = split_times
         action_s = _pipeline_action(rank)
         halo_s = _halo(rank, nn)
@@ -312,12 +322,9 @@ def _send_times(rank: int) -> list:
     import torch
     import torch.distributed as dist
 
-    out = []
-    for n in SEND_SIZES:
-        t = torch.zeros(n // 4)
-        one = (lambda: dist.send(t, 1)) if rank == 0 else (lambda: dist.recv(t, 0))
-        out.append(_busy(one, 40))
-    slower = torch.tensor(out, dtype=torch.float64)
+    tensors = [torch.zeros(n // 4) for n in SEND_SIZES]
+    one = functools.partial(dist.send, dst=1) if rank == 0 else functools.partial(dist.recv, src=0)
+    slower = torch.tensor(_busy([functools.partial(one, t) for t in tensors], 40), dtype=torch.float64)
     dist.all_reduce(slower, op=dist.ReduceOp.MAX)
     return list(zip(SEND_SIZES, slower.tolist()))
 
@@ -340,8 +347,8 @@ def _overlap(dist, nn) -> float:
         work()
         w.wait()
 
-    alone, reduce = _busy(work, 20), _busy(lambda: dist.all_reduce(t), 20)
-    return min(1.0, max(0.0, (alone + reduce - _busy(both, 20)) / reduce))
+    alone, reduce, together = _busy([work, lambda: dist.all_reduce(t), both], 20)
+    return min(1.0, max(0.0, (alone + reduce - together) / reduce))
 
 
 def _halo(rank: int, nn) -> float:
@@ -358,7 +365,7 @@ def _halo(rank: int, nn) -> float:
     band = torch.randn(64, 4, 8, 16)
     owned, needed = [(0, 8), (8, 16)], [(0, 9), (7, 16)]  # one row from the other rank each
 
-    return _busy(lambda: halo_exchange(band, [0, 1], owned, needed, 2), 40)
+    return _busy([lambda: halo_exchange(band, [0, 1], owned, needed, 2)], 150)[0]  # over several spells
 
 
 def _pipeline_action(rank: int, microbatches: int = 4) -> float:
