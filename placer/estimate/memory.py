@@ -225,7 +225,7 @@ def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:
         share = seg.degree * plan.microbatches * plan.accumulate
         if seg.index > 0 and plan.segments[seg.index - 1].devices != seg.devices:
             total += 2 * graph.layer(seg.layers[0]).in_bytes // share
-        if seg.index + 1 < len(plan.segments) and plan.segments[seg.index + 1].devices != seg.devices:
+        if sends_output(plan, seg):  # the output (a saved one: not among the activations) and its gradient
             total += 2 * graph.layer(seg.layers[-1]).out_bytes // share
     return total
 
@@ -245,7 +245,20 @@ def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
         prev = plan.segments[seg.index - 1]
         if in_layout(prev) != in_layout(seg):
             out[0] += first.in_bytes
+    last = graph.layer(seg.layers[-1])
+    if (layers and layers[-1] == seg.layers[-1] and sends_output(plan, seg) and last.saves_output
+            and plan.microbatches * plan.accumulate == 1):
+        # the output it saves is the one the boundary counts (the program holds it until the next
+        # step): not twice. With micro-batches the boundary holds the last one's only.
+        out[-1] -= min(out[-1], last.out_bytes)
     return out
+
+
+def sends_output(plan: Plan, seg: PlacedSegment) -> bool:
+    """Whether the segment's output goes to other devices (the next segment runs elsewhere)."""
+    return seg.index + 1 < len(plan.segments) and plan.segments[seg.index + 1].devices != seg.devices
+
+
 
 
 def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> int:

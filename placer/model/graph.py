@@ -38,6 +38,9 @@ class LayerInfo:
     saves_input: bool = False
     """Whether this layer keeps (a view of) its input for backward. Where a segment starts with
     it, the received copy of the input is kept there too: add `in_bytes` for that segment."""
+    saves_output: bool = False
+    """Whether this layer keeps its own output for backward (a ReLU's, a Sigmoid's). Where a
+    segment ends with it and sends that output on, the boundary holds it: not counted twice."""
     flops: int = 0
     """Forward FLOPs on the global batch (backward is counted as 2x forward by estimates)."""
     shared_params: int = 0

@@ -40,6 +40,9 @@ class LayerTrace:
     flops: int = 0
     saved_bytes: int = 0
     saves_input: bool = False
+    saves_output: bool = False
+    saved_keys: set = field(default_factory=set)
+    """Storages saved for backward while this layer ran (its own ops')."""
     calls: int = 0
     input_keys: frozenset = frozenset()
     out_kind: str = "tensor"
@@ -290,6 +293,7 @@ class _Recorder(TorchFunctionMode):
                 if outs:
                     t.out_shape, t.out_dtype = tuple(outs[0].shape), dtype_name(outs[0].dtype)
                 t.out_bytes = sum(_nbytes(x) for x in outs)
+                t.saves_output = any(_storage_key(x) in t.saved_keys for x in outs)
                 t.out_kind, leaves = _structure(output)
                 t.out_leaves = tuple(None if x is None else (tuple(x.shape), dtype_name(x.dtype), x.requires_grad)
                                      for x in leaves)
@@ -327,8 +331,10 @@ class _Recorder(TorchFunctionMode):
     def _count_saved(self, tensors):
         for t in tensors:
             key = _storage_key(t)
-            if self.stack and key in self.traces[self.stack[-1]].input_keys:
-                self.traces[self.stack[-1]].saves_input = True
+            if self.stack:
+                top = self.traces[self.stack[-1]]
+                top.saves_input |= key in top.input_keys
+                top.saved_keys.add(key)
             if key not in self.seen_storages:
                 self.seen_storages.add(key)
                 self.keep.append(t)  # a freed storage's address could come back as another's key

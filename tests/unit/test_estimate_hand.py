@@ -120,8 +120,10 @@ def test_copies_direct_and_via_host(tmp_path):
     assert (e0.param_bytes, e0.optimizer_bytes) == (576, 576)  # SGD with momentum: one buffer
     assert (e1.param_bytes, e1.optimizer_bytes, e1.grad_bytes) == (0, 0, 0)
     assert (e2.param_bytes, e2.optimizer_bytes) == (272, 272)
-    # cuda:1 keeps the ReLU output (1024); cuda:2 keeps its received input (1024, fc2 saves it)
-    assert (e0.activation_bytes, e1.activation_bytes, e2.activation_bytes) == (512, 1024, 1024)
+    # cuda:1's ReLU saves its output (1024), the one it sends on: the boundary counts it, once;
+    # cuda:2 keeps its received input (1024, fc2 saves it)
+    assert (e0.activation_bytes, e1.activation_bytes, e2.activation_bytes) == (512, 0, 1024)
+    assert e1.boundary_bytes == 4 * 1024  # its input and the gradient sent back, its output and the one received
     # FLOPs: fc1 3*4096 on cuda:0, fc2 3*2048 on cuda:2; mean over the two = 9216; busiest 12288
     assert (e0.flops, e1.flops, e2.flops) == (12288, 0, 6144)
     assert est.balance == pytest.approx(12288 / 9216)
@@ -360,8 +362,9 @@ def test_spatial_conv_keeps_its_padded_band(tmp_path):
     # one device keeps conv's input 8*3*16*16*4 = 24576 and act's output 8*4*16*16*4 = 32768
     assert ref.per_device["cpu:0"].activation_bytes == 24576 + 32768
     # cpu:1's band: 8 rows of H plus a halo row and a padding row, made in one copy (the conv pads
-    # W itself): 8*3*10*16*4 = 15360 instead of half the input (12288); half of act's output, 16384
-    assert e1.activation_bytes == 15360 + 16384
+    # W itself): 8*3*10*16*4 = 15360 instead of half the input (12288). Half of act's output, 16384,
+    # is the band it sends to the head: the boundary holds it (with its gradient), not the activations
+    assert e1.activation_bytes == 15360 and e1.boundary_bytes == 2 * 16384
 
 
 def test_boundary_tensors_stay_referenced(tmp_path):
