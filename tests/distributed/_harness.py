@@ -319,6 +319,7 @@ def run_program(rt: dict, sc: Scenario, rank: int) -> dict:
         if seg.shard == "optimizer":  # ZeRO: (parameters this rank steps, all of them)
             out["zero_params"] = (sum(len(g["params"]) for g in s["opt"].optim.param_groups),
                                   len(params))
+            out["zero_bucket_view"] = s["opt"].parameters_as_bucket_view
         if seg.mode == "channel":
             rt["channel_unshard"](module)  # the slices back into the full layers
         out["state"].update(held_state(rt, full, range(*seg.layers),

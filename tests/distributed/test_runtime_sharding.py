@@ -41,3 +41,5 @@ def test_params_and_optimizer_state_are_sharded(results):
                 counts = [results[r][sc.name]["zero_params"] for r in seg.ranks]
                 assert all(n < counts[0][1] for n, _ in counts), (sc.name, counts)
                 assert sum(n for n, _ in counts) == counts[0][1], (sc.name, counts)
+                # one flat bucket of parameters a rank: it broadcasts its shard as one message
+                assert all(results[r][sc.name]["zero_bucket_view"] for r in seg.ranks), sc.name
