@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def _busy(fns, n: int) -> list[float]:
     bench machine; after compute, anywhere from 0.2 to 5 ms: its threads and the peer's are
     woken from sleep, the peer may still be computing, and for a few dozen calls at a time
     every such all-reduce took about 3.5 ms instead of 0.4. So the calls take turns, n rounds
-    of one each, and each meets those spells alike; a mean, since a step's time adds up its
+    of one each in a shuffled order, and each meets those spells alike; a mean, since a step's time adds up its
     calls (a median of so wide a spread moved twofold between runs). The slowest tenth are
     left out: other work on a shared machine only adds."""
     import statistics
@@ -159,13 +160,16 @@ def _busy(fns, n: int) -> list[float]:
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()
+    order = random.Random(0)  # the same on both processes: they must call the collectives alike
+    turns = list(range(len(fns)))
     for _ in range(n):
-        for fn, got in zip(fns, times):
+        order.shuffle(turns)  # what follows what varies too (an exchange can slow the next call)
+        for i in turns:
             for _ in range(3):  # about 1 ms on one thread of a 2-core machine
                 a @ w
             t0 = time.perf_counter()
-            fn()
-            got.append(time.perf_counter() - t0)
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
     return [statistics.mean(sorted(t)[n // 10:n - n // 10]) for t in times]
 
 
@@ -225,7 +229,8 @@ def probe(port: int, rank: int) -> None:
                     functools.partial(dist.reduce_scatter_tensor, half, whole),
                     functools.partial(dist.broadcast, whole, 0)]
             keys += [4 * n, 2 * n, 2 * n, 4 * n]
-        got = list(zip(keys, _busy(fns, 40)))
+        *sized, halo_s = _busy([*fns, _halo()], 40)  # all taking turns: each meets the same spells
+        got = list(zip(keys, sized))
         reduce_times, gather_times, scatter_times, broadcast_times = (got[k::4] for k in range(4))
         collective = reduce_times[0][1]  # an all-reduce of 2 floats
         send_times = _send_times(rank)
@@ -282,7 +287,6 @@ def probe(port: int, rank: int) -> None:
             split_times.append((4 * rows * width, fwd, split_trains - alone_trains - fwd))
         (_, split_s, split_grad_s), *_ = split_times
         action_s = _pipeline_action(rank)
-        halo_s = _halo(rank, nn)
         if rank == 0:
             print(json.dumps({"latency": latency, "bandwidth": bandwidth, "collective": collective,
                               "reduce_times": reduce_times, "gather_times": gather_times,
@@ -351,21 +355,20 @@ def _overlap(dist, nn) -> float:
     return min(1.0, max(0.0, (alone + reduce - together) / reduce))
 
 
-def _halo(rank: int, nn) -> float:
-    """Seconds of one halo exchange as a spatial segment's program runs it (the runtime's own
+def _halo():
+    """One halo exchange as a spatial segment's program runs it (the runtime's own
     `halo_exchange`: its autograd Function, a message posted each way and waited on, the rows
-    put together) on a band of an image model's size (a row of 16 KiB: one of 2 KiB was
-    five times faster, rows of 16-64 KiB took alike), as a step meets it: after compute
-    (`_busy`). The forward's: the backward's exchange also follows a layer's compute, and
-    moves as many rows."""
+    put together) on a band of an image model's size (a row of 16 KiB: one of 2 KiB was five
+    times faster, rows of 16-64 KiB took alike); timed as a step meets it, after compute, with
+    the collectives (`_busy`). The forward's: the backward's exchange also follows a layer's
+    compute, and moves as many rows."""
     import torch
 
     from placer.codegen.runtime.spatial import halo_exchange
 
     band = torch.randn(64, 4, 8, 16)
     owned, needed = [(0, 8), (8, 16)], [(0, 9), (7, 16)]  # one row from the other rank each
-
-    return _busy([lambda: halo_exchange(band, [0, 1], owned, needed, 2)], 150)[0]  # over several spells
+    return functools.partial(halo_exchange, band, [0, 1], owned, needed, 2)
 
 
 def _pipeline_action(rank: int, microbatches: int = 4) -> float:
