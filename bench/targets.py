@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 repetitions of parity, 3 of start-up, 2 of the cost model")
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/targets-<time>.json)")
     args = parser.parse_args()
-    reps = ("3", "3", "2") if args.quick else ("6", "5", "3")
+    reps = ("3", "3", "2") if args.quick else ("6", "9", "3")  # start-up: a run's start varies by +-0.5 s
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="placer-targets-") as tmp:
         work = Path(tmp)
