@@ -69,12 +69,8 @@ def fully_shard_segment(module, group, device_type="cpu", reshard_after_forward=
     `group` may be a DeviceMesh: a 2-D one's dp dim, over tensor-parallel DTensors (FSDP2 x TP).
     Every rank of the group calls it."""
     mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
-    units = fsdp_units(module)
-    for i, (_, unit) in enumerate(units):
-        # the last unit's backward comes first, right after its forward: kept gathered, not
-        # gathered again (as torchtitan does for the last block); the peak is unchanged
-        last = i == len(units) - 1
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and not last)
+    for _, unit in fsdp_units(module):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for m in module.modules():
         if isinstance(m, FSDPModule):  # the factor is per FSDP unit, not inherited
