@@ -286,9 +286,14 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     os.environ["PYTHONUNBUFFERED"] = "1"  # prints and tracebacks reach the worker's log in order
     os.environ["OMP_NUM_THREADS"] = str(worker_threads(binding.nproc_per_node))  # the workers inherit it
     os.environ["PLACER_LAUNCHER_PID"] = str(os.getpid())  # the workers end with this process (die_with_launcher)
-    # Workers get a store of their own each attempt: the rendezvous store shared with them keeps
-    # the keys of the attempt before, and restarted workers would wait in init_process_group.
-    os.environ[SHARED_STORE] = "1"
+    # Where a run may restart, workers get a store of their own each attempt: the rendezvous store
+    # shared with them keeps the keys of the attempt before, and restarted workers would wait in
+    # init_process_group. A single attempt on one node shares it, as torchrun does: with a store
+    # of their own a 5-step run took 0.17 s longer at the median, twice as spread (6 pairs).
+    if max_restarts or binding.nnodes > 1:
+        os.environ[SHARED_STORE] = "1"
+    else:
+        os.environ.pop(SHARED_STORE, None)
     # One node: a private c10d rendezvous on a free port. Several: the static rendezvous, which
     # (unlike c10d's, which orders nodes by arrival) makes node K's workers ranks K*n .. K*n+n-1,
     # so the spec's nodeK/ devices run on the machine started with --node-rank K.
