@@ -74,3 +74,28 @@ def test_the_rendezvous_names_its_events_from_frames_not_from_inspect_stack():
         assert rdzv.get_method_name is not slow and caller() == torch_names == ("caller", "recorder")
         assert rdzv.get_method_name(10_000) == "no_method_name"
     assert rdzv.get_method_name is slow
+
+
+@pytest.mark.parametrize("max_restarts, nnodes, own", [(0, 1, False), (2, 1, True), (0, 2, True)])
+def test_workers_share_the_launchers_store_unless_a_run_may_restart(tmp_path, monkeypatch, max_restarts, nnodes, own):
+    """A single attempt on one node shares the rendezvous store with its workers, as torchrun
+    does (a store of their own made a run's start vary by +-0.4 s); a restarted attempt needs a
+    store without the keys of the one before, and so do several nodes."""
+    from torch.distributed.launcher import api
+
+    from placer.launch import run
+
+    seen = {}
+
+    def fake_launch(config, entrypoint):
+        def start(*args):
+            seen["own"] = os.environ.get(run.SHARED_STORE) == "1"
+        return start
+
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    monkeypatch.setenv(run.SHARED_STORE, "kept")
+    binding = run.Binding(simulate=True, reason=None, backend="gloo", nproc_per_node=2, nnodes=nnodes)
+    run.launch(tmp_path / "program.py", tmp_path, binding, devices=["cpu:0", "cpu:1"], max_restarts=max_restarts,
+               rdzv_endpoint="127.0.0.1:29999" if nnodes > 1 else None)
+    assert seen["own"] is own
+    assert os.environ[run.SHARED_STORE] == "kept"  # the caller's setting back afterwards
