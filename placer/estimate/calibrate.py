@@ -3,10 +3,12 @@
 Everything a CPU worker of a run spends time on, timed as such a worker runs it: Linear and
 Conv2d layers' forward and backward by size, memory bandwidth, fixed costs per layer and
 optimizer tensor, Adam's update, and between two gloo processes (`probe`, run as `python -m
-placer.estimate.calibrate PORT RANK`) message latency, bandwidth, all-reduces, all-gathers and
-reduce-scatters by size, how much
-of an all-reduce a backward hides, and the fixed costs DDP's gradient buckets, FSDP2, DTensor,
-torch's pipeline schedules and the program's spatial halo exchange add.
+placer.estimate.calibrate PORT RANK`) message latency and bandwidth, messages, all-reduces,
+all-gathers, reduce-scatters and broadcasts by size, how much of an all-reduce a backward hides,
+and the fixed costs DDP's gradient buckets, FSDP2, DTensor, torch's pipeline schedules and the
+program's spatial halo exchange add. The collectives are timed as a step meets them: each right
+after compute, taking turns (`_busy`). Both processes keep the memory they free, as the
+program's workers do.
 """
 from __future__ import annotations
 

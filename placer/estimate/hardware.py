@@ -4,7 +4,7 @@ GPU profiles come from the vendors' data sheets (peak dense FP32 and BF16 FLOP/s
 bandwidth, NVLink / PCIe bandwidth per direction) times `SUSTAINED`, the fraction of a peak that
 training kernels reach in practice; their fixed costs (latency, per layer, per collective) are
 assumed, not measured. The `cpu` profile is measured
-on this machine by `estimate/calibrate.py` (about 15 s, with the thread count each CPU worker
+on this machine by `estimate/calibrate.py` (about 20 s, with the thread count each CPU worker
 gets) and cached under ~/.cache/placer (XDG_CACHE_HOME), keyed by the machine, the CPU count, torch's
 version and the threads. `placer plan --hardware cpu` then times the plan's own layers and
 optimizer steps at each device's shapes (`estimate/layertime.py`, cached beside it per layer):
