@@ -294,7 +294,7 @@ def _diagrams(plan, graph, est, timeline, dot, svg, png, schedule_path, say) -> 
 @click.option("--deep", is_flag=True, help="Needed for `model.module` specs: building the model on the meta "
               "device RUNS THE USER'S MODEL CODE.")
 @click.option("--hardware", type=click.Choice(CHOICES), help="Predict each device's step time and the "
-              "whole step on this hardware: `cpu` is measured on this machine (once, about 15 s, then "
+              "whole step on this hardware: `cpu` is measured on this machine (once, about 20 s, then "
               "cached; the spec's own layers and optimizer steps are also timed at each device's shapes, about "
               "a second, cached per layer), the GPUs are their data sheets' figures. The schedule chart's "
               "axis is then in seconds.")

@@ -211,8 +211,8 @@ CONV_OPS = frozenset(f"{p}{n}d" for p in ("Conv", "ConvTranspose", "LazyConv", "
 def sized_seconds(pts: tuple, hw: Hardware, nbytes: float) -> float:
     """Seconds of the bytes of a collective that sends `nbytes` from each device, beyond the
     smallest one's, from its measured times by size `pts` (reduce_times, gather_times,
-    scatter_times): interpolated linearly between the sizes (past the largest, at its last
-    step's rate); `link_bw` where the profile has no such table."""
+    scatter_times, broadcast_times, send_times): interpolated linearly between the sizes (past
+    the largest, at its last step's rate); `link_bw` where the profile has no such table."""
     if len(pts) < 2:
         return nbytes / hw.link_bw
     (b0, t0), *rest = pts

@@ -259,8 +259,6 @@ def sends_output(plan: Plan, seg: PlacedSegment) -> bool:
     return seg.index + 1 < len(plan.segments) and plan.segments[seg.index + 1].devices != seg.devices
 
 
-
-
 def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> int:
     """Activation bytes a chunk of a segment keeps for backward (global batch)."""
     return sum(saved_layers(plan, graph, seg, layers))

@@ -8,12 +8,16 @@ device runs its ops in order on one clock:
   of FLOPs / FLOP/s (a convolution's at the profile's conv rates) and bytes in and out / memory
   bandwidth, plus a fixed cost per layer and pass, backward twice the forward (a zero-bubble
   half once); a pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
+  a layer the device ran just before in the same pass (the next micro-batch) takes its warm
+  time where measured;
 - a copy, split, merge or collective starts when every device in it has reached it and ends
   `latency` per message plus the most bytes any one device moves / link bandwidth later (a hop
   through a host at the host's bandwidth); all of its devices wait for it;
 - a pipeline send leaves at once; its receive waits until it has arrived;
-- an all-reduce's, all-gather's or reduce-scatter's bytes take that collective's measured time
-  by size where the profile has it (`reduce_times`, ...), others' the link's bandwidth; an
+- an all-reduce's, all-gather's, reduce-scatter's or broadcast's bytes, and a copy's or send's,
+  take that kind's measured time by size where the profile has it (`reduce_times`, ...,
+  `send_times`: each measured right after compute, as a step meets it), others' the link's
+  bandwidth; an
   FSDP2 layer's gathers and scatters take FSDP2's measured time by the layer's size whole, a
   tensor-parallel pair's all-reduces DTensor's by the activation's size;
 - a data-parallel all-reduce with `overlap` runs beside the backward, from when its bucket's
