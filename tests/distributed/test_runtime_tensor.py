@@ -4,6 +4,8 @@ pairs found across elementwise layers, replicated layers around them, uneven spl
 copies into and out of the group, and whole parameters back under their own names."""
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 try:
@@ -30,8 +32,33 @@ SCENARIOS = [
 ]
 
 
-results = h.world_results(SCENARIOS, ["tensor", "channel", "replicate"])
+
+
+def unread_outputs(rt, rank, world, steps):
+    """A tensor group of ranks 0 and 1 runs `steps` forwards and backwards whose outputs no rank
+    reads (as where the next segment runs on other ranks): how many collectives torch's registry
+    still holds unwaited afterwards, with each one's output."""
+    group = dist.new_group([0, 1])  # (every rank of the world makes a group)
+    if rank > 1:
+        return None
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    rt["tensor_parallelize"](seq, group, [("0", "2")])
+    for _ in range(steps):
+        out = seq(torch.ones(2, 4))
+        torch.autograd.backward(out, torch.ones(2, 4))
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
+JOBS = SCENARIOS + [("unread_outputs", unread_outputs, (3,))]
+results = h.world_results(JOBS, ["tensor", "channel", "replicate"])
 test_training_equals_one_device = h.training_test(SCENARIOS)
+
+
+def test_a_row_halfs_all_reduce_is_waited_for_where_nobody_reads_it(results):
+    # RowwiseParallel all-reduces its output asynchronously, waited on where it is first read:
+    # unread, each step's output stayed in torch's registry for the rest of the run
+    assert [results[r]["unread_outputs"] for r in range(2)] == [0, 0]
 
 
 def test_split_segments_hold_a_slice_of_their_weights(results):
