@@ -1,10 +1,15 @@
 """Run a generated program's worker under torch's profiler and write the peak of the bytes that
 torch's CPU allocator holds for tensors (the profiler's `Total Allocated`), as
 `torch.cuda.max_memory_allocated` reports on GPUs: `peak_bytes` until the last optimizer step
-ends (training), `run_peak_bytes` over the whole run (with the final parameters gathered). The profiler follows the main thread and the
-autograd engine's; it does not see what other threads allocate (a data prefetch thread: so
-bench/memory.py runs with `training.prefetch=0`), and its `profile_all_threads` drops the
-memory events (torch 2.13).
+ends (training), `run_peak_bytes` over the whole run (with the final parameters gathered).
+
+The allocator keeps that running total only on threads the profiler follows, unless c10's flag
+`caffe2_report_cpu_memory_usage` is on: a tensor that gloo's worker thread frees (a collective's
+input, DDP's initial broadcast buffer) then stayed in the total for the rest of the run, and one
+that thread allocates was never in it, so the same program's peak moved by up to 2.6 MiB between
+runs. The flag (set here through ctypes: torch has no Python call for it) makes every thread's
+tensors count; the peak is read at the main thread's memory events. The profiler's
+`profile_all_threads` would follow other threads but drops the memory events (torch 2.13).
 
     python bench/tensor_peak.py RESULT.json program.py [program arguments]
 
@@ -13,13 +18,22 @@ program leaves with `os._exit`, past the profiler: that call is held back until 
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
 import sys
 import tempfile
 
+import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+def count_every_thread() -> None:
+    """Turn on c10's `caffe2_report_cpu_memory_usage`, so that the CPU allocator's running total
+    counts tensors that any thread allocates or frees, not only the profiled ones."""
+    libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
 def main() -> None:
@@ -31,6 +45,7 @@ def main() -> None:
         raise SystemExit(code)
 
     os._exit = held_back  # type: ignore[assignment]
+    count_every_thread()
     code = 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         try:
