@@ -125,6 +125,8 @@ def table(plan, graph, est, timeline=None) -> str:
                  units.size(tot["param_bytes"] + tot["buffer_bytes"])] + [units.size(tot[k]) for k in keys[1:]]
                 + [units.si(tot["flops"])])
     lines += _table(rows, set(range(1, 9)))
+    lines += [f"  ({d} never holds all its gradients and activations at once: its row adds up to "
+              f"{units.size(e.overlap_bytes)} over its peak)" for d, e in est.per_device.items() if e.overlap_bytes > 0]
     lines += ["", "communication per step"] + comm_lines(plan, est)
     lines.append("")
     if est.busiest is None:
@@ -159,7 +161,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
                         "optimizer_bytes": e.optimizer_bytes, "activation_bytes": e.activation_bytes,
                         "step_bytes": e.step_bytes, "data_bytes": e.data_bytes, "comm_bytes": e.comm_bytes,
                         "act_grad_bytes": e.act_grad_bytes, "boundary_bytes": e.boundary_bytes,
-                        "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes, "payload_bytes": e.payload_bytes,
+                        "backward_bytes": e.backward_bytes, "total_bytes": e.total_bytes, "flops": e.flops, "sent_bytes": e.sent_bytes, "payload_bytes": e.payload_bytes,
                         "recv_bytes": e.recv_bytes})
     ops = [{"kind": r.op.kind.value, "segment": r.op.segment, "phase": r.op.phase, "tensor": r.op.tensor,
             "devices": list(r.op.devices), "src": list(r.op.src), "dst": list(r.op.dst),
@@ -167,7 +169,7 @@ def to_json(plan, graph, est, timeline=None) -> dict:
             "route": r.op.route, "bytes": r.op.bytes, "moved_bytes": r.bytes, "attrs": r.op.attrs,
             "moves": [list(m) for m in r.moves]} for r in est.comm.rows]
     sum_keys = ("params", "param_bytes", "buffer_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                "step_bytes", "data_bytes", "comm_bytes", "act_grad_bytes", "boundary_bytes", "total_bytes", "flops")
+                "step_bytes", "data_bytes", "comm_bytes", "act_grad_bytes", "boundary_bytes", "backward_bytes", "total_bytes", "flops")
     doc = {
         "format": JSON_FORMAT,
         "name": plan.name,

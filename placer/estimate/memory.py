@@ -33,10 +33,15 @@
   crossed from or to another device stay referenced by the step's variables until the next step
   makes new ones: held through the optimizer step and into the next step's backward.
 
-The peak (`total_bytes`): parameters, buffers, gradients, optimizer state, batches and
-communication buffers and boundary tensors are held throughout; on top of them either the backward
-peak (activations and activation gradients) or the optimizer step's temporaries, whichever is
-larger: the step runs after backward has freed the activations.
+- Gradients made in backward (`backward_bytes`): a step starts with none (the program zeroes
+  them with `set_to_none=True`); a layer's appear when its backward runs, last layer first, and
+  stay through the step. The backward peak (`backward_bytes`) is the most of activations still
+  kept, activation gradients in flight and the gradients made by then, along the device's ops.
+
+The peak (`total_bytes`): parameters, buffers, optimizer state, batches, communication buffers
+and boundary tensors are held throughout; on top of them either the backward peak or every
+gradient and the optimizer step's temporaries, whichever is larger: the step runs after backward
+has freed the activations.
 """
 from __future__ import annotations
 
@@ -98,19 +103,31 @@ class DeviceMemory:
     """Activation gradients live at the backward peak, beside the activations kept then."""
     boundary_bytes: int = 0
     """The last micro-batch's tensors that crossed devices, referenced until the next step's."""
+    backward_bytes: int = 0
+    """The backward peak: activations still kept, activation gradients in flight and the
+    parameters' gradients made so far (a step starts with none: `zero_grad(set_to_none=True)`)."""
 
     @property
     def total_bytes(self) -> int:
-        """The peak: what is held throughout, plus the backward peak or the step's temporaries."""
-        held = (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes
+        """The peak: what is held throughout, plus the backward peak or every gradient and the
+        step's temporaries."""
+        held = (self.param_bytes + self.buffer_bytes + self.optimizer_bytes
                 + self.data_bytes + self.comm_bytes + self.boundary_bytes)
-        return held + max(self.activation_bytes + self.act_grad_bytes, self.step_bytes)
+        return held + max(self.backward_bytes, self.grad_bytes + self.step_bytes)
 
     @property
     def working_bytes(self) -> int:
-        """What torch allocates at the peak besides the model, its gradients, state and activations."""
-        return (self.total_bytes - self.param_bytes - self.buffer_bytes - self.grad_bytes
-                - self.optimizer_bytes - self.activation_bytes)
+        """What torch allocates at the peak besides the model, its gradients, state and activations
+        (none where the backward peak comes before every gradient is made, so that the gradients
+        and the activations are never all held at once: `overlap_bytes`)."""
+        return max(0, -self.overlap_bytes)
+
+    @property
+    def overlap_bytes(self) -> int:
+        """How much the model, its gradients, state and activations add up to above the peak
+        (positive only where they are never all held at once), less what else the peak holds."""
+        return (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes
+                + self.activation_bytes - self.total_bytes)
 
 
 def _share(x: int, d: int, r: int) -> int:
@@ -168,6 +185,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
                      data_bytes=batch * (batches_ahead(prefetch, Device.parse(dev).is_host) + 1), comm_bytes=0)
            for dev in plan.devices}
     temps = STEP_TEMPORARIES.get(optimizer.op, 0)
+    made: dict[str, dict[int, list[int]]] = {dev: {} for dev in plan.devices}  # gradient bytes per layer
     for seg in plan.segments:
         server = seg.server
         holders = seg.devices + ((server,) if server and server not in seg.devices else ())
@@ -186,6 +204,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
             a["param_bytes"] += b
             a["buffer_bytes"] += buf
             a["grad_bytes"] += b  # computed here, or (a server) summed into here
+            made[dev][seg.index] = layer_grads(seg, graph, dev, b)
             largest = max((kb for _, kb, _ in held_layers(seg, graph, dev)), default=0)
             a["comm_bytes"] += MODES[seg.mode].comm_buffers(seg, b, largest)
             if dev in stepping:
@@ -197,8 +216,8 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
                 a["step_bytes"] = max(a["step_bytes"], step)
     for dev, glue in lockstep_glue(plan, graph).items():
         acc[dev]["buffer_bytes"] += glue
-    act = activations(plan, graph, geometry)
-    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1],
+    act = activations(plan, graph, geometry, made)
+    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1], backward_bytes=act[dev][2],
                               boundary_bytes=boundary(plan, graph, dev), **acc[dev]) for dev in plan.devices}
 
 
@@ -264,38 +283,72 @@ def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> in
     return sum(saved_layers(plan, graph, seg, layers))
 
 
-def grads_in_flight(saved: list[int], info, share: int) -> int:
+def layer_grads(seg: PlacedSegment, graph: ModelGraph, dev: str, total: int) -> list[int]:
+    """`total` gradient bytes of a segment on `dev`, spread over its layers as the parameters it
+    holds of each (a layer's gradients are made when its backward runs); what no layer holds (a
+    root parameter, a tied copy) goes with the last layer, whose backward runs first."""
+    held = [kb for _, kb, _ in held_layers(seg, graph, dev)]
+    whole = sum(held)
+    out = [total * kb // whole for kb in held] if whole else [0] * len(held)
+    if out:
+        out[-1] += total - sum(out)
+    return out
+
+
+def grads_in_flight(saved: list[int], info, share: int, made: list[int] | None = None) -> int:
     """The most that a chunk's backward holds above the activations kept before it starts, minus
     what it has freed: running layer i (last first), the layers after it have freed theirs and
-    the gradients of i's output and of its input are live (one micro-batch's: `share`)."""
-    freed, most = 0, 0
-    for s, l in zip(reversed(saved), reversed(info)):
+    the gradients of i's output and of its input are live (one micro-batch's: `share`), and so
+    are the parameters' gradients that i and the layers after it have made (`made`, per layer)."""
+    freed, most, grads = 0, 0, 0
+    for s, l, g in zip(reversed(saved), reversed(info), reversed(made or [0] * len(info))):
         scratch = 2 if l.op.startswith("Conv") else 1  # a Conv's backward: one more of each (above)
-        most = max(most, scratch * (l.out_bytes + l.in_bytes) // share - freed)
+        grads += g
+        most = max(most, scratch * (l.out_bytes + l.in_bytes) // share - freed + grads)
         freed += s // share
     return most
 
 
 def activations(plan: Plan, graph: ModelGraph,
-                geometry: Callable[[str], dict | None] = lambda name: None) -> dict[str, tuple[int, int]]:
-    """(peak activation bytes, activation gradients on top of them at the backward peak) per
-    device: walk its ops, forwards keep, backwards free."""
+                geometry: Callable[[str], dict | None] = lambda name: None,
+                made: dict[str, dict[int, list[int]]] | None = None) -> dict[str, tuple[int, int, int]]:
+    """(peak activation bytes, activation gradients on top of them at the backward peak, the
+    backward peak with the parameters' gradients made by then) per device: walk its ops,
+    forwards keep, backwards free; a chunk's first backward makes its layers' gradients
+    (`made`: device -> segment -> gradient bytes per layer), held from then on. A device's
+    gradients that no backward of its own makes (a parameter server's) are there throughout."""
     out = {}
     m = plan.microbatches
     for dev in plan.devices:
-        live = peak = grad_peak = 0  # grad_peak: the peak of activations and their gradients
-        for op in plan.ops.get(dev, ()):
-            if op.kind != OpKind.COMPUTE or op.phase in ("bwd_weight",):
-                continue
+        per_layer = (made or {}).get(dev, {})
+        ops = [op for op in plan.ops.get(dev, ()) if op.kind == OpKind.COMPUTE]
+        backs = {op.segment for op in ops if op.phase != "fwd"}
+        grads = sum(sum(g) for k, g in per_layer.items() if k not in backs)
+        done: set[tuple[int, tuple[str, ...]]] = set()  # chunks whose gradients exist
+        live = peak = grad_peak = top = 0  # grad_peak: of activations and their gradients; top: and parameters' gradients
+        for op in ops:
             seg = plan.segments[op.segment]
+            layers = plan.chunk_layers(op)
+            new = [0] * len(layers)
+            if op.phase in ("bwd", "bwd_weight") and (seg.index, tuple(layers)) not in done:
+                done.add((seg.index, tuple(layers)))
+                mine = dict(zip(seg.layers, per_layer.get(seg.index, [0] * len(seg.layers))))
+                new = [mine[name] for name in layers]
+            if op.phase == "bwd_weight":  # a zero-bubble backward's second half makes the gradients
+                grads += sum(new)
+                top = max(top, live + grads)
+                continue
             share = seg.degree * m * plan.accumulate  # one micro-batch's (a pipeline's, or a micro-step's)
             share *= 2 if plan.precision == "bf16" else 1  # autocast saves bfloat16 activations
-            layers = plan.chunk_layers(op)
             saved = saved_layers(plan, graph, seg, layers, geometry)
             b = sum(saved) // share
             if op.phase != "fwd":
-                grads = grads_in_flight(saved, [graph.layer(l) for l in layers], share // (2 if plan.precision == "bf16" else 1))
-                grad_peak = max(grad_peak, live + (b if seg.recompute else 0) + grads)
+                info = [graph.layer(l) for l in layers]
+                unscaled = share // (2 if plan.precision == "bf16" else 1)
+                before = live + (b if seg.recompute else 0)
+                grad_peak = max(grad_peak, before + grads_in_flight(saved, info, unscaled))
+                top = max(top, before + grads + grads_in_flight(saved, info, unscaled, new))
+                grads += sum(new)
             if seg.recompute:  # forward keeps the chunk's input; backward holds b again while it runs
                 kept = graph.layer(layers[0]).in_bytes // share
                 if op.phase != "fwd":
@@ -303,5 +356,6 @@ def activations(plan: Plan, graph: ModelGraph,
                 b = kept
             live += b if op.phase == "fwd" else -b
             peak = max(peak, live)
-        out[dev] = (peak, max(0, grad_peak - peak))
+            top = max(top, live + grads)
+        out[dev] = (peak, max(0, grad_peak - peak), top)
     return out

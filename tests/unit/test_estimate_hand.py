@@ -88,10 +88,14 @@ def test_data_parallel_allreduce(tmp_path):
         # Adam on CUDA steps all tensors at once: a sqrt of every exp_avg_sq, 848; the whole input
         # batch 16*8*4 = 512 made on every rank, 2 ahead and 1 in use; DDP's buckets, 848
         assert (e.step_bytes, e.data_bytes, e.comm_bytes) == (848, 3 * 512, 848)
-        # backward's peak, activations 384 and gradients 512 (act's output and input, 2 * 1024 / 4),
-        # is above the step's 848: the peak holds it, not the step's temporaries
+        # activation gradients on top of the activations: 512 at most (act's output and input,
+        # 2 * 1024 / 4)
         assert e.act_grad_bytes == 512
-        assert e.total_bytes == 848 * 4 + 3 * 512 + 848 + 384 + 512
+        # backward's peak, running fc1: activations 384, its output's and input's gradients
+        # (1024 + 512) / 4 less act's 256 freed, and every parameter's gradient made by then, 848:
+        # 1360. The step holds every gradient and its temporaries, 848 + 848: the peak is the step's
+        assert e.backward_bytes == 384 + 384 - 256 + 848
+        assert e.total_bytes == 848 + 2 * 848 + 3 * 512 + 848 + 848 + 848
         # forward 2*16*8*16 + 2*16*16*4 = 4096 + 2048 = 6144; x3 for the step, / 4 devices
         assert e.flops == 4608
     # one 848-byte bucket, ring of 4: each device sends 2*3/4*848 = 1272 to the next
@@ -318,10 +322,14 @@ def test_activation_gradients_at_the_backward_peak(tmp_path):
     # act: 1024 + 1024 = 2048, nothing freed yet (fc2 kept nothing of its own); fc1: 1024 + 512 with
     # act's 1024 freed: 512. The most is 2048
     assert e.act_grad_bytes == 2048
-    # SGD steps in place: the peak is backward's, on top of weights, gradients and the batch in
-    # use (a CPU worker makes none ahead: training.prefetch auto)
-    assert e.total_bytes == 848 + 848 + 512 + 1536 + 2048
-    assert e.working_bytes == 512 + 2048
+    # the parameters' gradients are made as backward goes: fc2's 272 exist while act runs, fc1's
+    # 576 only once fc1 does (a step starts with none). The backward peak is act's:
+    # 1536 + 2048 + 272; running fc1, 1536 + 512 + 848 is less
+    assert e.backward_bytes == 1536 + 2048 + 272
+    # SGD steps in place: the peak is backward's, on top of the weights and the batch in use (a
+    # CPU worker makes none ahead: training.prefetch auto)
+    assert e.total_bytes == 848 + 512 + 1536 + 2048 + 272
+    assert e.working_bytes == 512 + 2048 - 576  # (fc1's gradients are not made yet at that peak)
 
 
 def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
@@ -338,8 +346,8 @@ def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
     assert e.total_bytes == 848 * 4 + 32 + 2 * 576  # the batch in use: none made ahead on a CPU
     _, big = plan_of(tmp_path, one, optimizer="{op: Adam, lr: 0.001}", batch=64)
     b = big.per_device["cpu"]
-    assert b.activation_bytes + b.act_grad_bytes > b.step_bytes
-    assert b.total_bytes == 848 * 4 + 64 * 32 + b.activation_bytes + b.act_grad_bytes
+    assert b.backward_bytes > b.grad_bytes + b.step_bytes
+    assert b.total_bytes == 848 * 3 + 64 * 32 + b.backward_bytes
 
 
 def test_spatial_conv_keeps_its_padded_band(tmp_path):
@@ -380,7 +388,9 @@ def test_boundary_tensors_stay_referenced(tmp_path):
     # act's output = fc2's input, 16*16*4 = 1024, and its gradient
     assert est.per_device["cpu"].boundary_bytes == est.per_device["cpu:1"].boundary_bytes == 2 * 1024
     e = est.per_device["cpu:1"]
-    assert e.total_bytes == 272 + 272 + 512 + 2 * 1024 + e.activation_bytes + e.act_grad_bytes
+    # backward: fc2 alone, its gradients (272) made as it runs, beside its activation gradients
+    assert e.backward_bytes == e.activation_bytes + e.act_grad_bytes + 272
+    assert e.total_bytes == 272 + 512 + 2 * 1024 + e.backward_bytes
     _, one = plan_of(tmp_path, """\
         devices: [cpu]
         placement:

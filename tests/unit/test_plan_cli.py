@@ -41,7 +41,7 @@ def test_json_keys_are_stable():
     assert doc["format"] == "placer-plan/1"
     assert set(doc["devices"][0]) == {"device", "rank", "params", "param_bytes", "buffer_bytes", "grad_bytes",
                                       "optimizer_bytes", "activation_bytes", "step_bytes", "data_bytes", "comm_bytes", "act_grad_bytes",
-                                      "boundary_bytes", "total_bytes", "flops", "sent_bytes",
+                                      "boundary_bytes", "backward_bytes", "total_bytes", "flops", "sent_bytes",
                                       "payload_bytes", "recv_bytes"}
     assert doc["pipeline"]["schedule"] == "1f1b" and doc["pipeline"]["microbatches"] == 4
     assert 0 < doc["pipeline"]["bubble"] < 1
