@@ -53,8 +53,8 @@ def free_port() -> int:
 
 def launch(argv: list[str], cwd: Path, log: Path, tries: int = 2) -> None:
     """Run `python argv` as WORLD workers of one gloo group, as torchrun would start them. A run
-    that fails is run again once, and says so (torch's ZeroRedundancyOptimizer baseline now and
-    then aborts as its process exits: "terminate called without an active exception")."""
+    that fails is run again once, and says so (the baselines leave with os._exit, as placer's
+    programs do: Python's shutdown while gloo's threads free tensors now and then aborts)."""
     for attempt in range(tries):
         codes = _workers(argv, cwd, log)
         if not any(codes):
