@@ -5,9 +5,13 @@ against the measured time per step of the generated program, for every spec in b
     python bench/cost_model.py                         # every bench spec, 3 repetitions
     python bench/cost_model.py --reps 5 bench/specs/data.yaml examples/pipeline_gpipe/spec.yaml
 
-The prediction is the plan's (`placer.cli.plan_cmd.predict`, the `cpu` profile measured on this
-machine and cached; the spec's own layers and optimizer steps timed at each device's shapes,
-cached too, as `placer plan --hardware cpu` does). Each measured run starts its workers directly, as bench/vs_torch.py does
+The prediction is the plan's (`placer.cli.plan_cmd.predict`: the `cpu` profile measured on this
+machine, the spec's own layers and optimizer steps timed at each device's shapes, as `placer plan
+--hardware cpu` does). Both are measured afresh at the start of the run (a cache folder of its
+own), so that the profile sees the machine in the state that the measured runs see it: on this
+2-core VM a collective right after compute costs about twice as much in some hours as in others,
+and a profile cached in one predicted the other's spatial and 1F1B steps at 0.69-0.71. `--cached`
+takes the user's cached profile instead, as `placer plan` does. Each measured run starts its workers directly, as bench/vs_torch.py does
 (one gloo group, max(1, cores // workers) threads each, start-up left out); its time per step
 is the median of its step-to-step intervals after --warmup steps, and a spec's is the median
 over repetitions (p10: the same of each run's 10th-percentile interval, the figure least
@@ -52,6 +56,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="measured runs of each spec (default 3)")
     parser.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out at the start (default 5)")
+    parser.add_argument("--cached", action="store_true",
+                        help="use the cached cpu profile and layer times (default: measure them afresh)")
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/cost_model-<time>.json)")
     args = parser.parse_args()
     specs = args.specs or sorted((BENCH / "specs").glob("*.yaml"))
@@ -59,6 +65,8 @@ def main() -> None:
 
     rows = {}
     with tempfile.TemporaryDirectory(prefix="placer-cost-") as tmp:
+        if not args.cached:  # placer keeps its profile under XDG_CACHE_HOME: an empty one measures anew
+            os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
         for spec in specs:
             pred, source = predicted(spec)
             program = Path(tmp) / f"{spec.stem}_program.py"
@@ -83,7 +91,7 @@ def main() -> None:
     out = args.out or BENCH / "results" / f"cost_model-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"what": "predicted (placer plan --hardware cpu) vs measured seconds per step of the generated program",
-           "profile": source,
+           "profile": source, "fresh_profile": not args.cached,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                        "python": platform.python_version(), "load_average_1m": os.getloadavg()[0]},
            "reps": args.reps, "steps": args.steps, "warmup": args.warmup, "specs": rows}
