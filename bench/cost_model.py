@@ -7,11 +7,12 @@ against the measured time per step of the generated program, for every spec in b
 
 The prediction is the plan's (`placer.cli.plan_cmd.predict`: the `cpu` profile measured on this
 machine, the spec's own layers and optimizer steps timed at each device's shapes, as `placer plan
---hardware cpu` does). Both are measured afresh at the start of the run (a cache folder of its
-own), so that the profile sees the machine in the state that the measured runs see it: on this
-2-core VM a collective right after compute costs about twice as much in some hours as in others,
-and a profile cached in one predicted the other's spatial and 1F1B steps at 0.69-0.71. `--cached`
-takes the user's cached profile instead, as `placer plan` does. Each measured run starts its workers directly, as bench/vs_torch.py does
+--hardware cpu` does). Both are measured afresh for each spec, right before its measured runs (a
+cache folder of its own, about 20 s), so that the profile sees the machine in the state that
+those runs see it: on this 2-core VM a collective right after compute costs about twice as much
+in some spells of minutes as in others. A profile cached an hour before predicted spatial's and
+1F1B's steps at 0.69-0.71; one measured at the start of the bench, 1F1B's at 0.70 and 1.26 in
+two runs. `--cached` takes the user's cached profile instead, as `placer plan` does. Each measured run starts its workers directly, as bench/vs_torch.py does
 (one gloo group, max(1, cores // workers) threads each, start-up left out); its time per step
 is the median of its step-to-step intervals after --warmup steps, and a spec's is the median
 over repetitions (p10: the same of each run's 10th-percentile interval, the figure least
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out at the start (default 5)")
     parser.add_argument("--cached", action="store_true",
-                        help="use the cached cpu profile and layer times (default: measure them afresh)")
+                        help="use the cached cpu profile and layer times (default: measure them afresh for each spec)")
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/cost_model-<time>.json)")
     args = parser.parse_args()
     specs = args.specs or sorted((BENCH / "specs").glob("*.yaml"))
@@ -65,9 +66,9 @@ def main() -> None:
 
     rows = {}
     with tempfile.TemporaryDirectory(prefix="placer-cost-") as tmp:
-        if not args.cached:  # placer keeps its profile under XDG_CACHE_HOME: an empty one measures anew
-            os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
         for spec in specs:
+            if not args.cached:  # placer keeps its profile under XDG_CACHE_HOME: an empty one measures anew
+                os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / f"cache-{spec.stem}")
             pred, source = predicted(spec)
             program = Path(tmp) / f"{spec.stem}_program.py"
             generate(str(spec), str(program), overrides=[f"training.steps={args.steps}"])
