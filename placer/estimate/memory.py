@@ -118,16 +118,19 @@ class DeviceMemory:
     @property
     def working_bytes(self) -> int:
         """What torch allocates at the peak besides the model, its gradients, state and activations
-        (none where the backward peak comes before every gradient is made, so that the gradients
-        and the activations are never all held at once: `overlap_bytes`)."""
-        return max(0, -self.overlap_bytes)
+        (none where those are never all held at once: `overlap_bytes`)."""
+        return max(0, self._beyond_model)
 
     @property
     def overlap_bytes(self) -> int:
-        """How much the model, its gradients, state and activations add up to above the peak
-        (positive only where they are never all held at once), less what else the peak holds."""
-        return (self.param_bytes + self.buffer_bytes + self.grad_bytes + self.optimizer_bytes
-                + self.activation_bytes - self.total_bytes)
+        """How far the model, its gradients, state and activations add up above the peak: where
+        the backward peak comes before every gradient is made, they are never all held at once."""
+        return max(0, -self._beyond_model)
+
+    @property
+    def _beyond_model(self) -> int:
+        return (self.total_bytes - self.param_bytes - self.buffer_bytes - self.grad_bytes
+                - self.optimizer_bytes - self.activation_bytes)
 
 
 def _share(x: int, d: int, r: int) -> int:
@@ -204,8 +207,9 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
             a["param_bytes"] += b
             a["buffer_bytes"] += buf
             a["grad_bytes"] += b  # computed here, or (a server) summed into here
-            made[dev][seg.index] = layer_grads(seg, graph, dev, b)
-            largest = max((kb for _, kb, _ in held_layers(seg, graph, dev)), default=0)
+            per_layer = [kb for _, kb, _ in held_layers(seg, graph, dev)]
+            made[dev][seg.index] = layer_grads(per_layer, b)
+            largest = max(per_layer, default=0)
             a["comm_bytes"] += MODES[seg.mode].comm_buffers(seg, b, largest)
             if dev in stepping:
                 r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
@@ -283,11 +287,10 @@ def saved_bytes(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers) -> in
     return sum(saved_layers(plan, graph, seg, layers))
 
 
-def layer_grads(seg: PlacedSegment, graph: ModelGraph, dev: str, total: int) -> list[int]:
-    """`total` gradient bytes of a segment on `dev`, spread over its layers as the parameters it
-    holds of each (a layer's gradients are made when its backward runs); what no layer holds (a
-    root parameter, a tied copy) goes with the last layer, whose backward runs first."""
-    held = [kb for _, kb, _ in held_layers(seg, graph, dev)]
+def layer_grads(held: list[int], total: int) -> list[int]:
+    """`total` gradient bytes of a segment on a device, spread over its layers as the parameter
+    bytes it holds of each (`held`: a layer's gradients are made when its backward runs); what no
+    layer holds (a root parameter, a tied copy) goes with the last layer, whose backward runs first."""
     whole = sum(held)
     out = [total * kb // whole for kb in held] if whole else [0] * len(held)
     if out:
