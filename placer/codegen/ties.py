@@ -25,6 +25,8 @@ class ProgramTie:
     positions: tuple[tuple[int, ...], ...] = ()
     """FSDP2 groups (plan/ties.py `shards`): per shard position, the ranks holding that shard of
     a copy; each sums its shard over them. Empty: whole copies, summed over `ranks`."""
+    aliases: tuple[tuple[str, ...], ...] = ()
+    """Per copy, every name the parameter has in that segment (plan/ties.py PlacedTie)."""
 
 
 def program_ties(plan: Plan, spec, graph: ModelGraph, devices) -> list[ProgramTie]:
@@ -34,7 +36,7 @@ def program_ties(plan: Plan, spec, graph: ModelGraph, devices) -> list[ProgramTi
         raise PlanError(diags)
     return [ProgramTie(t.tie.name, tuple(devices.index(d) for d in t.devices), t.copies,
                        tuple(tuple(devices.index(plan.segments[k].devices[r]) for k, _, _ in t.copies)
-                             for r in range(ties.shards(t, plan.segments))))
+                             for r in range(ties.shards(t, plan.segments))), t.aliases)
             for t in ties.placed(plan.segments, graph)]
 
 

@@ -189,7 +189,7 @@ class TrainWriter(TrainingOptions):
               "    seed = seed_tensors(build_model, args.out)",
               'with torch.device("meta"):',
               "    model = build_model()")
-            copies = [name for t in self.tied for _, _, name in t.copies[1:]]
+            copies = [list(names) for t in self.tied for names in t.aliases[1:]]
             if copies:
                 c("untie(model, " + repr(copies) + ")  # each segment using a tied parameter holds a copy")
         elif self.cut:

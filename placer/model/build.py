@@ -226,13 +226,14 @@ def _children(m: nn.Module, prefix: str) -> list[str]:
 
 
 def selector_paths(text: str) -> list[str]:
-    """The module paths a selector names: a range's two ends, a glob's fixed dotted prefix, a name."""
+    """The module paths a selector names: a range's two ends, a name, or a glob's fixed dotted
+    prefix with its dot (`encoder.*`: `encoder.`), which opens the layer it names."""
     from placer.spec import select
     if select.is_range(text):
         return [p for p in text.partition("..")[::2] if p]
     if select.is_glob(text):
         stem = re.split(r"[*?\[]", text, maxsplit=1)[0]
-        return [stem.rpartition(".")[0]] if "." in stem else []
+        return [stem[:stem.rfind(".") + 1]] if "." in stem else []
     return [text]
 
 
@@ -349,8 +350,10 @@ def _window(m: nn.Module) -> tuple:
 
 def _projections(layer: nn.Module) -> dict:
     """LayerInfo's `projections` and `heads` of a module model's layer (tensor's inputs)."""
-    proj, heads = [], []
+    proj, heads, tables = [], [], []
     for path, m in layer.named_modules():
+        if isinstance(m, nn.Embedding) and path:  # a value per head and position (runtime/tensor.py head_tables)
+            tables.append((path, m.embedding_dim, m.weight.numel()))
         if path and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
             # transformers' Conv1D keeps its weight as [in, out] (nx, nf)
             n_in, n_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.nx, m.nf)
@@ -360,7 +363,9 @@ def _projections(layer: nn.Module) -> dict:
                 value = getattr(holder, attr, None) if holder is not None else None
                 if isinstance(value, int) and not isinstance(value, bool):
                     heads.append((path, prefix + attr, value))
-    return {"projections": tuple(proj), "heads": tuple(heads)}
+    held = {(path, v) for path, _, v in heads}
+    return {"projections": tuple(proj), "heads": tuple(heads),
+            "head_tables": tuple((p, n) for p, dim, n in tables if (p.rpartition(".")[0], dim) in held)}
 
 
 def model_output(spec: Spec, output):
@@ -405,19 +410,20 @@ def _output_diag(spec: Spec, output) -> None:
 
 def find_ties(module: nn.Module, layers: list[str]) -> tuple[Tie, ...]:
     """Trainable parameters that two or more of `layers` (in execution order) use."""
-    users: dict[int, dict[str, str]] = {}  # id -> {layer: the parameter's name under it}
+    users: dict[int, dict[str, list[str]]] = {}  # id -> {layer: the parameter's names under it}
     params = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         layer = next((l for l in layers if name.startswith(l + ".")), None)
         if layer is not None and p.requires_grad:
-            users.setdefault(id(p), {}).setdefault(layer, name)
+            users.setdefault(id(p), {}).setdefault(layer, []).append(name)
             params[id(p)] = p
     first = {id(p): n for n, p in module.named_parameters()}  # the name it is saved under
     ties = []
     for key, by_layer in users.items():
         if len(by_layer) > 1:
             order = sorted(by_layer, key=layers.index)
-            ties.append(Tie(name=first[key], names=tuple(by_layer[l] for l in order), layers=tuple(order),
+            ties.append(Tie(name=first[key], names=tuple(by_layer[l][0] for l in order), layers=tuple(order),
+                            aliases=tuple(tuple(by_layer[l]) for l in order),
                             numel=params[key].numel(), bytes=_bytes(params[key]),
                             rows=params[key].shape[0] if params[key].dim() else 1))
     return tuple(sorted(ties, key=lambda t: layers.index(t.layers[0])))

@@ -80,6 +80,9 @@ class LayerInfo:
     heads: tuple = ()
     """Module models: (path inside the layer, attribute, value) of the integer head counts its
     submodules (or their `config`) hold: `tensor` divides them by its degree."""
+    head_tables: tuple = ()
+    """Module models: (path inside the layer, elements) of each Embedding as wide as its parent's
+    head count (T5's relative_attention_bias): `tensor` splits it with the heads."""
     window: tuple = ()
     """Module models: (kernel, stride, padding, dilation), each per spatial dim, of a Conv or Pool
     layer with numeric padding: the halos `spatial` exchanges (inline layers: from the spec)."""
@@ -113,6 +116,9 @@ class Tie:
     """Its name under each user layer, in `layers` order (`wte.weight`, `lm_head.weight`)."""
     layers: tuple[str, ...]
     """The placeable layers that use it, in execution order; the first owns it."""
+    aliases: tuple[tuple[str, ...], ...] = ()
+    """Every name it has under each of `layers` (T5's `lm_head` and `decoder.embed_tokens` in one
+    segment are two names of one copy there: each must be that copy)."""
     numel: int
     bytes: int
     rows: int = 0

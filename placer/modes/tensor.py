@@ -324,12 +324,15 @@ def module_collectives(a: Attached, info, grads: Sequence[bool], op, replicas: i
 
 def module_held(l, d: int, r: int, share) -> int:
     """Parameter elements of a module model's layer that rank r of d holds: 1/d of each column
-    half (weight and bias) and of each row half's weight; the rest whole."""
+    half (weight and bias), of each row half's weight and of a table per head; the rest whole."""
     held = l.params
     sizes = {p: (n_in * n_out, n_out if bias else 0) for p, _, n_in, n_out, bias in l.projections}
+    tables = {path.rpartition(".")[0]: n for path, n in l.head_tables}
     for cols, row in groups(l.projections):
         for n in [sizes[row][0]] + [sum(sizes[c]) for c in cols]:  # a row half's bias stays whole
             held += share(n, d, r) - n
+        n = tables.get(row.rpartition(".")[0], 0)  # a bias per head goes with its heads
+        held += share(n, d, r) - n
     return held
 
 

@@ -38,6 +38,9 @@ class PlacedTie:
     copy: its first user layer there. The first copy is the one saved under `tie.name`."""
     devices: tuple[str, ...]
     """Devices holding a copy, in segment order: the group whose all-reduce sums the gradients."""
+    aliases: tuple[tuple[str, ...], ...] = ()
+    """Every name of the parameter in each copy's segment (the copy's own name first): one
+    segment's users share its one copy, however many of its layers use the parameter."""
 
 
 def placed(segments, graph: ModelGraph) -> list[PlacedTie]:
@@ -45,12 +48,15 @@ def placed(segments, graph: ModelGraph) -> list[PlacedTie]:
     out = []
     for tie in graph.ties:
         copies: dict[int, tuple[int, str, str]] = {}
-        for layer, name in zip(tie.layers, tie.names):
+        aliases: dict[int, list[str]] = {}
+        for layer, name, names in zip(tie.layers, tie.names, tie.aliases or [(n,) for n in tie.names]):
             seg = next(s for s in segments if layer in s.layers)
             copies.setdefault(seg.index, (seg.index, layer, name))
+            aliases.setdefault(seg.index, []).extend(names)
         if len(copies) > 1:
             held = sorted(copies.values())
-            out.append(PlacedTie(tie, tuple(held), union(*(segments[k].devices for k, _, _ in held))))
+            out.append(PlacedTie(tie, tuple(held), union(*(segments[k].devices for k, _, _ in held)),
+                                 tuple(tuple(aliases[k]) for k, _, _ in held)))
     return out
 
 

@@ -61,12 +61,24 @@ def resolve_segments(spec: Spec, names: list[str]) -> tuple[list[list[int]], lis
         order = [i for seg in out for i in seg]
         for seg, idx in zip(spec.placement, out):
             if idx and idx != list(range(idx[0], idx[-1] + 1)):
-                diags.append(D("P004", f"segment {seg.name!r} is not contiguous in model order", seg.loc,
-                               "a segment holds a run of consecutive layers"))
+                diags.append(D("P004", f"segment {seg.name!r} is not contiguous in model order: "
+                               f"{_gap(idx, names)}", seg.loc,
+                               "a segment holds a run of consecutive layers (model order is the order of first "
+                               "calls in the traced forward; layers it never calls come last)"))
         if not any(d.code == "P004" for d in diags) and order != sorted(order):
             diags.append(D("P004", "segments are not in model order", spec.doc.loc(("placement",)),
                            "list segments in the order the model runs them"))
     return out, diags
+
+
+def _gap(idx: list[int], names: list[str]) -> str:
+    """The model order around a segment's first gap: its layers before it, the others' in it
+    (`'shared'` registered first but never called, so ordered last, after `'lm_head'`)."""
+    k = next(j for j in range(len(idx) - 1) if idx[j + 1] != idx[j] + 1)
+    a, b = idx[k], idx[k + 1]
+    inside = [repr(n) for n in names[a + 1:b]]
+    shown = ", ".join(inside[:3]) + (f", ... ({len(inside)} layers)" if len(inside) > 3 else "")
+    return f"{names[a]!r} comes before {shown} (not in this segment), then {names[b]!r}"
 
 
 def _overlap_hint(name: str, texts: tuple[str, str]) -> str:

@@ -85,3 +85,53 @@ def test_without_the_tie_sync_the_check_fails_at_a_tiny_learning_rate(tmp_path):
     assert not report.ok and report.first_bad_grad in ("wte.weight", "lm_head.weight")
     bad = next(g for g in report.grads if g[0] == report.first_bad_grad)
     assert bad[2] > 0.01 * bad[3]  # off by a share of its own scale, not by float noise
+
+
+T5_SPEC = ROOT / "tests/models/hf_t5.yaml"
+T5_NAMES = ["t5.shared.weight", "t5.encoder.embed_tokens.weight", "t5.decoder.embed_tokens.weight",
+            "t5.lm_head.weight"]
+T5_PLACEMENTS = {
+    "layerwise": (),
+    "1f1b": ("--set", "pipeline={microbatches: 2, schedule: 1f1b}"),
+    "pipeline-data": ("--set", "pipeline={microbatches: 2, schedule: 1f1b}"),  # each stage data parallel over 2
+    "tensor": (),  # the whole model in one tensor segment over 2: the relative position bias split with its heads
+}
+
+
+def t5_spec(how, tmp_path) -> Path:
+    if how not in ("pipeline-data", "tensor"):
+        return T5_SPEC
+    spec = tmp_path / "spec.yaml"
+    if how == "tensor":
+        text = T5_SPEC.read_text().replace("hf_tiny.py", str(T5_SPEC.parent / "hf_tiny.py"))
+        start, end = text.index("placement:"), text.index("training:")
+        spec.write_text(text[:start] + "placement:\n  - name: all\n    layers: [t5.encoder.*, t5.decoder.*, t5.lm_head, "
+                        "t5.shared]\n    devices: [cpu:0, cpu:1]\n    parallel: tensor\n" + text[end:])
+        return spec
+    spec.write_text(T5_SPEC.read_text().replace("[cpu:0, cpu:1]", "[cpu:0, cpu:1, cpu:2, cpu:3]")
+                    .replace("device: cpu:0", "devices: [cpu:0, cpu:1]\n    parallel: data")
+                    .replace("device: cpu:1", "devices: [cpu:2, cpu:3]\n    parallel: data")
+                    .replace("hf_tiny.py", str(T5_SPEC.parent / "hf_tiny.py")))
+    return spec
+
+
+@pytest.mark.parametrize("how", T5_PLACEMENTS)
+def test_t5s_four_tied_names_train_as_one_parameter(how, tmp_path):
+    """T5 ties shared, encoder.embed_tokens, decoder.embed_tokens and lm_head: the decoder's segment
+    uses it under three names, which must be one copy there (before, lm_head kept the encoder's
+    copy on the decoder's rank and its gradient was never summed: R021 by 2e-2)."""
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(main, ["run", str(t5_spec(how, tmp_path)), "--check", "--run-dir", str(run_dir),
+                                       *T5_PLACEMENTS[how]])
+    assert result.exit_code == 0, result.output + (run_dir / "run.log").read_text()
+    check = json.loads((run_dir / "check.json").read_text())
+    assert check["ok"] and check["tied"] == [T5_NAMES]
+    assert set(T5_NAMES) <= {g["name"] for g in check["grads"]}
+    final = torch.load(run_dir / "final_params.pt")
+    for name in T5_NAMES[1:]:
+        torch.testing.assert_close(final[name], final[T5_NAMES[0]], rtol=0, atol=0)
+    if how == "tensor":  # one segment: nothing to sum, and the bias split with the heads (R020 before)
+        assert "head_tables(holder, heads)" in (run_dir / "program.py").read_text()
+    spec = t5_spec(how, tmp_path)
+    assert_sends_what_the_plan_says(how, spec, json.loads((run_dir / "metrics.json").read_text()),
+                                    sets=[a for a in T5_PLACEMENTS[how] if a != "--set"])

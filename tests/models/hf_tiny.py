@@ -120,3 +120,21 @@ class Skip(nn.Module):
     def forward(self, idx):
         x = self.embed(idx)
         return self.head(self.mid(x) + x)
+
+
+class T5(nn.Module):
+    """T5ForConditionalGeneration wrapped to take one input (the decoder reads the same ids): its
+    `shared.weight` IS `encoder.embed_tokens.weight`, `decoder.embed_tokens.weight` and
+    `lm_head.weight` (four names of one tied parameter); relative position biases in block 0."""
+
+    def __init__(self, vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4):
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_model // n_heads, d_ff=2 * d_model,
+                       num_layers=n_layers, num_decoder_layers=n_layers, num_heads=n_heads, dropout_rate=0.0,
+                       tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0)
+        self.t5 = T5ForConditionalGeneration(cfg)
+
+    def forward(self, idx):
+        return self.t5(input_ids=idx, decoder_input_ids=idx).logits

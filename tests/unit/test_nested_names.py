@@ -67,7 +67,12 @@ def test_globs_and_top_level_specs_choose_their_depth(tmp_path):
     assert build.placeable_layers(module, selectors=["net.blocks.1.fc"]) == [
         "net.embed", "net.blocks.0", "net.blocks.1.norm", "net.blocks.1.fc", "net.blocks.2", "net.blocks.3",
         "net.head"]
-    assert build.placeable_layers(module, selectors=["net", "nothing.here", "net.*", "*"]) == ["net"]
+    assert build.placeable_layers(module, selectors=["net", "nothing.here", "*"]) == ["net"]
+    # a glob's fixed part opens the layer it names (docs/spec.md): `net.*` places net's children
+    assert build.placeable_layers(module, selectors=["net.*"]) == [
+        "net.embed", "net.blocks.0", "net.blocks.1", "net.blocks.2", "net.blocks.3", "net.head"]
+    assert build.placeable_layers(module, selectors=["net.blocks.1.*"])[2:4] == ["net.blocks.1.norm",
+                                                                                "net.blocks.1.fc"]
     # a path inside a leaf opens the layers above it; P001 then says the leaf has no submodules
     assert build.placeable_layers(module, selectors=["net.head.weight"])[-1] == "net.head"
 

@@ -2,6 +2,7 @@
 of the parameters, and the program's DTensor plan, all from one rule (modes.tensor.groups)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -115,3 +116,24 @@ def test_under_bf16_the_2d_program_runs_each_replicas_blocks_under_autocast():
     flat = "".join(program.split())
     assert 'tensor_parallelize_blocks(stage,g0,[(("blocks.0.attn.q","blocks.0.attn.k","blocks.0.attn.v"),' in flat
     assert "all_reduce_slices(seg0,dp0)" in flat and 'PRECISION="bf16"' in flat
+
+
+def test_t5s_relative_position_bias_is_held_split_with_its_heads(tmp_path):
+    """T5's block 0 holds relative_attention_bias, [32 buckets, 4 heads]: split with the heads,
+    each of 2 ranks holds 64 of its 128 values (the run looked the whole bias up for half the
+    heads: R020 "size of tensor a (2) must match b (4)")."""
+    pytest.importorskip("transformers")
+    from placer.modes.tensor import module_held
+
+    models = os.path.join(os.path.dirname(__file__), "..", "models")
+    text = open(os.path.join(models, "hf_t5.yaml")).read().replace("hf_tiny.py", os.path.join(models, "hf_tiny.py"))
+    start, end = text.index("placement:"), text.index("training:")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(text[:start] + "placement:\n  - {layers: [t5.encoder.*, t5.decoder.*, t5.lm_head, t5.shared], "
+                    "devices: [cpu:0, cpu:1], parallel: tensor}\n" + text[end:])
+    report = api.plan(str(spec))
+    block = next(l for l in report.graph.layers if l.name == "t5.encoder.block.0")
+    assert block.head_tables == (("layer.0.SelfAttention.relative_attention_bias", 32 * 4),)
+    even = lambda n, d, r: n // d  # noqa: E731
+    plain = dataclasses.replace(block, head_tables=())
+    assert module_held(plain, 2, 0, even) - module_held(block, 2, 0, even) == 64

@@ -170,3 +170,26 @@ def test_check_compares_first_step_gradients_at_any_learning_rate(tmp_path):
     assert compare(tmp_path / "close", tmp_path / "ref").ok
     # --rtol / --atol loosen every comparison
     assert compare(tmp_path / "run", tmp_path / "ref", rtol=10.0, atol=10.0).ok
+
+
+def test_t5s_four_names_are_one_copy_per_segment(tmp_path):
+    """T5: shared, encoder.embed_tokens, decoder.embed_tokens and lm_head are one parameter. The
+    decoder's segment uses it under three names; in lockstep the program gives that segment one
+    copy under all three (before, only decoder.embed_tokens got it and lm_head trained the
+    encoder's copy unsummed)."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from placer.plan.ties import placed
+
+    spec = load_spec(str(Path(__file__).resolve().parents[1] / "models" / "hf_t5.yaml"))
+    graph = build_graph(spec)
+    (tie,) = graph.ties
+    assert tie.name == "t5.shared.weight" and len(tie.layers) == 4
+    plan = place(spec, graph)
+    (t,) = placed(plan.segments, graph)
+    assert t.aliases == (("t5.encoder.embed_tokens.weight",),
+                         ("t5.decoder.embed_tokens.weight", "t5.lm_head.weight", "t5.shared.weight"))
+    text = " ".join(generate(spec, out_dir=str(tmp_path)).text.split())
+    assert ("untie(model, [['t5.decoder.embed_tokens.weight', 't5.lm_head.weight', 't5.shared.weight']])"
+            in text.replace('"', "'"))

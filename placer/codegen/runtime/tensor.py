@@ -73,11 +73,22 @@ def tensor_parallelize_blocks(model, group, groups, device_type="cpu"):
     for cols, row in groups:
         plan.update({col: ColwiseParallel() for col in cols})
         plan[row] = RowwiseParallel()
-        holder = model.get_submodule(row.rpartition(".")[0])
+        path = row.rpartition(".")[0]
+        holder = model.get_submodule(path)
+        heads = {getattr(holder, a) for a in HEAD_ATTRS if isinstance(getattr(holder, a, None), int)}
+        for name in head_tables(holder, heads):  # its rows of values per head go with the heads
+            plan[f"{path}.{name}"] = ColwiseParallel()
         for attr in HEAD_ATTRS:
             if isinstance(getattr(holder, attr, None), int):
                 setattr(holder, attr, getattr(holder, attr) // mesh.size())
     parallelize_module(model, mesh, plan)
+
+
+def head_tables(holder, heads):
+    """The children of an attention module that hold a value per head and position: an Embedding
+    as wide as its head count (T5's relative_attention_bias, [buckets, heads]). Split by columns,
+    each rank looks up the bias of its own heads."""
+    return [name for name, m in holder.named_children() if isinstance(m, nn.Embedding) and m.embedding_dim in heads]
 
 
 def whole_params(named):

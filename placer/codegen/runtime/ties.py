@@ -34,12 +34,14 @@ def untied(params, *ties):
     return [p for p in params if id(p) not in held]
 
 
-def untie(model, names):
-    """In lockstep (every rank builds the whole model), give the users of a tied parameter after
-    the first their own copy under each of `names`, as stages cut apart hold one: each segment's
-    optimizer steps its own copy once (two segments on one rank would step one shared tensor
-    twice), and the copies stay equal by summing their gradients."""
-    for name in names:
-        path, _, last = name.rpartition(".")
-        module = model.get_submodule(path)
-        setattr(module, last, nn.Parameter(module.get_parameter(last).detach().clone()))
+def untie(model, copies):
+    """In lockstep (every rank builds the whole model), give each segment after the first that
+    uses a tied parameter its own copy, under every name the parameter has in that segment (each
+    of `copies` lists them), as stages cut apart hold one: each segment's optimizer steps its own
+    copy once (two segments on one rank would step one shared tensor twice), and the copies stay
+    equal by summing their gradients."""
+    for names in copies:
+        copy = nn.Parameter(model.get_parameter(names[0]).detach().clone())
+        for name in names:
+            path, _, last = name.rpartition(".")
+            setattr(model.get_submodule(path), last, copy)
