@@ -314,7 +314,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             out_leaves=_leaves_as_run(t.out_leaves, as_run.get(name)),
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
             glue_before=name in tr.glue_before, read_outside=t.read_outside, **({} if spec.model.inline else _projections(m)),
-            window=() if spec.model.inline else _window(m),
+            window=() if spec.model.inline else _window(m), linear_reads=tr.linear_reads.get(name, ()),
             norms=() if spec.model.inline else tuple(x.num_features for x in m.modules() if isinstance(
                 x, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))),
         ))
@@ -364,7 +364,11 @@ def _projections(layer: nn.Module) -> dict:
                 if isinstance(value, int) and not isinstance(value, bool):
                     heads.append((path, prefix + attr, value))
     held = {(path, v) for path, _, v in heads}
-    return {"projections": tuple(proj), "heads": tuple(heads),
+    counts = {path: {v for p, _, v in heads if p == path} for path, _, _ in heads}
+    per_head = tuple((path, name, tuple(t.shape)) for path, n in counts.items()  # ALiBi's slopes, a bias [heads, ..]
+                     for name, t in [*layer.get_submodule(path).named_parameters(recurse=False),
+                                     *layer.get_submodule(path).named_buffers(recurse=False)] if set(t.shape) & n)
+    return {"projections": tuple(proj), "heads": tuple(heads), "head_tensors": per_head,
             "head_tables": tuple((p, n) for p, dim, n in tables if (p.rpartition(".")[0], dim) in held)}
 
 

@@ -80,6 +80,14 @@ class LayerInfo:
     heads: tuple = ()
     """Module models: (path inside the layer, attribute, value) of the integer head counts its
     submodules (or their `config`) hold: `tensor` divides them by its degree."""
+    head_tensors: tuple = ()
+    """Module models: (module path, name, shape) of a parameter or buffer that a module holding a
+    head count holds itself with a dim of that size (ALiBi's slopes): `tensor` cannot split it."""
+    linear_reads: tuple = ()
+    """Module models: (path inside the layer, input number, feeder, tokens, input gets a gradient)
+    of each Linear-like submodule's first call on the global batch, in call order: Linears with
+    one input number read one tensor (BERT's query, key, value); the feeder is the Linear whose
+    output reaches it through elementwise work only; tokens are its input's rows x positions."""
     head_tables: tuple = ()
     """Module models: (path inside the layer, elements) of each Embedding as wide as its parent's
     head count (T5's relative_attention_bias): `tensor` splits it with the heads."""

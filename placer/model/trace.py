@@ -14,6 +14,8 @@ whose segment consumes it (SPEC.md); work after the last layer counts for it.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +80,10 @@ class TraceResult:
     """Layers right before whose call the parent's glue made a tensor (work owned by no layer)."""
     calls: tuple = ()
     """Every call of a layer (not inside another), in order: a layer called twice is there twice."""
+    linear_reads: dict[str, tuple] = field(default_factory=dict)
+    """Layer -> (path inside it, input number, feeder, rows x positions read, whether its input
+    gets a gradient) of each Linear's first call, in call order (`_LinearReads`): what `tensor`
+    pairs by data flow across sibling modules, and the sizes of its all-reduces."""
 
 
 class ForwardFailed(Exception):
@@ -218,6 +224,7 @@ class _Recorder(TorchFunctionMode):
         self.made: dict[int, int] = {}
         self.made_by: dict[int, str] = {}
         self.input_ids: set[int] = set()
+        self.linear_reads = _LinearReads(layers)  # each Linear's input inside the layers
         self.homes: dict[str, list] = {}
         self.hooking = False
         self.glue_reads: dict[int, list] = {}  # n -> where what glue before the n-th call reads was made
@@ -424,12 +431,66 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
                        inputs=layer_inputs(gm, set(layers)) if gm is not None else {},
                        root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes(),
                        glue_before=frozenset(rec.calls[n] for n in rec.glue_reads if n < len(rec.calls)),
-                       calls=tuple(rec.calls))
+                       calls=tuple(rec.calls), linear_reads={k: tuple(v) for k, v in rec.linear_reads.calls.items()})
+
+
+# autograd nodes that act on each feature alone (an MLP's activation, a gate's product, dropout)
+_ELEMENTWISE = ("Gelu", "Relu", "Silu", "Tanh", "Sigmoid", "Mul", "Dropout", "Clone", "Hardswish", "Elu")
+
+
+class _LinearReads:
+    """Each Linear's first call inside a layer: which tensor it reads (numbered, kept alive so that
+    ids stay distinct) and the Linear of the same layer whose output it reads through elementwise
+    work only, if any (BERT's intermediate.dense -> GELU -> output.dense)."""
+
+    def __init__(self, mods: dict):
+        self.calls: dict[str, list] = {name: [] for name in mods}
+        self.seen: list = []  # every input read, alive until the trace ends
+        self.made: dict[int, tuple[str, object]] = {}  # id(grad_fn of a Linear's output) -> (layer, path)
+        self.linears = [(layer, path, m) for layer, lm in mods.items() for path, m in lm.named_modules()
+                        if path and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
+
+    def hooks(self):
+        for layer, path, m in self.linears:
+            yield m.register_forward_pre_hook(self._pre(layer, path))
+            yield m.register_forward_hook(self._post(layer))
+
+    def _pre(self, layer, path):
+        def hook(module, args):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if x is None or any(p == path for p, *_ in self.calls[layer]):
+                return
+            key = next((i for i, t in enumerate(self.seen) if t is x), None)
+            if key is None:
+                self.seen.append(x)
+                key = len(self.seen) - 1
+            self.calls[layer].append((path, key, self._feeder(layer, x.grad_fn), math.prod(x.shape[:-1]),
+                                      x.requires_grad))
+        return hook
+
+    def _post(self, layer):
+        def hook(module, args, out):
+            if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                self.made[id(out.grad_fn)] = (layer, module)
+        return hook
+
+    def _feeder(self, layer, fn) -> str:
+        """The Linear of `layer` whose output reaches here through elementwise nodes only, else ''."""
+        for _ in range(16):
+            if fn is None:
+                return ""
+            made = self.made.get(id(fn))
+            if made is not None:
+                return next((p for l, p, m in self.linears if l == layer and m is made[1]), "") if made[0] == layer else ""
+            if not any(w in type(fn).__name__ for w in _ELEMENTWISE):
+                return ""
+            fn = next((f for f, _ in fn.next_functions if f is not None and type(f).__name__ != "AccumulateGrad"), None)
+        return ""
 
 
 def _run(rec: _Recorder, mods: dict, forward, inputs=()):
     rec.input_ids = {id(x) for x in _tensors(inputs)}
-    handles = []
+    handles = list(rec.linear_reads.hooks())
     for name, m in mods.items():
         handles.append(m.register_forward_pre_hook(rec.pre_hook(name), with_kwargs=True))
         handles.append(m.register_forward_hook(rec.post_hook(name), with_kwargs=True))

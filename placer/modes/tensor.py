@@ -251,13 +251,35 @@ def zero_broadcasts(a: Attached, seg, group, nbytes: int, op) -> None:
 # Each column half runs 1/d of the heads (features), its input whole; the row half sums.
 # A layer that is itself a Linear (an LM head), or holds none, runs whole on every device.
 
-def groups(projections) -> list[tuple[tuple[str, ...], str]]:
-    """(column halves, row half) of each module in a layer that directly holds several
-    Linear-like submodules (LayerInfo.projections), in registration order."""
+def groups(l) -> list[tuple[tuple[str, ...], str]]:
+    """(column halves, row half) of a module model's layer `l` (its LayerInfo.projections and
+    linear_reads). A module holding several Linear-like submodules that do not all read one
+    tensor: all but its last are the columns, its last the row (q, k, v then o; gate, up then
+    down). Across sibling modules, by data flow: Linears that all read one tensor (BERT's
+    attention.self query, key, value) are the columns of the next Linear called (attention.output's
+    dense), if it takes their width; a lone Linear is the column of the next one called where that
+    reads its output through elementwise work only (intermediate.dense -> GELU -> output.dense)."""
     by_parent: dict[str, list[str]] = {}
-    for path, *_ in projections:
+    for path, *_ in l.projections:
         by_parent.setdefault(path.rpartition(".")[0], []).append(path)
-    return [(tuple(ps[:-1]), ps[-1]) for ps in by_parent.values() if len(ps) > 1]
+    reads = {path: (key, feeder) for path, key, feeder, *_ in l.linear_reads}
+    one_input = {parent: len(ps) > 1 and all(p in reads for p in ps) and len({reads[p][0] for p in ps}) == 1
+                 for parent, ps in by_parent.items()}
+    out = [(tuple(ps[:-1]), ps[-1]) for parent, ps in by_parent.items() if len(ps) > 1 and not one_input[parent]]
+    sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
+    rest = [p for p, *_ in l.linear_reads if p in sizes and not any(p in (*c, r) for c, r in out)]
+    i = 0
+    while i < len(rest):
+        ps = by_parent[rest[i].rpartition(".")[0]]
+        cols = tuple(ps) if one_input[rest[i].rpartition(".")[0]] else (rest[i],)
+        row = rest[i + len(cols)] if i + len(cols) < len(rest) else None
+        if row is not None and len(by_parent[row.rpartition(".")[0]]) == 1 and sizes[row][0] == sizes[cols[0]][1] and (
+                len(cols) > 1 or reads[row][1] == cols[0]):
+            out.append((cols, row))
+            i += len(cols) + 1
+        else:
+            i += len(cols)
+    return out
 
 
 def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
@@ -274,15 +296,28 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
                                "GPT-2's c_attn fuses q, k and v in one output, which a column split would cut across "
                                "q, k and v)", loc, "use mode data (or shard: full) for this segment")]
     for l, loc in zip(info, locs):  # the first refusal is enough: the other blocks are alike
-        paired = {p for cols, row in groups(l.projections) for p in (*cols, row)}
+        paired = {p for cols, row in groups(l) for p in (*cols, row)}
         lone = [p for p, *_ in l.projections if p not in paired]
         if lone:
             return [Diagnostic("P028", f"segment {seg.name!r}: Linear {l.name}.{lone[0]} has no partner in its "
-                               "module (tensor parallel splits a module's Linears as column halves, then its "
-                               "last as the row half)", loc, "place this layer in a segment with mode data or none")]
+                               "module or in the data flow (tensor parallel splits a module's Linears as column "
+                               "halves, then its last as the row half; across sibling modules, the Linears reading "
+                               "one tensor, or a Linear feeding the next through elementwise work only, then the next "
+                               "Linear called)", loc, "place this layer in a segment with mode data or none")]
+        holders = {cols[0].rpartition(".")[0] for cols, _ in groups(l)}
+        kept = [(path, name, shape) for path, name, shape in l.head_tensors if path in holders]
+        if kept:  # its heads split, the tensor whole: each rank would add every head's values to its own
+            path, name, shape = kept[0]
+            where = f"{l.name}.{path}" if path else l.name
+            return [Diagnostic("P093", f"segment {seg.name!r}: layer {l.name!r}: {where}.{name} {list(shape)} holds "
+                               f"a value per head, and tensor parallel splits the heads of {where} but not this "
+                               "tensor (placer splits an Embedding as wide as the heads, T5's relative position "
+                               "bias, and no other per-head tensor)", loc,
+                               "use mode data (or shard: full) for this segment, or keep the per-head values in "
+                               "an nn.Embedding")]
         sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
-        for cols, row in groups(l.projections):
-            parent = row.rpartition(".")[0]
+        for cols, row in groups(l):
+            parent = cols[0].rpartition(".")[0]  # the attention module: its columns' (BERT's self, not output)
             bad = [(f"{p} out_features", sizes[p][1]) for p in cols] + [(f"{row} in_features", sizes[row][0])]
             bad += [(f"{a} of {l.name}.{parent}" if parent else f"{a} of {l.name}", v)
                     for path, a, v in l.heads if path == parent]
@@ -293,7 +328,7 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
                                    f"by the {degree} devices of tensor parallel (each runs 1/{degree} of the "
                                    "heads and features)", loc,
                                    f"use a number of devices that divides {v}, or a model whose heads divide")]
-    if not any(groups(l.projections) for l in info):
+    if not any(groups(l) for l in info):
         return [Diagnostic("P028", f"segment {seg.name!r}: tensor parallel found no transformer block to split "
                            "(a module holding Linears: q, k, v then the output; up, gate then down)",
                            locs[0] if locs else seg.loc, "place the blocks in this segment, or use mode data")]
@@ -310,15 +345,20 @@ def module_collectives(a: Attached, info, grads: Sequence[bool], op, replicas: i
     act = 2 if bf16 else 4
     for i, l in enumerate(info):
         sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
-        tokens = math.prod(l.in_shape[:-1]) if l.in_shape else 0  # rows x positions
-        for cols, row in groups(l.projections):
+        tokens = math.prod(l.in_shape[:-1]) if l.in_shape else 0  # rows x positions, where the trace has none
+        # each Linear's own input as traced: a parent placed whole (`[model, lm_head]`) reads token ids,
+        # its blocks the hidden state, and its embedding trains before them
+        read = {p: (n, rg) for p, _, _, n, rg in l.linear_reads}
+        for cols, row in groups(l):
             a.cuts |= {i, i + 1}
             pair = f"{'+'.join(f'{l.name}.{c}' for c in cols)}..{l.name}.{row}"
-            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act", tokens * sizes[row][1] * act // replicas,
+            a.add("post_fwd", i, op(OpKind.ALL_REDUCE, "fwd", "act",
+                                    read.get(row, (tokens,))[0] * sizes[row][1] * act // replicas,
                                     l.name, attrs={"pair": pair}, **kw))
-            if grads[i]:
-                for c in cols:
-                    a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", tokens * sizes[c][0] * 4 // replicas,
+            for c in cols:
+                n, trains_before = read.get(c, (tokens, False))
+                if grads[i] or trains_before:
+                    a.add("post_bwd", i, op(OpKind.ALL_REDUCE, "bwd", "grad", n * sizes[c][0] * 4 // replicas,
                                             l.name, attrs={"pair": pair}, **kw))
 
 
@@ -328,10 +368,10 @@ def module_held(l, d: int, r: int, share) -> int:
     held = l.params
     sizes = {p: (n_in * n_out, n_out if bias else 0) for p, _, n_in, n_out, bias in l.projections}
     tables = {path.rpartition(".")[0]: n for path, n in l.head_tables}
-    for cols, row in groups(l.projections):
+    for cols, row in groups(l):
         for n in [sizes[row][0]] + [sum(sizes[c]) for c in cols]:  # a row half's bias stays whole
             held += share(n, d, r) - n
-        n = tables.get(row.rpartition(".")[0], 0)  # a bias per head goes with its heads
+        n = tables.get(cols[0].rpartition(".")[0], 0)  # a bias per head goes with its heads
         held += share(n, d, r) - n
     return held
 

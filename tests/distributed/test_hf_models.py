@@ -39,6 +39,7 @@ RUNS = [
     ("nested_layerwise", None, "nested names (net.blocks.2..) cut layer-wise over two ranks"),
     ("tinygpt_tensor", None, "the shipped TinyGPT tensor parallel: q, k, v and fc by columns, proj by rows"),
     ("hf_llama_tensor", None, "Llama tensor parallel: 4 heads and 2 kv heads split over 2 ranks"),
+    ("hf_bert_tensor", None, "BERT tensor parallel: attention.self's q, k, v with attention.output's dense"),
     ("resnet_stem_channel", None, "a torchvision-layout ResNet-18's stem split by channels over 2 ranks"),
 ]
 
@@ -50,7 +51,8 @@ def test_real_model_matches_the_one_device_reference(name, shard, what, tmp_path
     sets = [f"placement.0.parallel.shard={shard}"] if shard else []
     sets += ["model.kwargs.tied=true"] if tied else []
     _, run_p, metrics, _ = h.checked_run(spec, run_dir, *(a for s in sets for a in ("--set", s)))
-    if shard == "full" or name in ("tinygpt_fsdp", "tinygpt_tensor", "hf_llama_tensor", "resnet_stem_channel"):
+    if shard == "full" or name in ("tinygpt_fsdp", "tinygpt_tensor", "hf_llama_tensor", "hf_bert_tensor",
+                                   "resnet_stem_channel"):
         # FSDP2's and tensor parallel's gathered whole from the DTensors, a channel split's slices joined
         h.assert_every_gradient_compared(run_dir)
     if tied:  # both names compared, and one value
@@ -69,3 +71,21 @@ def test_tensor_refuses_kv_heads_the_degree_does_not_divide():
                                        "--set", "model.kwargs.n_kv_heads=1"])
     assert result.exit_code == 1 and "error[P085]" in result.output, result.output
     assert "config.num_key_value_heads of model.layers.0.self_attn is 1, not divisible by the 2 devices" in result.output
+
+
+# a parent named whole in a segment: the plan must be the run's however the layers are spelled
+PARENT = {"tensor": ("placement.0.parallel=tensor",), "data": ("placement.0.parallel={mode: data}",),
+          "fsdp2": ("placement.0.parallel={mode: data, shard: full}",)}
+
+
+@pytest.mark.parametrize("mode", PARENT)
+def test_a_parent_placed_whole_sends_what_its_plan_says(mode, tmp_path):
+    """Llama with `layers: [model, lm_head]`: `model` holds the embedding and both blocks. Its
+    tensor plan had counted 8 KiB a step from the token ids' shape and no backward all-reduces
+    (nothing before `model` trains), while the run sent 448 KiB: each Linear's all-reduces are now
+    sized from its own traced input, and a column whose input trains before it (the embedding
+    inside `model`) all-reduces its input gradient."""
+    spec = MODELS / "hf_llama_tensor.yaml"
+    sets = ("placement.0.layers=[model, lm_head]", *PARENT[mode])
+    _, _, metrics, _ = h.checked_run(spec, tmp_path / "run", *(a for s in sets for a in ("--set", s)))
+    h.assert_sends_what_the_plan_says(f"parent-{mode}", spec, metrics, sets)

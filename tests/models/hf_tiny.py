@@ -138,3 +138,16 @@ class T5(nn.Module):
 
     def forward(self, idx):
         return self.t5(input_ids=idx, decoder_input_ids=idx).logits
+
+
+def make_bert(vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4, seq: int = 8):
+    """BertForMaskedLM: q, k, v in `attention.self`, their output projection in the sibling
+    `attention.output`, the MLP split over `intermediate` and `output`; the MLM decoder tied to
+    the word embeddings."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                     intermediate_size=2 * d_model, max_position_embeddings=seq, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, type_vocab_size=2)
+    cfg._attn_implementation = "eager"
+    return BertForMaskedLM(cfg)

@@ -202,7 +202,7 @@ def test_tensor_splits_each_block_of_a_module_model(tmp_path):
     assert deep(path)[1] == []
     spec = check.load_spec(path)
     graph = build.build_graph(spec)
-    assert [g for l in graph.layers for g in tensor.groups(l.projections)] == [
+    assert [g for l in graph.layers for g in tensor.groups(l)] == [
         (("attn.q", "attn.k", "attn.v"), "attn.proj"), (("mlp.fc",), "mlp.proj")] * 2
     assert ("attn", "n_heads", 2) in graph.layer("blocks.0").heads
 

@@ -137,3 +137,101 @@ def test_t5s_relative_position_bias_is_held_split_with_its_heads(tmp_path):
     even = lambda n, d, r: n // d  # noqa: E731
     plain = dataclasses.replace(block, head_tables=())
     assert module_held(plain, 2, 0, even) - module_held(block, 2, 0, even) == 64
+
+
+def test_berts_pairs_follow_the_data_flow_across_sibling_modules(tmp_path):
+    """BERT keeps q, k, v in attention.self and their output projection in attention.output, the
+    MLP's halves in intermediate and output (P028 "no partner" before). The MLM head's
+    transform.dense -> GELU -> LayerNorm -> decoder is no pair: the LayerNorm mixes the features."""
+    pytest.importorskip("transformers")
+    from placer.diagnostics import PlacerError
+    from placer.model.build import deep_check
+    from placer.modes.tensor import groups
+    from placer.spec.check import load_spec
+
+    spec = os.path.join(os.path.dirname(__file__), "..", "models", "hf_bert_tensor.yaml")
+    report = api.plan(spec)
+    layer = next(l for l in report.graph.layers if l.name == "bert.encoder.layer.0")
+    assert groups(layer) == [(("attention.self.query", "attention.self.key", "attention.self.value"),
+                              "attention.output.dense"), (("intermediate.dense",), "output.dense")]
+    fwd = [op for op in report.plan.unique_ops() if op.kind == OpKind.ALL_REDUCE and op.phase == "fwd"]
+    assert len(fwd) == 4  # two row halves a layer
+    head = next(l for l in report.graph.layers if l.name == "cls")
+    assert groups(head) == []
+    text = open(spec).read().replace("hf_tiny.py", os.path.join(os.path.dirname(spec), "hf_tiny.py")).replace(
+        "layers: [bert.encoder.layer.*]", "layers: [bert.encoder.layer.*, cls]").replace(
+        "  - {name: head, layers: [cls], device: cpu:0}\n", "")
+    moved = tmp_path / "spec.yaml"
+    moved.write_text(text)
+    try:
+        diags = deep_check(load_spec(str(moved)))
+    except PlacerError as e:
+        diags = e.diagnostics
+    assert any(d.code == "P028" and "cls.predictions.transform.dense" in d.message for d in diags)
+
+
+PER_HEAD = '''
+import torch
+from torch import nn
+
+
+class Attn(nn.Module):
+    def __init__(self, d=16, n_heads=4):
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.slopes = nn.Parameter(torch.ones(n_heads))  # one value per head, kept whole by a split
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t(x).view(b, s, -1, d // 4).transpose(1, 2) for t in (self.q, self.k, self.v))
+        a = (q @ k.transpose(-1, -2)) * self.slopes.view(1, -1, 1, 1)
+        return self.o((a.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Attn() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+'''
+
+
+def test_a_per_head_tensor_that_tensor_cannot_split_is_refused(tmp_path):
+    """A parameter with one value per head held by the attention module itself: the heads would
+    split, the tensor stay whole, and each rank scale its 2 heads by all 4 slopes (P093)."""
+    (tmp_path / "net.py").write_text(PER_HEAD)
+    (tmp_path / "spec.yaml").write_text(
+        "placer: 1\nname: per_head\nmodel:\n  module: net.py:Net\n  input: {shape: [B, 8, 16]}\n"
+        "  target: {shape: [B, 8, 16]}\n  loss: MSELoss\ndevices: [cpu:0, cpu:1]\nplacement:\n"
+        "  - {layers: [blocks.*], devices: [cpu:0, cpu:1], parallel: tensor}\n"
+        "training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}\n")
+    from placer.diagnostics import PlacerError
+    from placer.model.build import deep_check
+    from placer.spec.check import load_spec
+
+    try:
+        diags = deep_check(load_spec(str(tmp_path / "spec.yaml")))
+    except PlacerError as e:
+        diags = e.diagnostics
+    (d,) = [d for d in diags if d.severity == "error"]
+    assert d.code == "P093" and "blocks.0.slopes [4]" in d.message and "nn.Embedding" in d.hint
+
+
+def test_a_parent_placed_whole_plans_what_its_children_plan():
+    """Llama tensor parallel as `[model, lm_head]` and as model's children: the same all-reduces,
+    sized from each Linear's traced input (the parent's own input is token ids: 8 KiB and no
+    backward before)."""
+    pytest.importorskip("transformers")
+    spec = os.path.join(os.path.dirname(__file__), "..", "models", "hf_llama_tensor.yaml")
+
+    def comm(*sets):
+        report = api.plan(spec, overrides=list(sets)) if sets else api.plan(spec)
+        return sorted((op.phase, op.bytes) for op in report.plan.unique_ops() if op.kind == OpKind.ALL_REDUCE)
+
+    children = comm()
+    assert len(children) == 14 and comm("placement.0.layers=[model, lm_head]") == children

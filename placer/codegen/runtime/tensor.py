@@ -66,14 +66,14 @@ def tensor_parallelize_blocks(model, group, groups, device_type="cpu"):
     """Split a model's transformer blocks over the ranks of group, in place: each group
     (("attn.q", "attn.k", "attn.v"), "attn.proj") is its column halves (split by output features, so
     each rank runs 1/d of the heads on the whole input) and its row half (split by input
-    features; its partial sums all-reduced). The module holding a group runs 1/d of the heads:
+    features; its partial sums all-reduced). The module holding its columns runs 1/d of the heads:
     its head counts are divided (the model reads them to reshape). Every rank of the group calls it."""
     mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
     plan = {}
     for cols, row in groups:
         plan.update({col: ColwiseParallel() for col in cols})
         plan[row] = RowwiseParallel()
-        path = row.rpartition(".")[0]
+        path = cols[0].rpartition(".")[0]  # the module running the heads: the columns' (BERT's attention.self)
         holder = model.get_submodule(path)
         heads = {getattr(holder, a) for a in HEAD_ATTRS if isinstance(getattr(holder, a, None), int)}
         for name in head_tables(holder, heads):  # its rows of values per head go with the heads
