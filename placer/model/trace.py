@@ -15,7 +15,6 @@ whose segment consumes it (SPEC.md); work after the last layer counts for it.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch
