@@ -1,5 +1,6 @@
 """What `placer run` says when workers fail: one report naming the rank that failed first, its
-device and its exception (type and whole message, once), and the ranks it took down (R020);
+device and its exception (type and whole message, once, with every rank that raised the same),
+the ranks that failed otherwise by themselves, and the ranks it took down (R020);
 or, when ranks timed out, the rank that stopped answering and what it was doing (R034)."""
 from __future__ import annotations
 
@@ -48,11 +49,14 @@ def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple
     """The likely cause first: a rank that exited with an error of its own, then one that lost a
     peer, then one killed by a signal of its own (SIGABRT, SIGSEGV, SIGKILL when out of memory),
     then those the launcher stopped with SIGTERM because a peer had failed; by rank within each."""
-    def kind(code: int | None, tail: str) -> int:
-        if code is not None and code > 0:
-            return 1 if _PEER.search("\n".join(exception_of(tail))) else 0
-        return 3 if code == -signal.SIGTERM else 2
-    return sorted(failures.items(), key=lambda kv: (kind(*kv[1]), kv[0]))
+    return sorted(failures.items(), key=lambda kv: (_kind(*kv[1]), kv[0]))
+
+
+def _kind(code: int | None, tail: str) -> int:
+    """0: an error of its own; 1: lost a peer; 2: a signal of its own; 3: stopped by the launcher."""
+    if code is not None and code > 0:
+        return 1 if _PEER.search("\n".join(exception_of(tail))) else 0
+    return 3 if code == -signal.SIGTERM else 2
 
 
 def signal_name(number: int) -> str:
@@ -67,7 +71,9 @@ def _how(code: int | None) -> str:
 
 
 def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int | None, str]]) -> Diagnostic:
-    """R020: the first failing rank's exception once, whole, and the ranks it took down."""
+    """R020: the first failing rank's exception once, whole, with every rank that raised the same
+    (`ranks 0 (cpu:0) and 1 (cpu:1) exited with code 1: ...`); then ranks that failed by
+    themselves with another exception, and the ranks it took down (lost a peer, or stopped)."""
     from placer.launch.logs import log_name
 
     def device(rank: int) -> str:
@@ -75,18 +81,25 @@ def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int |
 
     (first, (code, tail)), *rest = failures_in_order(failures)
     error = exception_of(tail)
+    same = [r for r, (c, t) in rest if error and c == code and exception_of(t) == error]
+    rest = [(r, ct) for r, ct in rest if r not in same]
     if len(error) > MOST:
         error = error[:MOST] + [f"... ({len(error) - MOST} more lines in the log)"]
     shown = error or [line for line in tail.splitlines() if line.strip()][-8:]
-    text = f"rank {first} ({device(first)}) {_how(code)}"
+    who = [f"{r} ({device(r)})" for r in [first, *same]]
+    text = (f"rank {who[0]}" if not same else f"ranks {', '.join(who[:-1])} and {who[-1]}") + f" {_how(code)}"
     if shown and not (code == -signal.SIGTERM and not error):
         text += f": {shown[0]}" + "".join(f"\n    {line}" for line in shown[1:])
-    if rest:
-        def other(rank: int, code: int | None, tail: str) -> str:
-            why = excerpt(tail, 1) if code is not None and code > 0 else []
-            how = _how(code).removeprefix("was ")
-            return f"rank {rank} ({device(rank)}), {how}" + (f" ({why[0].strip()})" if why else "")
-        text += "\n  it took down: " + "; ".join(other(r, c, t) for r, (c, t) in rest)
+
+    def other(rank: int, code: int | None, tail: str) -> str:
+        why = excerpt(tail, 1) if code is not None and code > 0 else []
+        how = _how(code).removeprefix("was ")
+        return f"rank {rank} ({device(rank)}), {how}" + (f" ({why[0].strip()})" if why else "")
+    own = [(r, ct) for r, ct in rest if _kind(*ct) in (0, 2)]  # an error or signal of its own, not a lost peer
+    if own:
+        text += "\n  also failed by itself: " + "; ".join(other(r, c, t) for r, (c, t) in own)
+    if len(own) < len(rest):
+        text += "\n  it took down: " + "; ".join(other(r, c, t) for r, (c, t) in rest if (r, (c, t)) not in own)
     return Diagnostic("R020", text, Loc(spec.file),
                       f"its whole output is in {run_dir / 'logs' / log_name(device(first))}")
 

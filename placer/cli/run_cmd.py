@@ -300,8 +300,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
     console.say(f"each worker's output: {run_dir / 'logs'}/<device>.log "
                 f"({', '.join(log_name(d) for d in program.devices[:2])}{', ...' if len(program.devices) > 2 else ''})")
     plots = MetricsWriter(run_dir, spec.training.batch_size, append=resume) if node_rank == 0 else None
-    if plots and plots.note:
-        console.say(plots.note)
+    if plots and plots.note:  # an optional extra nobody asked for: said only under -v
+        console.say(plots.note, level=DETAIL)
 
     def progress(record: dict) -> None:
         if plots:

@@ -78,3 +78,27 @@ def test_output_without_a_traceback_shows_its_last_lines():
 def test_the_cause_is_ordered_first_whatever_the_ranks():
     order = failures_in_order({0: (1, PEER_TAIL), 1: (TERM, ""), 2: (1, "Traceback\n  File \"x\", line 1\nKeyError: 3")})
     assert [rank for rank, _ in order] == [2, 0, 1]
+
+
+def _raised(msg: str) -> str:
+    return f'Traceback (most recent call last):\n  File "program.py", line 3, in <module>\n    step()\n{msg}\n'
+
+
+def test_ranks_that_raise_the_same_exception_are_one_line():
+    """T5 under tensor before its bias was split: every rank raised the same RuntimeError, and
+    the report said rank 0 had taken rank 1 down."""
+    same = _raised("RuntimeError: The size of tensor a (2) must match the size of tensor b (4)")
+    d = report({0: (1, same), 1: (1, same), 2: (TERM, "")})
+    first, took = d.message.splitlines()
+    assert first == ("ranks 0 (cuda:0) and 1 (cuda:1) exited with code 1: RuntimeError: The size of tensor a (2) "
+                     "must match the size of tensor b (4)")
+    assert took == "  it took down: rank 2 (cuda:2), stopped by SIGTERM"
+
+
+def test_a_rank_that_failed_by_itself_is_told_apart_from_one_taken_down():
+    peer = _raised("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    d = report({0: (1, _raised("ValueError: bad batch")), 1: (1, _raised("KeyError: 'w'")), 2: (1, peer)})
+    lines = d.message.splitlines()
+    assert lines[0] == "rank 0 (cuda:0) exited with code 1: ValueError: bad batch"
+    assert lines[1] == "  also failed by itself: rank 1 (cuda:1), exited with code 1 (KeyError: 'w')"
+    assert lines[2].startswith("  it took down: rank 2 (cuda:2), exited with code 1 (RuntimeError: [../third_party")
