@@ -88,5 +88,12 @@ def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int 
     notes = []
     if not known:
         notes.append(f"optimizer {optimizer.op}: state size unknown, assumed {slots} parameter-sized buffers")
+    moe = [(l.name, e, k) for l in graph.layers for _, e, k in l.experts]
+    if moe:
+        kinds = sorted({(e, k) for _, e, k in moe})
+        what = ", ".join(f"{e} experts, top {k}" if k else f"{e} experts" for e, k in kinds)
+        notes.append(f"mixture of experts in {len(moe)} layer{'s' * (len(moe) > 1)} ({what}): FLOPs and activations "
+                     "count the experts each token visits (top k of them), exact for any routing while a layer's "
+                     "experts sit on one device")
     return Estimate(per_device=per, comm=comm, balance=ratio, busiest=busiest, mean_flops=mean,
                     optimizer=optimizer.op, optimizer_slots=slots, optimizer_known=known, notes=tuple(notes))

@@ -315,6 +315,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
             glue_before=name in tr.glue_before, read_outside=t.read_outside, **({} if spec.model.inline else _projections(m)),
             window=() if spec.model.inline else _window(m), linear_reads=tr.linear_reads.get(name, ()),
+            experts=() if spec.model.inline else _experts(m),
             norms=() if spec.model.inline else tuple(x.num_features for x in m.modules() if isinstance(
                 x, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))),
         ))
@@ -346,6 +347,27 @@ def _window(m: nn.Module) -> tuple:
     def per_dim(v) -> tuple:
         return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
     return tuple(per_dim(v) for v in (m.kernel_size, m.stride, m.padding, getattr(m, "dilation", 1)))
+
+
+_TOP_K = ("top_k", "num_experts_per_tok", "k")
+
+
+def _experts(layer: nn.Module) -> tuple:
+    """(path, experts, top k) of each mixture of experts in a layer: a module holding `num_experts`
+    and a parameter with that many rows (HF's stacked experts), or an nn.ModuleList named
+    `experts`; its top k from its parent, the parent's router or the config (0: not found)."""
+    out = []
+    for path, m in layer.named_modules():
+        n = getattr(m, "num_experts", None)
+        stacked = isinstance(n, int) and any(p.dim() == 3 and p.shape[0] == n for p in m.parameters(recurse=False))
+        if not stacked and not (isinstance(m, nn.ModuleList) and path.rpartition(".")[2] == "experts"):
+            continue
+        parent = layer.get_submodule(path.rpartition(".")[0]) if "." in path else layer
+        near = [parent, *parent.children(), getattr(parent, "config", None), getattr(m, "config", None)]
+        k = next((v for x in near if x is not None for a in _TOP_K
+                  if isinstance(v := getattr(x, a, None), int) and not isinstance(v, bool)), 0)
+        out.append((path, n if stacked else len(m), k))
+    return tuple(out)
 
 
 def _projections(layer: nn.Module) -> dict:

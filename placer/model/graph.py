@@ -80,6 +80,10 @@ class LayerInfo:
     heads: tuple = ()
     """Module models: (path inside the layer, attribute, value) of the integer head counts its
     submodules (or their `config`) hold: `tensor` divides them by its degree."""
+    experts: tuple = ()
+    """Module models: (path inside the layer, experts, top k) of each mixture of experts in it. The
+    trace runs top k of the experts per token (the grouped matmul's rows): FLOPs and activations
+    count what each token visits, whatever the routing, while its experts sit on one device."""
     head_tensors: tuple = ()
     """Module models: (module path, name, shape) of a parameter or buffer that a module holding a
     head count holds itself with a dim of that size (ALiBi's slopes): `tensor` cannot split it."""

@@ -363,6 +363,8 @@ class _Recorder(TorchFunctionMode):
                         self.pending_roots.append(name)
         if func is torch.nn.functional.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
+        if func in _GROUPED_MM and args and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16:
+            func = _as_matmul  # torch's meta kernel takes bf16 only
         out = func(*args, **kwargs)
         if not self.hooking and _tensors(out):  # a value read (not .dtype or .shape)
             self._read_outside(args, kwargs)
@@ -431,6 +433,20 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
                        root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes(),
                        glue_before=frozenset(rec.calls[n] for n in rec.glue_reads if n < len(rec.calls)),
                        calls=tuple(rec.calls), linear_reads={k: tuple(v) for k, v in rec.linear_reads.calls.items()})
+
+
+_GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None))
+                    if f is not None)
+
+
+def _as_matmul(a, b, offs=None, bias=None, out_dtype=None):
+    """A mixture of experts' grouped matmul on the meta device, as one matmul of its shape: torch's
+    meta kernel checks CUDA's dtype rule (bf16 only), while the CPU kernel computes in float32.
+    Tokens (S, in) sorted by expert times experts' weights (E, in, out) make (S, out): each token
+    meets one expert's weight, the FLOPs and saved input of `a @ b[0]`."""
+    out = a @ b[0] if a.dim() == 2 and b.dim() == 3 else torch.bmm(a, b) if a.dim() == 3 else a @ b
+    out = out if bias is None else out + bias[0]
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 # autograd nodes that act on each feature alone (an MLP's activation, a gate's product, dropout)

@@ -151,3 +151,26 @@ def make_bert(vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: in
                      attention_probs_dropout_prob=0.0, type_vocab_size=2)
     cfg._attn_implementation = "eager"
     return BertForMaskedLM(cfg)
+
+
+def make_moe(family: str = "mixtral", vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
+             experts: int = 4, top_k: int = 2):
+    """A mixture-of-experts causal LM: Mixtral (every layer sparse), Qwen2-MoE (a shared expert
+    beside the routed ones) or DeepSeek-V3 (multi-head latent attention, a dense first layer,
+    a shared expert); its experts stacked in 3-D weights, run by a grouped matmul."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+                  num_attention_heads=n_heads, num_experts_per_tok=top_k, max_position_embeddings=64,
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_key_value_heads=n_heads // 2,
+                                                      num_local_experts=experts))
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_key_value_heads=n_heads // 2,
+                                                        num_experts=experts, moe_intermediate_size=d_model,
+                                                        shared_expert_intermediate_size=d_model))
+    return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+        **common, num_key_value_heads=n_heads, n_routed_experts=experts, moe_intermediate_size=d_model,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
