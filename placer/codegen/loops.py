@@ -75,8 +75,9 @@ def lockstep_step(w: "TrainWriter") -> None:
     c, last = w.c, w.segs[-1]
     head(w, "in lockstep (F: the whole model's forward of a micro-batch, B: this rank's backward of it)", False)
     c('if kind == "F":').indent()
-    c(*w.autocast("out = model(xs[mb].to(device))"), "loss = None")
-    w.when(last.ranks, *w.autocast("loss = compute_loss(out, ys[mb].to(device)) * (out.shape[0] / BATCH_SIZE)"))
+    c(*w.autocast(f"out = {w.call_model('xs[mb].to(device)')}"), "loss = None")
+    w.when(last.ranks, *w.autocast(f"loss = compute_loss(out, ys[mb].to(device)) * ({w.rows('out', 'ys[mb]')} / "
+                                   "BATCH_SIZE)"))
     c("saved[mb] = (loss, crossing.take(wait=False))").dedent()
     c("else:").indent()
     c("loss, crossed = saved.pop(mb)", 'with timer("comm"):',
@@ -94,15 +95,17 @@ def lockstep_stages_step(w: "TrainWriter") -> None:
     (zero bubble: I) backpropagates the stage's part (`backward_stage`), W does nothing."""
     c, last = w.c, w.segs[-1]
     if w.bf16:  # autocast holds per thread: each micro-batch's forward thread enters it
-        c("", "def forward(x):", f"    {AUTOCAST}", "        return model(x)")
+        c("", "def forward(x):", f"    {AUTOCAST}", f"        return {w.call_model('x')}")
+    elif w.named:  # the thread calls forward(x): several named inputs go by keyword
+        c("", "def forward(x):", f"    return {w.call_model('x')}")
     head(w, "in lockstep (F: micro-batch mb's whole forward, run on through this stage's work; B: the stage's "
          "backward)", False)
     c('if kind == "F":').indent()
-    c(f"out = crossing.forward_stage(stage, mb, {'forward' if w.bf16 else 'model'}, xs[mb].to(device))"
+    c(f"out = crossing.forward_stage(stage, mb, {'forward' if w.bf16 or w.named else 'model'}, xs[mb].to(device))"
       "  # the model's output once it has run")
     w.when(last.ranks, f"if stage == {last.k}:",
            *("    " + line for line in w.autocast("saved[mb] = compute_loss(out, ys[mb].to(device)) * "
-                                                 "(out.shape[0] / BATCH_SIZE)")))
+                                                 f"({w.rows('out', 'ys[mb]')} / BATCH_SIZE)")))
     c.dedent()
     c('elif kind in ("B", "I"):').indent()
     c(f"loss = saved.pop(mb) if stage == {last.k} else None", 'with timer("comm"):',
@@ -215,7 +218,7 @@ def _loss(w: "TrainWriter", seg: "Seg") -> list[str]:
                   f"{list(seg.out_shape)}, route={w.route(seg)}, device=device)",
                   f"if rank == {seg.ranks[0]}:", "    out.requires_grad_()"]
     y = "ys[mb]" if seg.loss_gather else w.rows_of("ys[mb]", seg)
-    loss = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
+    loss = f"loss = compute_loss({out}, {y}.to(device)) * ({w.rows(out, y)} / BATCH_SIZE)"
     loss_lines = [AUTOCAST, f"    {loss}"] if w.bf16 else [loss]
     lines += ["# loss: each rank's share of the global mean (rows / BATCH_SIZE), so gradients combine by SUM"]
     if seg.loss_gather:

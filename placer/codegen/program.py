@@ -141,6 +141,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     pieces = ["batch", "host_memory"] + (["pipeline"] if pl else ["transfer"] if len(segs) > 1 else []) + [
         name for name in runtime.PIECES if name in used]
     piece_imports, piece_text = runtime.assemble(pieces)
+    own_orders = bool(loops) and plan.schedule != "gpipe"  # placer's loops run this schedule's per-rank actions
     ckpt = spec.training.checkpoint is not None
     # what this spec says first (model, data, stages, the step), then the pieces every program shares
     parts = [
@@ -151,7 +152,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         stages_source(spec, segs, cut, lockstep_source(plan, graph, segs, devices) if ls else None),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied, spec.training) if pl else
         train_source(segs, devices, cut, ckpt, zero_args(spec), loops, tied, ls, spec.training,
-                     *((plan.schedule, rank_orders(plan, devices)) if loops and plan.schedule != "gpipe" else ())),
+                     (plan.schedule or "gpipe") if own_orders else "gpipe", rank_orders(plan, devices) if own_orders else None,
+                     named=bool(spec.model.inputs), own_loss=spec.model.own_loss),
         "# " + "=" * 76 + "\n# Below: placer's runtime, the same in every program that uses it\n"
         "# (placer/codegen/templates and placer/codegen/runtime)",
         (TEMPLATES / "helpers.py").read_text(),
@@ -336,6 +338,11 @@ def model_source(spec: Spec, graph) -> str:
         c('    """training.lr_schedule: stepped once after every step of the optimizer."""',
           f"    return torch.optim.lr_scheduler.{sched.op}({call_args(['OPT'], sched.kwargs)})"
           .replace("'OPT'", "optimizer"))
+    if spec.model.own_loss:  # output: loss: the model computed it, from its inputs (HF's labels)
+        c("", "", "def compute_loss(output, target):",
+          '    """The model\'s own loss (the spec\'s output: loss), a mean over the rows given; no target."""',
+          "    return output")
+        return c.text()
     _dotted(spec.model.loss, "loss", spec.doc.loc(("model", "loss")))
     c("", "", f"loss_fn = nn.{spec.model.loss}()", "", "")
     out, tgt, why = _loss_reshape(spec, graph)
@@ -403,6 +410,13 @@ def _tensor_expr(t, rows: str) -> str:
     return f"({expr} + {t.low})" if t.low else expr
 
 
+def _inputs_expr(m) -> str:
+    """The synthetic input: one tensor, or Inputs({name: tensor, ...}) of model.inputs."""
+    if not m.inputs:
+        return _tensor_expr(m.input, "BATCH_SIZE")
+    return "Inputs({" + ", ".join(f"{k!r}: {_tensor_expr(t, 'BATCH_SIZE')}" for k, t in m.inputs) + "})"
+
+
 def data_source(spec: Spec) -> str:
     m, data = spec.model, spec.training.data
     c = Code()
@@ -411,7 +425,7 @@ def data_source(spec: Spec) -> str:
         c("def make_batch(step):",
           '    """Step `step`\'s global batch, the same on every rank: a generator seeded by (SEED, step)."""',
           "    gen = step_generator(SEED, step)",
-          f"    return {_tensor_expr(m.input, 'BATCH_SIZE')}, {_tensor_expr(m.target, 'BATCH_SIZE')}", "", "",
+          f"    return {_inputs_expr(m)}, {_tensor_expr(m.target, 'BATCH_SIZE')}", "", "",
           "def batches(steps, first=0):",
           '    """The global (input, target) batch of steps first.. steps - 1; every rank keeps its own slice."""',
           "    return prefetched(make_batch, steps, first)")
@@ -424,6 +438,7 @@ def data_source(spec: Spec) -> str:
       "    source = iter(load_user(DATA)(**DATA_KWARGS))", "",
       "    def make(step):",
       "        x, y = next(source)",
+      "        x = Inputs(x) if isinstance(x, dict) else x  # several named inputs, by keyword",
       "        if x.shape[0] != BATCH_SIZE:",
       '            raise ValueError(f"{DATA} gave a batch of {x.shape[0]} rows at step {step}; '
       'training.batch_size is {BATCH_SIZE}")',

@@ -56,8 +56,12 @@ class TrainWriter(TrainingOptions):
 
     def __init__(self, segs: list[Seg], world: int, devices, cut: bool, checkpoint: bool, zero_args: str = "",
                  microbatches: int = 0, tied=(), lockstep: bool = False, training=None, schedule: str = "gpipe",
-                 orders: dict[int, str] | None = None):
+                 orders: dict[int, str] | None = None, named: bool = False, own_loss: bool = False):
         self.segs, self.world, self.devices = segs, world, devices
+        self.named = named
+        self.own_loss = own_loss
+        """output: loss: the model's output is its loss, one number: the rows are the target's."""
+        """model.inputs: the batch's input is Inputs (runtime/batch.py), passed to forward by keyword."""
         self.lockstep = lockstep
         """A module model run in lockstep (runtime/lockstep.py): every rank runs the whole forward."""
         self.scheduled = training is not None and training.lr_schedule is not None
@@ -135,6 +139,14 @@ class TrainWriter(TrainingOptions):
         return f"{text}: {how}" if how else text
 
     # -- the function -----------------------------------------------------------------------------
+    def rows(self, out: str, y: str) -> str:
+        """The rows a loss is the mean of: the output's, or the target's for the model's own loss."""
+        return f"{y}.shape[0]" if self.own_loss else f"{out}.shape[0]"
+
+    def call_model(self, x: str) -> str:
+        """The model's call on the batch's input `x`: by keyword for several named inputs."""
+        return f"model(**{x})" if self.named else f"model({x})"
+
     def write(self) -> str:
         c = self.c
         head = Code()("def train(args):")
@@ -393,9 +405,9 @@ class TrainWriter(TrainingOptions):
               f"xs, ys, saved = x.chunk({m}), y.chunk({m}), []", f"for mb in range({m}):")
             c.indent()("x, y = xs[mb], ys[mb]")
         c("", "# forward: the whole model on every rank; what crosses a boundary is sent as it is made",
-          *self.autocast("out = model(x.to(device))"),
+          *self.autocast(f"out = {self.call_model('x.to(device)')}"),
           "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
-        self.when(last.ranks, *self.autocast("loss = compute_loss(out, y.to(device)) * (out.shape[0] / BATCH_SIZE)"))
+        self.when(last.ranks, *self.autocast(f"loss = compute_loss(out, y.to(device)) * ({self.rows('out', 'y')} / BATCH_SIZE)"))
         if m:
             c("saved.append((loss, crossing.take()))").dedent()
             c("mb_losses = []", "for loss, crossed in saved:").indent()
@@ -479,7 +491,7 @@ class TrainWriter(TrainingOptions):
             c("# every rank of the last group holds the whole output: each backpropagates the whole loss")
             c("# (reaching its own slices of the parameters); it counts once, on the first")
         y = "y" if last.loss_gather else self.rows_of("y", last)
-        line = f"loss = compute_loss({out}, {y}.to(device)) * ({out}.shape[0] / BATCH_SIZE)"
+        line = f"loss = compute_loss({out}, {y}.to(device)) * ({self.rows(out, y)} / BATCH_SIZE)"
         if self.bf16:
             line = f"with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16\n    {line}"
         self.when(last.ranks[:1] if out == "out" else last.ranks, *line.split("\n"),
@@ -542,9 +554,10 @@ class TrainWriter(TrainingOptions):
         c("with torch.autocast(device.type, dtype=torch.bfloat16):  # precision bf16",
           f"    h{seg.k} = {self.guarded(call, seg.ranks)}")
 
-    @staticmethod
-    def call(seg: Seg, arg: str) -> str:
-        """Segment k's forward on `arg`: recomputed in backward where the spec says `recompute`."""
+    def call(self, seg: Seg, arg: str) -> str:
+        """Segment k's forward on `arg`: recomputed in backward where the spec says `recompute`;
+        the first takes several named inputs by keyword."""
+        arg = f"**{arg}" if self.named and seg.k == 0 else arg
         if not seg.recompute:
             return f"seg{seg.k}({arg})"
         # a mode whose forward communicates runs it all again, collectives included (early stop
@@ -659,10 +672,10 @@ class TrainWriter(TrainingOptions):
 
 def train_source(segs: list[Seg], devices, cut: bool, checkpoint: bool, zero_args: str = "",
                  microbatches: int = 0, tied=(), lockstep: bool = False, training=None, schedule: str = "gpipe",
-                 orders: dict[int, str] | None = None) -> str:
+                 orders: dict[int, str] | None = None, named: bool = False, own_loss: bool = False) -> str:
     """`cut`: a module model cut into stages by torch.distributed.pipelining (`cut_model`);
     `lockstep`: one run in lockstep (runtime/lockstep.py); `training`: the spec's training
     options (lr_schedule, clip_grad_norm, accumulate, precision); `orders`: each rank's actions
     of a schedule other than gpipe, run as placer's loops (codegen/loops.py)."""
     return TrainWriter(segs, len(devices), devices, cut, checkpoint, zero_args, microbatches, tied,
-                       lockstep, training, schedule, orders).write()
+                       lockstep, training, schedule, orders, named, own_loss).write()

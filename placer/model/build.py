@@ -257,12 +257,16 @@ def selector_texts(spec: Spec) -> list[str]:
 
 # -- the graph --------------------------------------------------------------------------------------
 
-def meta_batch(spec: Spec, batch: int | None = None, device="meta") -> tuple[torch.Tensor, torch.Tensor]:
-    """(input, target) zeros of the spec's shapes and dtypes on the global (or given) batch."""
+def meta_batch(spec: Spec, batch: int | None = None, device="meta") -> tuple:
+    """(input, target) zeros of the spec's shapes and dtypes on the global (or given) batch; the
+    input a {name: tensor} of `model.inputs` where the spec names several."""
     b = spec.training.batch_size if batch is None else batch
     m = spec.model
-    x, y = (torch.zeros(t.concrete(b), dtype=getattr(torch, t.dtype), device=device) for t in (m.input, m.target))
-    return x, y
+
+    def zeros(t):
+        return torch.zeros(t.concrete(b), dtype=getattr(torch, t.dtype), device=device)
+    x = {k: zeros(t) for k, t in m.inputs} if m.inputs else zeros(m.input)
+    return x, zeros(m.target)
 
 
 @defer_compile_imports()
@@ -327,9 +331,10 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
     if not isinstance(out, torch.Tensor):
         _output_diag(spec, tr.output)
         out = None
+    first = next(iter(x.values())) if isinstance(x, dict) else x  # model.inputs: the first's rows are the batch's
     return ModelGraph(
-        layers=tuple(infos), batch_size=spec.training.batch_size, input_shape=tuple(x.shape),
-        input_dtype=dtype_name(x.dtype), traced_with="inline" if spec.model.inline else tr.traced_with,
+        layers=tuple(infos), batch_size=spec.training.batch_size, input_shape=tuple(first.shape),
+        input_dtype=dtype_name(first.dtype), traced_with="inline" if spec.model.inline else tr.traced_with,
         output_shape=tuple(out.shape) if out is not None else None,
         output_dtype=dtype_name(out.dtype) if out is not None else None, root_params=roots,
         ties=find_ties(module, names),
@@ -422,6 +427,10 @@ def _output_diag(spec: Spec, output) -> None:
     fields, kind = _fields(output), type(output).__name__
     loc = spec.doc.loc(("model", "output")) if spec.model.output else _module_loc(spec)
     listed = ", ".join(fields) if fields else "none"
+    if spec.model.own_loss:  # HF computes it only given labels
+        raise SpecError(_diag("M011", f"model.output is loss, and the forward's {kind} holds no loss (its tensor "
+                              f"fields: {listed})", loc, "give forward what makes it compute its loss: HF models "
+                              "take `labels` (add it to model.inputs); or name the field a `loss:` takes"))
     if spec.model.output:
         raise SpecError(_diag("M011", f"the model's forward returns {kind}, which has no tensor field "
                               f"{spec.model.output!r} (its tensor fields: {listed})", loc,
@@ -610,6 +619,13 @@ def _check_cut(spec: Spec, module: nn.Module, placed) -> list[Diagnostic]:
     from placer.codegen.runtime.cut import cut_pipe
     from placer.codegen.runtime.seed import unseeded
 
+    if spec.model.inputs:  # the cut passes one tensor into the first stage
+        return [_diag("P095", f"model.inputs names {len(spec.model.inputs)} inputs, and this placement is cut by "
+                      "torch.distributed.pipelining, which feeds its first stage one tensor (it does not run in "
+                      "lockstep: see P083)", spec.doc.loc(("model", "inputs")),
+                      "place the model one device per segment, or data parallel over groups of one size: lockstep "
+                      "runs the model's own forward with every input, under any schedule")]
+
     where = ", ".join(f"before {s.layers[0]!r} (segment {s.name!r})" for s in placed[1:])
     hint = ("place the module model one device per segment, or data parallel over groups of one size (a server on "
             "a device of the placement): lockstep runs the model's own code uncut; or cut elsewhere")
@@ -688,6 +704,13 @@ def _check_outside_reads(spec: Spec, graph: ModelGraph, placed) -> list[Diagnost
 
 def _check_loss(spec: Spec, graph: ModelGraph) -> list[Diagnostic]:
     loc = spec.doc.loc(("model", "loss"))
+    if spec.model.own_loss:  # output: loss: the model's own, which must be one number
+        if graph.output_shape != ():
+            what = "no tensor" if graph.output_shape is None else f"a tensor of shape {list(graph.output_shape)}"
+            return [_diag("M012", f"model.output is loss, and the forward's loss field is {what}",
+                          spec.doc.loc(("model", "output")), "give forward what makes it compute its loss (HF models: "
+                          "a `labels` input in model.inputs), or name the output field a loss: takes")]
+        return []
     if graph.output_shape is None:
         return [_diag("M008", "the model's forward does not return a tensor", _module_loc(spec),
                       f"model.loss ({spec.model.loss}) is applied to the forward's output; return one tensor")]

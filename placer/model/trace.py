@@ -224,6 +224,7 @@ class _Recorder(TorchFunctionMode):
         self.made_by: dict[int, str] = {}
         self.input_ids: set[int] = set()
         self.linear_reads = _LinearReads(layers)  # each Linear's input inside the layers
+        self.alls: list = []  # results of torch.all on meta data, kept alive
         self.homes: dict[str, list] = {}
         self.hooking = False
         self.glue_reads: dict[int, list] = {}  # n -> where what glue before the n-th call reads was made
@@ -363,9 +364,16 @@ class _Recorder(TorchFunctionMode):
                         self.pending_roots.append(name)
         if func is torch.nn.functional.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
+        if func in _READ_VALUE and args and any(args[0] is t for t in self.alls):
+            # `if padding_mask.all():` (HF's test to skip a mask nobody pads) read on meta data: there is no
+            # data, so the general case, False: the mask is made (the run takes the path its data says).
+            # Any other value read stays an error (M006): a branch on data cannot be traced
+            return False
         if func in _GROUPED_MM and args and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16:
             func = _as_matmul  # torch's meta kernel takes bf16 only
         out = func(*args, **kwargs)
+        if func in _ALL and isinstance(out, torch.Tensor) and out.device.type == "meta" and out.numel() == 1:
+            self.alls.append(out)
         if not self.hooking and _tensors(out):  # a value read (not .dtype or .shape)
             self._read_outside(args, kwargs)
         if not self.stack and not self.hooking:  # glue: what it makes derives from what it reads
@@ -408,6 +416,9 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
 
     Raises ForwardFailed (with the failing layer, if any) when the forward raises.
     """
+    named = args[0] if len(args) == 1 and isinstance(args[0], dict) else None  # model.inputs, by keyword
+    if named is not None:
+        args, use_fx = tuple(named.values()), False
     mods = {name: module.get_submodule(name) for name in layers}
     in_layers = {id(p) for m in mods.values() for p in list(m.parameters()) + list(m.buffers())}
     root_params = {id(p): n for n, p in list(module.named_parameters()) + list(module.named_buffers())
@@ -424,7 +435,7 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
     if gm is None:
         rec = _Recorder(mods, root_params, skip, roots)
         try:
-            output = _run(rec, mods, lambda: module(*args), args)
+            output = _run(rec, mods, lambda: module(**named) if named is not None else module(*args), args)
         except Exception as e:
             raise ForwardFailed(e, rec.stack[-1] if rec.stack else None) from None
     return TraceResult(order=rec.order, layers=rec.traces, output=output,
@@ -435,6 +446,8 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
                        calls=tuple(rec.calls), linear_reads={k: tuple(v) for k, v in rec.linear_reads.calls.items()})
 
 
+_READ_VALUE = (torch.Tensor.item, torch.Tensor.__bool__)
+_ALL = (torch.all, torch.Tensor.all)
 _GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None))
                     if f is not None)
 
@@ -541,8 +554,10 @@ def autocast_dtypes(module: torch.nn.Module, layers: list[str], args: tuple) -> 
         with FakeTensorMode(), torch.autocast("cpu", dtype=torch.bfloat16):
             state = {n: torch.empty(t.shape, dtype=t.dtype, requires_grad=t.requires_grad) for n, t in
                      list(module.named_parameters()) + list(module.named_buffers())}  # tied: one name each
+            named = args[0] if len(args) == 1 and isinstance(args[0], dict) else {}  # model.inputs
             fake = tuple(torch.empty(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in args)
-            functional_call(module, state, fake, strict=False)
+            functional_call(module, state, () if named else fake,
+                            {k: torch.empty(x.shape, dtype=x.dtype) for k, x in named.items()}, strict=False)
     except Exception:  # a model fake tensors cannot run: lockstep casts to the traced dtypes, as before
         return {}
     finally:

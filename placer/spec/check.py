@@ -328,7 +328,7 @@ def _check_names(spec: Spec) -> list[Diagnostic]:
             diags.append(D("P050", f"layer {layer.name!r}: op {layer.op!r} is not a torch.nn module",
                            spec.doc.loc(("model", "layers", _raw_index(spec, layer.loc), "op")),
                            name_hint("ops", layer.op, sorted(torch_names.NN_MODULES))))
-    if m.loss not in torch_names.NN_LOSSES:
+    if not m.own_loss and m.loss not in torch_names.NN_LOSSES:
         diags.append(D("P051", f"loss {m.loss!r} is not a torch.nn loss", spec.doc.loc(("model", "loss")),
                        name_hint("losses", m.loss, sorted(torch_names.NN_LOSSES))))
     opt = spec.training.optimizer
@@ -337,11 +337,16 @@ def _check_names(spec: Spec) -> list[Diagnostic]:
                        spec.doc.loc(("training", "optimizer", "op")),
                        name_hint("optimizers", opt.op, sorted(torch_names.OPTIMIZERS))))
     diags += _check_training(spec)
-    for key in ("input", "target"):
-        t = getattr(m, key)
+    named = [(f"inputs.{k}", t) for k, t in m.inputs] or [("input", m.input)]
+    for key, t in named + [("target", m.target)]:
         if t.dtype in INT_DTYPES and t.dtype != "bool" and t.high is None:
             diags.append(D("P053", f"model.{key} has dtype {t.dtype} but no 'high'", t.loc,
                            "integer data is drawn in [low, high): set high, e.g. the number of classes"))
+    for key, t in named if m.inputs else ():  # rows are cut alike from every input
+        if t.shape[0] != "B":
+            diags.append(D("P055", f"model.{key} has shape {list(t.shape)}, whose dim 0 is not B", t.loc,
+                           "every input of model.inputs has the batch in dim 0 (micro-batches and data "
+                           "parallelism cut each one's rows alike): start its shape with B"))
     for path, mod in (("model", m.module), ("training.data", spec.training.data.module)):
         if mod and ".py:" in mod:
             rel = mod.rsplit(":", 1)[0]

@@ -58,13 +58,23 @@ class Model:
     output: str | None = None
     """The field of a mapping or `ModelOutput` the loss takes (`logits`); None: the output itself."""
     input: TensorSpec
+    """The one input tensor; with `inputs`, the first of them (its dim 0 is the batch's)."""
     target: TensorSpec
+    """With `output: loss`, a placeholder of one value a row: the batch still yields (input, target)."""
     loss: str
+    """A torch.nn loss; "" with `output: loss` (the model's own)."""
+    inputs: tuple[tuple[str, TensorSpec], ...] = ()
+    """`model.inputs`: (name, tensor) of each input forward takes by keyword; () for `input`."""
     loc: Loc = field(default_factory=Loc, compare=False)
 
     @property
     def inline(self) -> bool:
         return self.layers is not None
+
+    @property
+    def own_loss(self) -> bool:
+        """`output: loss`: forward computes the loss (HF's from `labels`), no `loss:` or `target:`."""
+        return self.output == "loss"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,9 +260,11 @@ def from_document(doc: Document) -> Spec:
         module=m.get("module"),
         kwargs=dict(m.get("kwargs", {})),
         output=m.get("output"),
-        input=_tensor(doc, ("model", "input"), m["input"]),
-        target=_tensor(doc, ("model", "target"), m["target"]),
-        loss=m["loss"],
+        input=_tensor(doc, ("model", "input"), m["input"]) if "input" in m else
+        _tensor(doc, ("model", "inputs", next(iter(m["inputs"]))), next(iter(m["inputs"].values()))),
+        inputs=tuple((k, _tensor(doc, ("model", "inputs", k), v)) for k, v in m.get("inputs", {}).items()),
+        target=_tensor(doc, ("model", "target"), m["target"]) if "target" in m else TensorSpec(shape=("B",)),
+        loss=m.get("loss", ""),
         loc=doc.loc(("model",)),
     )
     segments = []

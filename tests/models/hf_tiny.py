@@ -174,3 +174,22 @@ def make_moe(family: str = "mixtral", vocab: int = 64, d_model: int = 32, n_laye
         **common, num_key_value_heads=n_heads, n_routed_experts=experts, moe_intermediate_size=d_model,
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
+
+
+def make_t5(vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4):
+    """T5ForConditionalGeneration as it ships: `input_ids`, `decoder_input_ids`, `labels`."""
+    return T5(vocab, d_model, n_layers, n_heads).t5
+
+
+def make_bart(vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4):
+    """BartForConditionalGeneration: `input_ids`, `decoder_input_ids`, `labels`; its shared
+    embedding tied to both stacks' and the LM head."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=vocab, d_model=d_model, encoder_layers=n_layers, decoder_layers=n_layers,
+                     encoder_attention_heads=n_heads, decoder_attention_heads=n_heads, encoder_ffn_dim=2 * d_model,
+                     decoder_ffn_dim=2 * d_model, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                     activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                     decoder_start_token_id=2, forced_eos_token_id=None)
+    cfg._attn_implementation = "eager"
+    return BartForConditionalGeneration(cfg)

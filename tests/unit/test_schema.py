@@ -116,7 +116,11 @@ def _allowed(conditional: dict) -> set[str]:
 def test_exclusive_key_lists_stay_in_sync_with_properties():
     defs = SCHEMA["$defs"]
     model = defs["model"]
-    assert _allowed(model["dependentSchemas"]["layers"]) == set(model["properties"]) - {"module", "kwargs", "output"}
+    assert _allowed(model["dependentSchemas"]["layers"]) == set(model["properties"]) - {"module", "kwargs", "output",
+                                                                                        "inputs"}
+    assert _allowed(model["dependentSchemas"]["inputs"]) == set(model["properties"]) - {"layers", "input"}
+    own_loss = next(r["then"] for r in model["allOf"] if r["if"].get("properties", {}).get("output"))
+    assert _allowed(own_loss) == set(model["properties"]) - {"target", "loss"}
     segment = defs["segment"]
     assert _allowed(segment["dependentSchemas"]["device"]) == set(segment["properties"]) - {"devices"}
     parallel = defs["parallel"]

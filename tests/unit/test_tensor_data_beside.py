@@ -81,7 +81,7 @@ def test_as_the_first_segment_the_program_cuts_the_batch_as_the_forward_begins()
     assert ('replica_rows_around(model,[("",0)],["embed","blocks.0","blocks.1"],dp0,next(pforpin[[0,2],[1,3]]ifrankinp)'
             in flat)
     assert "model.register_forward_pre_hook(cut_batch)" in flat  # so the parent's `+ pos` runs on the rows too
-    assert "model.register_forward_pre_hook(self._rows,prepend=True)" in flat  # lockstep counts the whole batch
+    assert "model.register_forward_pre_hook(self._rows,prepend=True,with_kwargs=True)" in flat  # lockstep counts the whole batch
 
 
 FSDP_TP = ROOT / "tests" / "models" / "tinygpt_fsdp_tp_beside.yaml"

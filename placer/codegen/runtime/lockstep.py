@@ -109,7 +109,7 @@ class Lockstep:
         self.pending = []  # 1F1B: sends waited on at the end of the step (settle), so none blocks a rank
         self.rows = batch
         # first: a 2-D tensor group's ranks cut their replica's rows of the batch (bands.py)
-        model.register_forward_pre_hook(self._rows, prepend=True)
+        model.register_forward_pre_hook(self._rows, prepend=True, with_kwargs=True)
         # several stages on this rank: micro-batch -> the last stage its forward may run, its
         # thread's go-ahead, what it sent and received; the threads' reports (paused, done, error)
         self.mb, self.allowed, self.go, self.crossed, self.reports = 0, None, {}, {}, queue.Queue()
@@ -118,8 +118,9 @@ class Lockstep:
         """The ranks of `rank`'s group (itself alone, outside a group)."""
         return self.group.get(rank, (rank,))
 
-    def _rows(self, model, args):
-        self.rows = args[0].shape[0]  # the rows of this forward's batch (a micro-batch's in GPipe)
+    def _rows(self, model, args, kwargs):
+        # the rows of this forward's batch (a micro-batch's in GPipe); several named inputs come by keyword
+        self.rows = (args[0] if args else next(iter(kwargs.values()))).shape[0]
 
     def _tag(self, i, grad):
         """Crossing i's message (or its gradient's) for the running micro-batch: tagged only where
