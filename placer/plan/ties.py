@@ -162,7 +162,8 @@ def describe(t: PlacedTie, segments) -> str:
     """`wte.weight (8.0 KiB): wte on cpu:0, lm_head on cpu:1, gradients summed over cpu:0,cpu:1`."""
     from placer import units
 
-    where = ", ".join(f"{layer} on {','.join(segments[k].devices)}" for k, layer, _ in t.copies)
+    where = ", ".join(f"{' + '.join(l for l in t.tie.layers if l in segments[k].layers)} on "
+                      f"{','.join(segments[k].devices)}" for k, _, _ in t.copies)  # every user shares its copy
     how = (f"gradients all-reduced over {','.join(t.devices)}" if len(t.devices) > 1
            else "gradients summed on the device")
     return f"{t.tie.name} ({units.size(t.tie.bytes)}): {where}; {how}"
