@@ -99,3 +99,24 @@ def test_schema_command():
     assert r.exit_code == 0 and json.loads(r.stdout) == schema.schema()
     r = cli("schema", "--path")
     assert Path(r.stdout.strip()).is_file() and r.stdout.strip() == schema.schema_path()
+
+
+@pytest.mark.parametrize("factory,first,sizes", [
+    ("make_llama", "model.layers.0", "shape: [B, 64]"),   # its 64 positions
+    ("make_bert", "bert.encoder.layer.0", "shape: [B, 8]"),  # its config's max_position_embeddings: 8
+    ("make_moe", "model.layers.0", "shape: [B, 64]"),
+])
+def test_init_model_on_hugging_face_models_validates_deep_and_splits_over_blocks(tmp_path, monkeypatch, factory,
+                                                                                 first, sizes):
+    """A ModelOutput takes `output: logits` (M008 before), the sequence fits the config's positions
+    (M006 before), and the placement splits the blocks, not the top-level children (Llama 85% /
+    15% before: `model` | `lm_head`)."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    tiny = ROOT / "tests" / "models" / "hf_tiny.py"
+    r = cli("init", "--model", f"{tiny}:{factory}", "--devices", "cpu:0,cpu:1", "-o", "hf.yaml")
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "hf.yaml").read_text()
+    assert "output: logits" in text and sizes in text and first in text
+    r = cli("validate", "--deep", "hf.yaml")
+    assert r.exit_code == 0, r.output
