@@ -14,7 +14,8 @@ _FRAME = re.compile(r'\s*File ".*", line \d+')
 _LOG_LINE = re.compile(r"^\[?[WEIF]\d{4} |^Traceback \(most recent call last\)")  # torch's C++ log, a new traceback
 # a rank that failed because a peer did: its collective or copy lost the other side
 _PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|DistBackendError|"
-                   r"NCCL communicator was aborted|ProcessGroupGloo.*(closed|reset)|Socket closed")
+                   r"NCCL communicator was aborted|ProcessGroupGloo.*(closed|reset)|Socket closed|"
+                   r"Got the following error when running the callback")
 MOST = 200
 """Lines of a message shown at most (a module's repr is whole well inside it)."""
 
@@ -46,17 +47,18 @@ def excerpt(tail: str, most: int = 8) -> list[str]:
 
 
 def failures_in_order(failures: dict[int, tuple[int | None, str]]) -> list[tuple[int, tuple[int | None, str]]]:
-    """The likely cause first: a rank that exited with an error of its own, then one that lost a
-    peer, then one killed by a signal of its own (SIGABRT, SIGSEGV, SIGKILL when out of memory),
-    then those the launcher stopped with SIGTERM because a peer had failed; by rank within each."""
+    """The likely cause first: a rank that exited with an error of its own, then one killed by a
+    signal of its own (SIGABRT, SIGSEGV, SIGKILL: what the out-of-memory killer sends), whose
+    death makes its peers fail, then one that lost a peer, then those the launcher stopped with
+    SIGTERM because a peer had failed; by rank within each."""
     return sorted(failures.items(), key=lambda kv: (_kind(*kv[1]), kv[0]))
 
 
 def _kind(code: int | None, tail: str) -> int:
-    """0: an error of its own; 1: lost a peer; 2: a signal of its own; 3: stopped by the launcher."""
+    """0: an error of its own; 1: a signal of its own; 2: lost a peer; 3: stopped by the launcher."""
     if code is not None and code > 0:
-        return 1 if _PEER.search("\n".join(exception_of(tail))) else 0
-    return 3 if code == -signal.SIGTERM else 2
+        return 2 if _PEER.search("\n".join(exception_of(tail))) else 0
+    return 3 if code == -signal.SIGTERM else 1
 
 
 def signal_name(number: int) -> str:
@@ -92,10 +94,15 @@ def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int |
         text += f": {shown[0]}" + "".join(f"\n    {line}" for line in shown[1:])
 
     def other(rank: int, code: int | None, tail: str) -> str:
+        if _kind(code, tail) == 2:  # one short line: the collective lost the rank that failed
+            lost = _PEER.search("\n".join(exception_of(tail)))
+            return f"rank {rank} ({device(rank)}), lost a peer ({lost.group(0) if lost else 'its collective failed'})"
         why = excerpt(tail, 1) if code is not None and code > 0 else []
         how = _how(code).removeprefix("was ")
         return f"rank {rank} ({device(rank)}), {how}" + (f" ({why[0].strip()})" if why else "")
-    own = [(r, ct) for r, ct in rest if _kind(*ct) in (0, 2)]  # an error or signal of its own, not a lost peer
+    if code == -signal.SIGKILL:
+        text += "\n  (SIGKILL is what the out-of-memory killer sends: see the plan's memory for this device)"
+    own = [(r, ct) for r, ct in rest if _kind(*ct) in (0, 1)]  # an error or signal of its own, not a lost peer
     if own:
         text += "\n  also failed by itself: " + "; ".join(other(r, c, t) for r, (c, t) in own)
     if len(own) < len(rest):

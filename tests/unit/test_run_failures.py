@@ -56,8 +56,8 @@ def test_the_first_failure_shows_its_whole_message_once_and_names_the_ranks_it_t
     assert lines[0] == ("rank 1 (cuda:1) exited with code 1: ValueError: fully_shard does not support containers "
                         "that do not implement forward: ModuleList(")
     assert [line.removeprefix("    ") for line in lines[1:14]] == REPR.splitlines()  # the whole repr, not its tail
-    assert lines[14] == ("  it took down: rank 0 (cuda:0), exited with code 1 (RuntimeError: [../third_party/gloo/gloo/"
-                         "transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242); "
+    # one short line each: the gloo error's text is the log's, not the report's
+    assert lines[14] == ("  it took down: rank 0 (cuda:0), lost a peer (Connection closed by peer); "
                          "rank 2 (cuda:2), stopped by SIGTERM")
     assert len(lines) == 15 and "C++ log line" not in d.message
     assert d.format().count("ValueError") == 1
@@ -101,4 +101,14 @@ def test_a_rank_that_failed_by_itself_is_told_apart_from_one_taken_down():
     lines = d.message.splitlines()
     assert lines[0] == "rank 0 (cuda:0) exited with code 1: ValueError: bad batch"
     assert lines[1] == "  also failed by itself: rank 1 (cuda:1), exited with code 1 (KeyError: 'w')"
-    assert lines[2].startswith("  it took down: rank 2 (cuda:2), exited with code 1 (RuntimeError: [../third_party")
+    assert lines[2] == "  it took down: rank 2 (cuda:2), lost a peer (Connection closed by peer)"
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_peers_its_death_failed():
+    """SIGKILL (what the out-of-memory killer sends) on rank 1: rank 0's collective lost it. Rank 1
+    is the cause (rank 0 was named first before, with 1 KB of gloo text)."""
+    d = report({0: (1, PEER_TAIL), 1: (-signal.SIGKILL, "")})
+    lines = d.message.splitlines()
+    assert lines[0] == "rank 1 (cuda:1) was stopped by SIGKILL"
+    assert "out-of-memory killer" in lines[1]
+    assert lines[2] == "  it took down: rank 0 (cuda:0), lost a peer (Connection closed by peer)"
