@@ -100,3 +100,9 @@ def test_figures_compare_the_cuda_peak_and_the_step(gc, tmp_path):
     rows = gc.figures([{"name": "c", "memory": [cpu, cuda], "step_time": st}])
     assert [(what, met) for _, what, _, _, met in rows] == [("memory cuda:0 planned/measured", True),
                                                             ("step predicted (h200)/measured", True)]
+
+
+def test_a_missing_package_is_said_before_any_case(gc, monkeypatch):
+    assert gc.preflight() is None
+    monkeypatch.setattr(gc, "PREFLIGHT", "import placer_no_such_package")
+    assert "No module named 'placer_no_such_package'" in gc.preflight()
