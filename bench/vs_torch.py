@@ -16,7 +16,11 @@ the median of the per-repetition ratios; p10: the same of each run's 10th-percen
 the figure least disturbed by other work on a shared machine). Prints a table and writes bench/results/vs_torch-*.json.
 
 `--device cuda` runs both on GPUs (rank r on GPU r, NCCL): each spec's devices become cuda:N
-and the baselines run with BENCH_DEVICE=cuda (the modes of CUDA_MODES). `single` (one device,
+and the baselines run with BENCH_DEVICE=cuda (the modes of CUDA_MODES). There a step's end is
+noted when the host has queued its kernels, not when the GPU has run them, so a run's figure is
+its mean step from the end of the warm-up to the run's end after the GPU is done (the generated
+program's `wall_s`, after it reads the last losses; the baseline's, after
+torch.cuda.synchronize()); the p10 stays the host's view of the intervals. `single` (one device,
 bench/specs_gpu/single.yaml against bench/baselines/single.py) is run only when named.
 """
 from __future__ import annotations
@@ -96,11 +100,22 @@ def per_step(ends: list[float], warmup: int) -> tuple[float, float]:
     return statistics.median(intervals), statistics.quantiles(intervals, n=10)[0]
 
 
-def run_generated(program: Path, steps: int, warmup: int, work: Path, world: int = WORLD) -> tuple[float, float]:
+def synced(ends: list[float], wall_s: float, warmup: int) -> float:
+    """The mean step from the end of step `warmup` to `wall_s`, the run's end after the GPU is
+    done (on a GPU a step's end is when the host queued it: its intervals are the host's)."""
+    return (wall_s - ends[warmup - 1]) / (len(ends) - warmup)
+
+
+def run_generated(program: Path, steps: int, warmup: int, work: Path, world: int = WORLD,
+                  device: str = "cpu") -> tuple[float, float]:
     out = work / "out"
     launch([str(program), "--steps", str(steps), "--out", str(out)], work, work / "generated.log", world=world)
     records = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
-    return per_step([r["elapsed_s"] for r in records if "step" in r], warmup)
+    ends = [r["elapsed_s"] for r in records if "step" in r]
+    median, p10 = per_step(ends, warmup)
+    if device == "cuda":
+        return synced(ends, json.loads((out / "metrics.json").read_text())["wall_s"], warmup), p10
+    return median, p10
 
 
 def run_baseline(baseline: Path, steps: int, warmup: int, work: Path, world: int = WORLD,
@@ -108,7 +123,9 @@ def run_baseline(baseline: Path, steps: int, warmup: int, work: Path, world: int
     times = work / "baseline.json"
     launch([str(baseline), "--steps", str(steps), "--out", str(times)], baseline.parent,
            work / "baseline.log", world=world, env={"BENCH_DEVICE": device})
-    return per_step(json.loads(times.read_text())["step_ends_s"], warmup)
+    doc = json.loads(times.read_text())
+    median, p10 = per_step(doc["step_ends_s"], warmup)
+    return (synced(doc["step_ends_s"], doc["wall_s"], warmup) if device == "cuda" else median), p10
 
 
 def summarise(args, modes, times, out: Path) -> None:
@@ -195,7 +212,8 @@ def main() -> None:
                 work = Path(tmp) / f"{mode}-{rep}"
                 work.mkdir()
                 world = WORLDS.get(mode, WORLD)
-                pair = [("generated", lambda: run_generated(programs[mode], args.steps, args.warmup, work, world)),
+                pair = [("generated", lambda: run_generated(programs[mode], args.steps, args.warmup, work, world,
+                                                            args.device)),
                         ("torch", lambda: run_baseline(BENCH / "baselines" / MODES[mode][1], args.steps,
                                                        args.warmup, work, world, args.device))]
                 for kind, run in pair if rep % 2 == 0 else pair[::-1]:  # alternate who goes first

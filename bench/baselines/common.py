@@ -77,9 +77,12 @@ class Clock:
         self.ends.append(time.perf_counter() - self.start)
 
     def finish(self, args, rank):
+        if CUDA:  # a step's end above is when the host queued it; wall_s waits for the GPU
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.start
         if rank == 0 and args.out:
             with open(args.out, "w") as f:
-                json.dump({"step_ends_s": self.ends}, f)
+                json.dump({"step_ends_s": self.ends, "wall_s": wall}, f)
         dist.barrier()
         dist.destroy_process_group()
         # leave without Python's shutdown, as placer's programs do: gloo's threads may still be
