@@ -23,9 +23,9 @@ a figure off its target is a finding, not a failed case:
   `peak_memory`: on a GPU `torch.cuda.max_memory_allocated`; a CPU worker's figure (peak RSS above
   the import) holds far more than tensors and is recorded without a ratio (docs/run.md).
 - step time: the plan's predicted step (`--hardware`, default h200: the data sheet's figures times
-  0.6, placer/estimate/hardware.py) over the run's median step-to-step interval after the warm-up
-  steps (progress.jsonl, as bench/vs_torch.py measures a run). CPU workers are not an h200: their
-  figures are recorded without a ratio.
+  0.6, placer/estimate/hardware.py) over the measured one: two runs of the spec, the difference of
+  their `wall_s` over the difference of their steps (start-up, the first steps' CUDA warm-up and
+  the end cancel). CPU workers are not an h200: their figures are recorded without a ratio.
 - parity: bench/vs_torch.py --device cuda, the generated program against the hand-written torch
   twin in bench/baselines/ (the median of the back-to-back pairs' ratios).
 
@@ -139,8 +139,11 @@ def tail(text: str, n: int = 3000) -> str:
 # ---------------------------------------------------------------------------- placer run cases
 
 
-def run_case(spec: str, sets: list[str], *, check: bool, gpu: bool, steps: int | None = None) -> Callable[[Context], dict]:
-    """A case of `placer plan` (memory, predicted step) then `placer run` of `spec` with `sets`."""
+def run_case(spec: str, sets: list[str], *, check: bool, gpu: bool, steps: int | None = None,
+             short: int | None = None) -> Callable[[Context], dict]:
+    """A case of `placer plan` (memory, predicted step) then `placer run` of `spec` with `sets`
+    (`steps` of them, or the spec's), and with `short` a second run of that many steps, whose
+    difference from the first times the steps between (step_time)."""
     sets = [*sets, f"runtime.simulate={'never' if gpu else 'always'}"]
 
     def run(ctx: Context) -> dict:
@@ -154,16 +157,23 @@ def run_case(spec: str, sets: list[str], *, check: bool, gpu: bool, steps: int |
         argv += ["--check"] * check + (["--steps", str(steps)] if steps else [])
         rc, out, err = ctx.call(argv, "run")
         record: dict = {"spec": spec, "sets": sets, "command": " ".join(["placer", *argv[len(PLACER):]])}
+        problems = [f"placer run exited {rc}"] if rc else []
+        shorter = None
+        if short and not rc:
+            short_dir = ctx.work / "run_short"
+            rc2, out2, err2 = ctx.call([*PLACER, "run", spec, "--run-dir", str(short_dir), *over, "--steps", str(short)],
+                                       "run_short")
+            shorter = _json(short_dir / "metrics.json")
+            if rc2:
+                problems.append(f"the {short}-step run exited {rc2}")
+                out, err = out2, err2
         metrics = _json(run_dir / "metrics.json")
         if metrics:
             record["run"] = {k: metrics.get(k) for k in ("devices", "backend", "simulated", "simulate_reason", "steps")}
             record["memory"] = memory(plan, metrics)
-            record["step_time"] = step_time(plan, metrics, run_dir, ctx.hardware)
+            record["step_time"] = step_time(plan, metrics, run_dir, ctx.hardware, shorter)
         if check:
             record["check"] = _check_summary(run_dir / "check.json")
-        problems = []
-        if rc:
-            problems.append(f"placer run exited {rc}")
         if check and not (record["check"] or {}).get("ok"):
             problems.append("the check did not pass" if record["check"] else "no check.json")
         if gpu and metrics and metrics.get("simulated"):
@@ -211,23 +221,38 @@ def memory(plan: dict, metrics: dict) -> list[dict]:
     return rows
 
 
-def step_time(plan: dict, metrics: dict, run_dir: Path, hardware: str) -> dict:
-    """The plan's predicted step against the run's median step after WARMUP steps."""
+def step_time(plan: dict, metrics: dict, run_dir: Path, hardware: str, shorter: dict | None = None) -> dict:
+    """The plan's predicted step against the measured one: the difference of two runs' `wall_s`
+    (each ends after the GPU is done: the program reads the last losses) over the difference of
+    their steps, so start-up, the first steps' warm-up and the end cancel, whenever the host
+    notes a step's end (the generated program copies each step's loss to the host, which waits
+    for the step's kernels; a step's end noted before that would be when it was queued). Without
+    the shorter run, CPU workers take the median step-to-step interval after WARMUP steps, as
+    bench/vs_torch.py does; that host's view (`host_median_s`) is kept either way."""
     predicted = (plan.get("time") or {}).get("step_s")
-    row: dict = {"hardware": hardware, "predicted_s": predicted, "measured_s": None, "ratio": None}
+    row: dict = {"hardware": hardware, "predicted_s": predicted, "measured_s": None, "method": None, "ratio": None}
     try:
         records = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()]
     except (OSError, ValueError):
         records = []
     ends = [r["elapsed_s"] for r in records if "step" in r and "elapsed_s" in r]
-    if len(ends) < WARMUP + 4:  # per_step leaves out the warm-up and the last step, and takes quantiles
-        row["note"] = f"{len(ends)} steps: too few for a step time (needs {WARMUP + 4})"
+    if len(ends) >= WARMUP + 4:  # per_step leaves out the warm-up and the last step, and takes quantiles
+        row["host_median_s"], row["host_p10_s"] = per_step(ends, WARMUP)
+    on_gpu = not metrics.get("simulated") and any(str(d).split("/")[-1].startswith("cuda")
+                                                  for d in metrics.get("devices") or [])
+    steps = (metrics.get("steps_trained"), (shorter or {}).get("steps_trained"))
+    if shorter and steps[0] and steps[1] and steps[0] > steps[1]:
+        row["measured_s"] = (metrics["wall_s"] - shorter["wall_s"]) / (steps[0] - steps[1])
+        row["method"] = f"(wall_s of {steps[0]} steps - wall_s of {steps[1]}) / {steps[0] - steps[1]}"
+    elif not on_gpu and "host_median_s" in row:
+        row["measured_s"], row["method"] = row["host_median_s"], f"median step interval after {WARMUP} steps"
+    else:
+        row["note"] = (f"{len(ends)} steps in one run: a GPU step needs two runs" if on_gpu else
+                       f"{len(ends)} steps: too few for a step time (needs {WARMUP + 4})")
         return row
-    row["measured_s"], row["measured_p10_s"] = per_step(ends, WARMUP)
-    devices = metrics.get("devices") or []
-    if metrics.get("simulated") or not any(str(d).split("/")[-1].startswith("cuda") for d in devices):
+    if not on_gpu:
         row["note"] = f"ran on CPU workers: the {hardware} profile does not predict them"
-    elif predicted:
+    elif predicted and row["measured_s"] > 0:
         row["ratio"] = predicted / row["measured_s"]
         row["target"], row["met"] = list(COST), COST[0] <= row["ratio"] <= COST[1]
     return row
@@ -276,15 +301,17 @@ def data_sets(devices: list[str], shard: str | None = None) -> list[str]:
 
 
 def cases(quick: bool) -> list[Case]:
-    steps = 15 if quick else 30
+    steps, short = (20, 5) if quick else (40, 10)
     one_gpu = ["devices=[cuda:0]", "placement=[{layers: fc1..head, device: cuda:0}]"]
     two = ["cuda:0", "cuda:1"]
     mixed = ["cpu", "cuda:0"]
     wide = "bench/specs_gpu/wide.yaml"
     return [
         # the CPU half: the same machinery on simulated devices (CI runs it)
-        Case("cpu-check-mixed", "cpu", "cpu + cuda:0 layer-wise as CPU workers, run --check, 10 steps",
+        Case("cpu-check-mixed", "cpu", "cpu + cuda:0 layer-wise as CPU workers, run --check of 10 steps",
              0, run_case("specs/mlp_cpu_gpu_mixed.yaml", ["training.steps=10"], check=True, gpu=False), 120),
+        Case("cpu-measure-single", "cpu", "the bench's MLP on one CPU worker, 10 and 4 steps: step time",
+             0, run_case("bench/specs_gpu/single.yaml", [], check=False, gpu=False, steps=10, short=4), 120),
         Case("cpu-parity-data", "cpu", "data parallel (DDP) generated vs hand-written, 2 gloo workers",
              0, parity_case("data", "cpu"), 180),
         # one GPU
@@ -296,10 +323,10 @@ def cases(quick: bool) -> list[Case]:
              1, run_case("specs/mlp_data_allreduce.yaml", data_sets(mixed), check=True, gpu=True)),
         Case("check-fsdp2-mixed", "gpu", "FSDP2 (shard: full) over cpu + cuda:0 (gloo), run --check",
              1, run_case("specs/mlp_data_shard_full.yaml", data_sets(mixed, "full"), check=True, gpu=True)),
-        Case("measure-wide", "gpu", f"50 M-parameter MLP on cuda:0, fp32, {steps} steps: memory, step time",
-             1, run_case(wide, [], check=False, gpu=True, steps=steps), 150),
-        Case("measure-wide-bf16", "gpu", f"the same under bf16 autocast, {steps} steps: memory, step time",
-             1, run_case(wide, ["training.precision=bf16"], check=False, gpu=True, steps=steps), 150),
+        Case("measure-wide", "gpu", f"50 M-parameter MLP on cuda:0, fp32, {steps} and {short} steps: memory, step time",
+             1, run_case(wide, [], check=False, gpu=True, steps=steps, short=short), 150),
+        Case("measure-wide-bf16", "gpu", f"the same under bf16 autocast, {steps} and {short} steps: memory, step time",
+             1, run_case(wide, ["training.precision=bf16"], check=False, gpu=True, steps=steps, short=short), 150),
         Case("parity-single", "gpu", "one GPU: generated vs a plain torch loop (bench/baselines/single.py)",
              1, parity_case("single", "cuda"), 240),
         # two GPUs or more: NCCL
@@ -311,10 +338,10 @@ def cases(quick: bool) -> list[Case]:
              2, run_case("specs/mlp_data_shard_full.yaml", [], check=True, gpu=True)),
         Case("check-transitions", "gpu", "cpu -> data over cuda:0, cuda:1 -> cpu (gloo), run --check",
              2, run_case("specs/mlp_group_transitions.yaml", [], check=True, gpu=True)),
-        Case("measure-wide-data", "gpu", f"the wide MLP data parallel over cuda:0, cuda:1, {steps} steps",
-             2, run_case(wide, data_sets(two), check=False, gpu=True, steps=steps), 150),
-        Case("measure-wide-fsdp2", "gpu", f"the wide MLP FSDP2 over cuda:0, cuda:1, {steps} steps",
-             2, run_case(wide, data_sets(two, "full"), check=False, gpu=True, steps=steps), 150),
+        Case("measure-wide-data", "gpu", f"the wide MLP data parallel over cuda:0, cuda:1, {steps} and {short} steps",
+             2, run_case(wide, data_sets(two), check=False, gpu=True, steps=steps, short=short), 150),
+        Case("measure-wide-fsdp2", "gpu", f"the wide MLP FSDP2 over cuda:0, cuda:1, {steps} and {short} steps",
+             2, run_case(wide, data_sets(two, "full"), check=False, gpu=True, steps=steps, short=short), 150),
         Case("parity-data-nccl", "gpu", "DDP, ZeRO-1, FSDP2 generated vs hand-written on 2 GPUs (NCCL)",
              2, parity_case("data,zero1,fsdp2", "cuda"), 300),
     ]

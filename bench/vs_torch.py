@@ -16,11 +16,11 @@ the median of the per-repetition ratios; p10: the same of each run's 10th-percen
 the figure least disturbed by other work on a shared machine). Prints a table and writes bench/results/vs_torch-*.json.
 
 `--device cuda` runs both on GPUs (rank r on GPU r, NCCL): each spec's devices become cuda:N
-and the baselines run with BENCH_DEVICE=cuda (the modes of CUDA_MODES). There a step's end is
-noted when the host has queued its kernels, not when the GPU has run them, so a run's figure is
+and the baselines run with BENCH_DEVICE=cuda (the modes of CUDA_MODES). There a run's figure is
 its mean step from the end of the warm-up to the run's end after the GPU is done (the generated
 program's `wall_s`, after it reads the last losses; the baseline's, after
-torch.cuda.synchronize()); the p10 stays the host's view of the intervals. `single` (one device,
+torch.cuda.synchronize()), which does not depend on when the host notes a step's end: a step
+noted once queued, before the GPU ran it, would look short. The p10 stays the host's view. `single` (one device,
 bench/specs_gpu/single.yaml against bench/baselines/single.py) is run only when named.
 """
 from __future__ import annotations

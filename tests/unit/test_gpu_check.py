@@ -43,6 +43,8 @@ def test_the_cpu_half_runs_and_says_what_it_skipped(tmp_path):
     assert [m["device"] for m in mixed["memory"]] == ["cpu", "cuda:0"]
     assert all(m["planned_bytes"] > 0 and m["measured_bytes"] > 0 and m["ratio"] is None for m in mixed["memory"])
     assert mixed["step_time"]["measured_s"] > 0 and mixed["step_time"]["ratio"] is None  # CPU workers are no h200
+    measure = cases["cpu-measure-single"]["step_time"]  # the difference of a 10- and a 4-step run
+    assert measure["method"].startswith("(wall_s of 10 steps - wall_s of 4)") and measure["measured_s"] > 0
     parity = cases["cpu-parity-data"]["parity"]["data"]
     assert parity["generated_median_s"] > 0 and parity["torch_median_s"] > 0
     assert [f["case"] for f in doc["figures"]] == ["cpu-parity-data"]
@@ -93,13 +95,18 @@ def test_figures_compare_the_cuda_peak_and_the_step(gc, tmp_path):
     assert cpu["ratio"] is None and cuda["ratio"] == pytest.approx(1000 / 1050) and cuda["met"]
     (tmp_path / "progress.jsonl").write_text("".join(json.dumps({"step": i + 1, "elapsed_s": 0.5 + 0.01 * i}) + "\n"
                                                      for i in range(20)))
-    st = gc.step_time(plan, metrics, tmp_path, "h200")
-    assert st["measured_s"] == pytest.approx(0.01) and st["ratio"] == pytest.approx(1.1) and st["met"]
+    one = gc.step_time(plan, metrics, tmp_path, "h200")  # a GPU's: the host's intervals are not its step
+    assert one["host_median_s"] == pytest.approx(0.01) and one["measured_s"] is None and "two runs" in one["note"]
+    metrics.update(wall_s=0.9, steps_trained=20)
+    st = gc.step_time(plan, metrics, tmp_path, "h200", {"wall_s": 0.6, "steps_trained": 5})
+    assert st["measured_s"] == pytest.approx(0.02) and st["ratio"] == pytest.approx(0.55) and not st["met"]
+    cpu_run = {**metrics, "simulated": True}
+    assert gc.step_time(plan, cpu_run, tmp_path, "h200")["measured_s"] == pytest.approx(0.01)  # CPU: the intervals
     (tmp_path / "progress.jsonl").write_text(json.dumps({"step": 1, "elapsed_s": 0.1}) + "\n")
-    assert "too few" in gc.step_time(plan, metrics, tmp_path, "h200")["note"]
+    assert "too few" in gc.step_time(plan, cpu_run, tmp_path, "h200")["note"]
     rows = gc.figures([{"name": "c", "memory": [cpu, cuda], "step_time": st}])
     assert [(what, met) for _, what, _, _, met in rows] == [("memory cuda:0 planned/measured", True),
-                                                            ("step predicted (h200)/measured", True)]
+                                                            ("step predicted (h200)/measured", False)]
 
 
 def test_a_missing_package_is_said_before_any_case(gc, monkeypatch):
