@@ -184,6 +184,7 @@ def run_case(spec: str, sets: list[str], *, check: bool, gpu: bool, steps: int |
             record["log_tail"] = tail(out + err)
         return record
 
+    run.spec, run.sets = spec, sets  # type: ignore[attr-defined]  # for the tests: what it would run
     return run
 
 
@@ -268,9 +269,9 @@ def parity_case(modes: str, device: str) -> Callable[[Context], dict]:
         # a GPU step of the bench's MLP is a millisecond or so: more steps, and a longer warm-up
         # past the first steps' CUDA start-up and autotuning
         steps, warmup, reps = {("cpu", True): (14, 3, 1), ("cpu", False): (30, 5, 2),
-                               ("cuda", True): (60, 15, 2), ("cuda", False): (100, 20, 3)}[device, ctx.quick]
+                               ("cuda", True): (100, 20, 2), ("cuda", False): (200, 40, 3)}[device, ctx.quick]
         out = ctx.work / "parity.json"
-        argv = [sys.executable, str(BENCH / "vs_torch.py"), "--device", device, "--modes", modes, "--reps", str(reps),
+        argv = [sys.executable, "bench/vs_torch.py", "--device", device, "--modes", modes, "--reps", str(reps),
                 "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
         rc, so, se = ctx.call(argv, "vs_torch")
         record: dict = {"command": " ".join(["python", *argv[1:]])}
@@ -287,6 +288,7 @@ def parity_case(modes: str, device: str) -> Callable[[Context], dict]:
         record["ok"] = True
         return record
 
+    run.modes, run.device = modes.split(","), device  # type: ignore[attr-defined]
     return run
 
 

@@ -113,3 +113,17 @@ def test_a_missing_package_is_said_before_any_case(gc, monkeypatch):
     assert gc.preflight() is None
     monkeypatch.setattr(gc, "PREFLIGHT", "import placer_no_such_package")
     assert "No module named 'placer_no_such_package'" in gc.preflight()
+
+
+def test_every_case_would_run_a_valid_spec(gc):
+    """The GPU half cannot run here: its specs and --set values plan, its parity modes run on cuda."""
+    import placer
+
+    vs_torch = sys.modules["vs_torch"]
+    for case in gc.cases(quick=False):
+        if hasattr(case.run, "spec"):
+            report = placer.plan(placer.load(str(ROOT / case.run.spec), overrides=case.run.sets))
+            devices = [d["device"] for d in json.loads(report.to_json())["devices"]]
+            assert sum(d.startswith("cuda") for d in devices) >= case.gpus, (case.name, devices)
+        else:
+            assert set(case.run.modes) <= set(vs_torch.CUDA_MODES if case.run.device == "cuda" else vs_torch.MODES)
