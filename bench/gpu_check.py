@@ -253,7 +253,9 @@ def step_time(plan: dict, metrics: dict, run_dir: Path, hardware: str, shorter: 
         return row
     if not on_gpu:
         row["note"] = f"ran on CPU workers: the {hardware} profile does not predict them"
-    elif predicted and row["measured_s"] > 0:
+    elif row["measured_s"] <= 0:
+        row["note"] = "the longer run took no longer than the shorter: start-up varied more than the steps took"
+    elif predicted:
         row["ratio"] = predicted / row["measured_s"]
         row["target"], row["met"] = list(COST), COST[0] <= row["ratio"] <= COST[1]
     return row
@@ -367,8 +369,10 @@ def gpus() -> tuple[int, list[str], str | None]:
 
 def run_cases(todo: list[Case], have: int, *, work: Path, budget_s: float, quick: bool = False,
               hardware: str = "h200", cpu_only: bool = False, none_why: str | None = None,
-              say: Callable[[str], None] = print) -> list[dict]:
-    """Run every case this machine allows, each isolated under its timeout; a record for each."""
+              say: Callable[[str], None] = print,
+              done: Callable[[list[dict]], object] = lambda results: None) -> list[dict]:
+    """Run every case this machine allows, each isolated under its timeout; a record for each,
+    `done` called with the records so far after each case that ran."""
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     end = time.monotonic() + budget_s
     results = []
@@ -399,6 +403,8 @@ def run_cases(todo: list[Case], have: int, *, work: Path, budget_s: float, quick
             record["seconds"] = round(time.monotonic() - t0, 1)
             say(f"   {record['status']} in {record['seconds']} s" + (f": {record['reason']}" if record.get("reason") else ""))
         results.append(record)
+        if "seconds" in record:
+            done(results)
     return results
 
 
@@ -512,6 +518,22 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(n, names, why)
     print(f"GPU check: {len(names)} GPU(s) {names or ''}{f' ({why})' if why else ''}; torch {machine.get('torch')}", flush=True)
     started = time.strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"gpu-{machine['host']}-{started}.json"
+    broken: str | None = None
+
+    def write(results: list[dict], finished: bool = False) -> bool:
+        """The JSON of the cases so far (after each one: a session cut short keeps what ran)."""
+        ran = [r for r in results if r["status"] != "skipped"]
+        ok = not broken and all(r["status"] == "passed" for r in ran)
+        doc = {"what": "bench/gpu_check.py: placer's CUDA and NCCL paths (issue 28, item 3)", "started": started,
+               "finished": finished, "machine": machine, "quick": args.quick, "cpu_only": args.cpu_only,
+               "hardware": args.hardware, "preflight": broken, "passed": ok, "ran": len(ran),
+               "skipped": len(results) - len(ran), "cases": results,
+               "figures": [dict(zip(("case", "figure", "value", "target", "met"), f)) for f in figures(results)]}
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        return ok
+
     with tempfile.TemporaryDirectory(prefix="placer-gpu-check-") as tmp:
         work = args.keep / started if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -521,17 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"hint: pip install -r requirements-dev.txt -e . (wheels beforehand, where there is no internet)")
             todo = []
         results = run_cases(todo, n, work=work, budget_s=args.budget, quick=args.quick, hardware=args.hardware,
-                            cpu_only=args.cpu_only, none_why=why, say=lambda m: print(m, flush=True))
-    ran = [r for r in results if r["status"] != "skipped"]
-    ok = not broken and all(r["status"] == "passed" for r in ran)
-    doc = {"what": "bench/gpu_check.py: placer's CUDA and NCCL paths (issue 28, item 3)", "started": started,
-           "machine": machine, "quick": args.quick, "cpu_only": args.cpu_only, "hardware": args.hardware,
-           "preflight": broken, "passed": ok, "ran": len(ran), "skipped": len(results) - len(ran), "cases": results,
-           "figures": [dict(zip(("case", "figure", "value", "target", "met"), f)) for f in figures(results)]}
+                            cpu_only=args.cpu_only, none_why=why, say=lambda m: print(m, flush=True), done=write)
+    ok = write(results, finished=True)
     print(summary(results, machine))
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"gpu-{machine['host']}-{started}.json"
-    out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 0 if ok else 1
 

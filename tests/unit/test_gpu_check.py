@@ -33,7 +33,7 @@ def test_the_cpu_half_runs_and_says_what_it_skipped(tmp_path):
     cases = {c["name"]: c for c in doc["cases"]}
     cpu = [c for c in cases.values() if c["half"] == "cpu"]
     gpu = [c for c in cases.values() if c["half"] == "gpu"]
-    assert cpu and gpu and doc["passed"] and doc["ran"] == len(cpu) and doc["skipped"] == len(gpu)
+    assert cpu and gpu and doc["passed"] and doc["finished"] and doc["ran"] == len(cpu) and doc["skipped"] == len(gpu)
     assert all(c["status"] == "passed" for c in cpu), [(c["name"], c.get("reason")) for c in cpu]
     for c in gpu:  # each with its reason: the GPUs it needs, or --cpu-only where they are there
         assert c["status"] == "skipped" and (c["reason"] == "--cpu-only" or c["reason"].startswith(f"needs {c['gpus_needed']} GPU"))
@@ -44,7 +44,8 @@ def test_the_cpu_half_runs_and_says_what_it_skipped(tmp_path):
     assert all(m["planned_bytes"] > 0 and m["measured_bytes"] > 0 and m["ratio"] is None for m in mixed["memory"])
     assert mixed["step_time"]["measured_s"] > 0 and mixed["step_time"]["ratio"] is None  # CPU workers are no h200
     measure = cases["cpu-measure-single"]["step_time"]  # the difference of a 10- and a 4-step run
-    assert measure["method"].startswith("(wall_s of 10 steps - wall_s of 4)") and measure["measured_s"] > 0
+    # (its sign too is the machine's: a loaded one can take longer for the 4 steps' start-up)
+    assert measure["method"].startswith("(wall_s of 10 steps - wall_s of 4)") and isinstance(measure["measured_s"], float)
     parity = cases["cpu-parity-data"]["parity"]["data"]
     assert parity["generated_median_s"] > 0 and parity["torch_median_s"] > 0
     assert [f["case"] for f in doc["figures"]] == ["cpu-parity-data"]
