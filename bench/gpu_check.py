@@ -48,6 +48,7 @@ NCCL between GPUs, and the multi-GPU modes, need two GPUs or more.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -107,16 +108,15 @@ class Context:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End `proc` and everything it started in its session (placer's workers, torch's launcher)."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """End `proc` and everything it started in its session (torch's launcher, placer's workers):
+    SIGTERM (placer run stops its workers), then SIGKILL for whatever of the group is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @dataclass

@@ -56,8 +56,10 @@ def test_a_case_that_raises_hangs_or_needs_gpus_leaves_the_others_running(gc, tm
     def boom(ctx):
         raise ValueError("a bug in the case")
 
-    def hang(ctx):
-        ctx.call([sys.executable, "-c", "import time; time.sleep(60)"], "sleep")
+    def hang(ctx):  # and starts a process of its own, as placer run starts workers
+        ctx.call([sys.executable, "-c", "import subprocess, sys, time\n"
+                  f"open({str(tmp_path / 'child')!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid))\n"
+                  "time.sleep(60)"], "sleep")
         return {"ok": True}
 
     def fine(ctx):
@@ -72,6 +74,8 @@ def test_a_case_that_raises_hangs_or_needs_gpus_leaves_the_others_running(gc, tm
     assert [r["status"] for r in results] == ["error", "timeout", "skipped", "passed"]
     assert "ValueError: a bug in the case" in results[0]["reason"]
     assert "ran past the case's timeout" in results[1]["reason"]
+    status = Path(f"/proc/{(tmp_path / 'child').read_text()}/status")  # its child was stopped with it:
+    assert not status.exists() or "\nState:\tZ" in status.read_text()  # gone, or dead and not yet reaped
     assert results[2]["reason"] == "needs 2 GPU(s), 1 found"
     assert "2 passed" not in gc.summary(results, {"host": "h", "gpus": [], "torch": "t"})
 
