@@ -540,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         broken = preflight()
         if broken:
             print(f"placer cannot run here, so no case was started: {broken}\n"
-                  f"hint: pip install -r requirements-dev.txt -e . (wheels beforehand, where there is no internet)")
+                  "hint: pip install -r requirements-dev.txt -e . ; without internet, beforehand with the same "
+                  "Python: pip install --target .gpu-deps click PyYAML jsonschema rich ruff graphviz, "
+                  "then PYTHONPATH=$PWD/.gpu-deps")
             todo = []
         results = run_cases(todo, n, work=work, budget_s=args.budget, quick=args.quick, hardware=args.hardware,
                             cpu_only=args.cpu_only, none_why=why, say=lambda m: print(m, flush=True), done=write)
