@@ -6,6 +6,9 @@ generated programs with (bench/vs_torch.py). Each runs under torchrun:
     torchrun --nproc-per-node 2 bench/baselines/data_ddp.py --steps 30 --out times.json
 
 and rank 0 writes the time at the end of every step (seconds since the loop began) to --out.
+With BENCH_DEVICE=cuda each rank runs on GPU LOCAL_RANK and the ranks join over NCCL (the data
+made on the host, as the generated program makes it, and moved to the GPU each step); the
+default, cpu, is gloo with each worker's share of the cores.
 """
 from __future__ import annotations
 
@@ -24,6 +27,12 @@ WIDTHS = [256, 512, 512, 512, 10]
 BATCH_SIZE = 256
 SEED = 0
 LR = 0.001
+CUDA = os.environ.get("BENCH_DEVICE", "cpu") == "cuda"
+
+
+def device() -> torch.device:
+    """This rank's device: GPU LOCAL_RANK with BENCH_DEVICE=cuda, else the host."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if CUDA else torch.device("cpu")
 
 
 def mlp() -> nn.Sequential:
@@ -34,7 +43,7 @@ def mlp() -> nn.Sequential:
         layers.append(nn.Linear(a, b))
         if i < len(WIDTHS) - 2:
             layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return nn.Sequential(*layers).to(device())
 
 
 def batch(step: int, shape=(BATCH_SIZE, WIDTHS[0]), classes: int = 10):
@@ -44,13 +53,17 @@ def batch(step: int, shape=(BATCH_SIZE, WIDTHS[0]), classes: int = 10):
 
 
 def start() -> tuple[argparse.Namespace, int, int]:
-    """Parse --steps/--out, give this worker its share of the cores, join the gloo group."""
+    """Parse --steps/--out, give this worker its share of the cores (or its GPU), join the group."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", help="rank 0 writes the end time of every step here (JSON)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group("gloo")
+    if CUDA:
+        torch.cuda.set_device(device())
+        dist.init_process_group("nccl", device_id=device())
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        dist.init_process_group("gloo")
     return args, dist.get_rank(), dist.get_world_size()
 
 
@@ -64,9 +77,12 @@ class Clock:
         self.ends.append(time.perf_counter() - self.start)
 
     def finish(self, args, rank):
+        if CUDA:  # a step's end above is when the host queued it; wall_s waits for the GPU
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.start
         if rank == 0 and args.out:
             with open(args.out, "w") as f:
-                json.dump({"step_ends_s": self.ends}, f)
+                json.dump({"step_ends_s": self.ends, "wall_s": wall}, f)
         dist.barrier()
         dist.destroy_process_group()
         # leave without Python's shutdown, as placer's programs do: gloo's threads may still be
@@ -85,8 +101,9 @@ def train_on_rows(args, rank: int, world: int, model: nn.Module, opt) -> None:
     clock = Clock()
     for step in range(args.steps):
         x, y = batch(step)
+        x, y = x[rows].to(device()), y[rows].to(device())
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x[rows]), y[rows])
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         clock.tick()

@@ -127,6 +127,10 @@ def _gpu(name, fp32_tflops, bf16_tflops, mem_tbps, link_gbps, pcie_gbps, source)
 PROFILES = {
     "h100": _gpu("h100", 67, 989, 3.35, 450, 64, "NVIDIA H100 SXM5 data sheet"),
     "h100-pcie": _gpu("h100-pcie", 51, 756, 2.0, 300, 64, "NVIDIA H100 PCIe data sheet"),
+    # NVIDIA H200 SXM data sheet (nvidia.com/en-us/data-center/h200): 67 TFLOP/s FP32, 989 dense
+    # BF16 (1,979 is with sparsity), 141 GB of HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s
+    # (both bidirectional: 450 and 64 per direction)
+    "h200": _gpu("h200", 67, 989, 4.8, 450, 64, "NVIDIA H200 SXM data sheet"),
     "a100": _gpu("a100", 19.5, 312, 2.04, 300, 32, "NVIDIA A100 SXM4 80GB data sheet"),
     "l4": _gpu("l4", 30.3, 121, 0.3, 32, 32, "NVIDIA L4 data sheet (PCIe only)"),
     "v100": _gpu("v100", 15.7, 15.7, 0.9, 150, 16, "NVIDIA V100 SXM2 data sheet (no BF16: FP32 rate)"),
