@@ -144,6 +144,28 @@ def test_a_damaged_or_incomplete_checkpoint_is_passed_over(whole_runs, tmp_path)
     assert_same_run(whole, run)
 
 
+@pytest.mark.parametrize("damage", ["bit", "block"])
+def test_a_checkpoint_file_damaged_in_place_is_detected_and_the_one_before_used(damage, whole_runs, tmp_path):
+    """Same size, still loadable: a low bit flipped, or 4 KiB inverted, in the middle of rank 1's
+    file. Without its digest the run trained on from the damaged state (issue 32)."""
+    whole = whole_runs("zero")
+    run = interrupted_copy(whole, tmp_path / "run", keep_upto=4)
+    damaged = run / "ckpt" / "step_4" / "rank1.pt"
+    data = bytearray(damaged.read_bytes())
+    middle = len(data) // 2
+    if damage == "bit":
+        data[middle] ^= 1
+    else:
+        data[middle - 2048:middle + 2048] = bytes(b ^ 0xFF for b in data[middle - 2048:middle + 2048])
+    damaged.write_bytes(bytes(data))
+    r = placer_run(MODES["zero"], "--steps", "6", *CKPT, "--resume", str(run))
+    assert r.returncode == 0, r.stderr
+    assert (f"the checkpoint at step 4 is not usable: {run / 'ckpt' / 'step_4'}/rank1.pt is damaged: its sha256 "
+            "is not the one COMPLETE records; resuming from the checkpoint at step 2 instead") in r.stderr
+    assert "resumed from the checkpoint at step 2 of 6" in r.stdout
+    assert_same_run(whole, run)
+
+
 def test_resume_refuses_what_it_cannot_continue(tmp_path):
     r = placer_run(MODES["zero"], "--resume", str(tmp_path))
     assert r.returncode == 1 and "error[R032]" in r.stderr and "is not a run directory" in r.stderr
