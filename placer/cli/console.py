@@ -105,6 +105,10 @@ class RunConsole:
         if "resumed_from" in record:  # the program says where it continues
             first = record["resumed_from"]
             self.step = self.first = first
+            for bad in record.get("passed_over", []):  # damaged, truncated or unreadable: which file, and instead
+                instead = f"the checkpoint at step {first}" if first else "step 0"
+                self.say(f"the checkpoint at step {bad['step']} is not usable: {bad['dir']}/{bad['why']}; "
+                         f"resuming from {instead} instead", err=True)
             self.say(f"resumed from the checkpoint at step {first} of {record.get('steps')}" if first else
                      "no usable checkpoint: starting at step 0")
             return

@@ -155,12 +155,18 @@ def check_failure(report) -> str:
               help="Restart a failed run up to N times (same as --set runtime.max_restarts=N); each "
                    "restart resumes from the newest complete checkpoint (step 0 without one).")
 @click.option("--resume", "resume_dir", metavar="RUN_DIR", type=click.Path(file_okay=False),
-              help="Continue the run in RUN_DIR from its newest complete checkpoint (training.checkpoint); "
-                   "losses and final parameters are those of a run never interrupted.")
+              help="Continue the run in RUN_DIR from its newest complete checkpoint that verifies "
+                   "(training.checkpoint); losses and final parameters are those of a run never interrupted. "
+                   "The spec (after --set) must compute what RUN_DIR/spec.yaml computed: only training.steps, "
+                   "training.checkpoint, training.prefetch and runtime may change (else R033).")
+@click.option("--resume-anyway", is_flag=True,
+              help="With --resume: continue from the checkpoint although the spec changes what a step computes "
+                   "(batch size, optimizer, model, data, precision, schedule, placement), which R033 refuses "
+                   "otherwise. The run is then no longer the continuation of the one it resumes.")
 @set_option
 @verbosity_options
 def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt,
-            max_restarts, resume_dir, overrides):
+            max_restarts, resume_dir, resume_anyway, overrides):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
@@ -196,6 +202,8 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         overrides += (f"runtime.max_restarts={max_restarts}",)
     if resume_dir and (run_dir or overwrite):
         raise click.UsageError("--resume RUN_DIR continues the run in RUN_DIR: leave out --run-dir and --overwrite")
+    if resume_anyway and not resume_dir:
+        raise click.UsageError("--resume-anyway goes with --resume RUN_DIR")
     from placer.launch.run import Interrupted, interruptible
 
     console = RunConsole(quiet=fmt == "json", level=verbosity())
@@ -203,7 +211,7 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         with interruptible():
             outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
                           nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides,
-                          resume=resume_dir, tolerance=(rtol, atol))
+                          resume=resume_dir, resume_anyway=resume_anyway, tolerance=(rtol, atol))
     except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
         if not console.said_interrupted:
             console.say("interrupted before the run started", err=True)
@@ -230,37 +238,44 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
 
 
 def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
-        rdzv_endpoint, overrides=(), resume=None, tolerance=(None, None)) -> dict:
+        rdzv_endpoint, overrides=(), resume=None, resume_anyway=False, tolerance=(None, None)) -> dict:
     from placer.cli.main import load_and_warn
     from placer.codegen.program import generate
     from placer.launch import run as launcher
+    from placer.launch.resume import effective_spec, record_fingerprint, resume_changes
 
     spec = load_and_warn(spec_path, overrides, say=lambda text: console.say(text, err=True))
-    if overrides:  # run.log says what differs from RUN_DIR/spec.yaml
+    if overrides:  # run.log says how the run's spec.yaml came from SPEC
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)
     ckpt = spec.training.checkpoint
+    # RUN_DIR/spec.yaml is the spec as trained, and fingerprint.json what a later --resume must keep
+    data, text = effective_spec(spec.doc, Path(spec_path).read_bytes(), overrides, steps)
     if resume:
         run_dir = launcher.resumable_run_dir(Path(resume), spec)
         console.append = True
         console.say(f"resuming the run in {run_dir}")
-        if (run_dir / "spec.yaml").read_bytes() != Path(spec_path).read_bytes():
-            console.say(f"(the spec differs from {run_dir / 'spec.yaml'}; its checkpoint must fit this program)")
+        for change in resume_changes(run_dir, spec.doc, data, anyway=resume_anyway):
+            console.say(f"--resume-anyway: continuing with {change}", err=True)
         program = generate(spec, filename="program.py", out_dir=str(run_dir))
         launcher.write_atomically(run_dir / "program.py", program.text)
     else:
         wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
         program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
-        run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted,
-                                         Path(spec_path).read_bytes(), overwrite=overwrite,
-                                         checkpoint_dir=ckpt.dir if ckpt else None)
+        run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(),
+                                         overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None)
         (run_dir / "program.py").write_text(program.text)
+        record_fingerprint(run_dir, data)
+
+    def trains_on() -> None:  # a resume's checkpoint loaded: the run trains with this spec from here
+        launcher.write_atomically(run_dir / "spec.yaml", text)
+        record_fingerprint(run_dir, data)
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
                "backend": binding.backend, "world_size": program.world_size}
     try:
         return _launch_and_check(spec, program, binding, run_dir, console, outcome, check=check, steps=steps,
                                  nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                                 resume=bool(resume), tolerance=tolerance)
+                                 resume=bool(resume), on_resumed=trains_on, tolerance=tolerance)
     except PlacerError as e:
         console.log += [d.format() for d in e.diagnostics]
         raise
@@ -273,7 +288,8 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
 
 
 def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole, outcome: dict, *, check, steps,
-                      nnodes, node_rank, rdzv_endpoint, resume=False, tolerance=(None, None)) -> dict:
+                      nnodes, node_rank, rdzv_endpoint, resume=False, on_resumed=None,
+                      tolerance=(None, None)) -> dict:
     from placer.launch import run as launcher
     from placer.launch.logs import log_name
     from placer.launch.metrics import MetricsWriter
@@ -304,6 +320,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
         console.say(plots.note, level=DETAIL)
 
     def progress(record: dict) -> None:
+        if "resumed_from" in record and on_resumed:
+            on_resumed()
         if plots:
             plots.add(record)
         console.progress(record)
@@ -342,6 +360,8 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
         if result.hang:  # the ranks that failed timed out waiting for one that stopped answering
             raise RunError(hang_report(spec, program.devices, run_dir, result.hang))
         raise RunError(failure_report(spec, program.devices, run_dir, result.failures))
+    if resume and on_resumed:  # again: a node other than 0 sees no progress records
+        on_resumed()
     if not result.metrics:  # ranks of node 0 write the results
         console.say(f"done in {result.wall_s:.1f} s; node 0 writes metrics.json and final_params.pt", level=RESULT)
         outcome["ok"] = True

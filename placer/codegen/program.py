@@ -36,8 +36,9 @@ from placer.plan.ir import OpKind
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
-STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "importlib", "importlib.util", "json", "mmap",
-          "os", "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
+STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "hashlib", "importlib", "importlib.util",
+          "json", "mmap", "os", "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
+CHECKPOINT_ONLY = ("hashlib", "shutil")  # imported by programs that save checkpoints
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def header(spec: Spec, program: Program, segs: list[Seg], filename: str) -> str:
 def imports(piece_imports: list[str], checkpoint: bool, cut: bool, then: list[str]) -> list[str]:
     """The standard library's imports, `then` (the constants and the launcher: `python program.py`
     starts torchrun without importing torch), and torch's."""
-    std = [f"import {m}" for m in STDLIB if m != "shutil" or checkpoint] + ["from datetime import timedelta"]
+    std = [f"import {m}" for m in STDLIB if m not in CHECKPOINT_ONLY or checkpoint] + ["from datetime import timedelta"]
     third = ["import torch", "import torch.distributed as dist", "import torch.nn as nn"]
     if checkpoint:  # sharded parameters and optimizer state are saved as their local pieces
         third.append("from torch.distributed.tensor import DTensor")

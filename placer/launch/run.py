@@ -91,7 +91,7 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
            "stopped.json", "metrics.csv", "tensorboard", STATUS_DIR,
-           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json")
+           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json", "fingerprint.json")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
 
@@ -240,9 +240,8 @@ class RunResult:
     """When ranks timed out waiting: the rank they waited for and what each was doing."""
 
 
-def _follow(path: Path, on_progress, stop: threading.Event) -> None:
-    """Call on_progress(record) for each line the program appends to progress.jsonl."""
-    pos = 0
+def _follow(path: Path, on_progress, stop: threading.Event, pos: int = 0) -> None:
+    """Call on_progress(record) for each line the program appends to progress.jsonl after `pos`."""
     while not stop.is_set() or path.exists() and path.stat().st_size > pos:
         if path.exists():
             with open(path) as f:
@@ -311,7 +310,9 @@ def launch(program: Path, run_dir: Path, binding: Binding, program_args: list[st
     stop = threading.Event()
     follower = None
     if on_progress:
-        follower = threading.Thread(target=_follow, args=(run_dir / PROGRESS, on_progress, stop), daemon=True)
+        # a resumed run's file holds the earlier runs' records: only this run's are news
+        start = (run_dir / PROGRESS).stat().st_size if resume and (run_dir / PROGRESS).exists() else 0
+        follower = threading.Thread(target=_follow, args=(run_dir / PROGRESS, on_progress, stop, start), daemon=True)
         follower.start()
     watchdog = Watchdog(run_dir)  # kills a stopped worker that the launcher is ending
     if sys.platform.startswith("linux"):

@@ -144,6 +144,54 @@ def test_a_damaged_or_incomplete_checkpoint_is_passed_over(whole_runs, tmp_path)
     assert_same_run(whole, run)
 
 
+@pytest.mark.parametrize("damage", ["bit", "block"])
+def test_a_checkpoint_file_damaged_in_place_is_detected_and_the_one_before_used(damage, whole_runs, tmp_path):
+    """Same size, still loadable: a low bit flipped, or 4 KiB inverted, in the middle of rank 1's
+    file. Without its digest the run trained on from the damaged state (issue 32)."""
+    whole = whole_runs("zero")
+    run = interrupted_copy(whole, tmp_path / "run", keep_upto=4)
+    damaged = run / "ckpt" / "step_4" / "rank1.pt"
+    data = bytearray(damaged.read_bytes())
+    middle = len(data) // 2
+    if damage == "bit":
+        data[middle] ^= 1
+    else:
+        data[middle - 2048:middle + 2048] = bytes(b ^ 0xFF for b in data[middle - 2048:middle + 2048])
+    damaged.write_bytes(bytes(data))
+    r = placer_run(MODES["zero"], "--steps", "6", *CKPT, "--resume", str(run))
+    assert r.returncode == 0, r.stderr
+    assert (f"the checkpoint at step 4 is not usable: {run / 'ckpt' / 'step_4'}/rank1.pt is damaged: its sha256 "
+            "is not the one COMPLETE records; resuming from the checkpoint at step 2 instead") in r.stderr
+    assert "resumed from the checkpoint at step 2 of 6" in r.stdout
+    assert_same_run(whole, run)
+
+
+def test_a_resume_that_changes_the_computation_is_refused_unless_asked(whole_runs, tmp_path):
+    """The spec as trained (after --set) is what a resume is held to: another batch size is R033
+    naming it, before any worker starts; --resume-anyway goes on with it, and RUN_DIR/spec.yaml
+    then says so. Steps may change: the run continues where it was."""
+    whole = whole_runs("zero")
+    run = interrupted_copy(whole, tmp_path / "run", keep_upto=4)
+    r = placer_run(MODES["zero"], *CKPT, "--set", "training.batch_size=32", "--resume", str(run))
+    assert r.returncode == 1 and "error[R033]:" in r.stderr and "Traceback" not in r.stderr
+    assert "in what changes the computation: training.batch_size: 16 -> 32" in r.stderr
+    assert "batch_size: 16" in (run / "spec.yaml").read_text()
+
+    r = placer_run(MODES["zero"], *CKPT, "--set", "training.steps=8", "--resume", str(run))  # 6 -> 8: free
+    assert r.returncode == 0, r.stderr
+    assert "resumed from the checkpoint at step 4 of 8" in r.stdout
+    losses = json.loads((run / "metrics.json").read_text())["losses"]
+    assert len(losses) == 8 and losses[:6] == json.loads((whole / "metrics.json").read_text())["losses"]
+
+    again = interrupted_copy(whole, tmp_path / "again", keep_upto=4)
+    r = placer_run(MODES["zero"], "--steps", "6", *CKPT, "--set", "training.batch_size=32", "--resume", str(again),
+                   "--resume-anyway")
+    assert r.returncode == 0, r.stderr
+    assert "--resume-anyway: continuing with training.batch_size: 16 -> 32" in r.stderr
+    assert "resumed from the checkpoint at step 4 of 6" in r.stdout
+    assert "  batch_size: 32\n" in (again / "spec.yaml").read_text()
+
+
 def test_resume_refuses_what_it_cannot_continue(tmp_path):
     r = placer_run(MODES["zero"], "--resume", str(tmp_path))
     assert r.returncode == 1 and "error[R032]" in r.stderr and "is not a run directory" in r.stderr

@@ -3,6 +3,7 @@ program's fault handling (atomic files, checkpoints, timeouts) is what `generate
 from __future__ import annotations
 
 import ast
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,33 @@ def test_a_checkpoint_counts_when_complete_and_every_file_is_whole(tmp_path):
     assert why is None and loaded["losses"] == [1.0] and torch.equal(loaded["modules"][0]["w"], torch.ones(3))
     assert ns["read_checkpoint"](str(tmp_path), 2, 1, 2)[1].startswith("rank1.pt: FileNotFoundError")
     assert ns["read_checkpoint"](str(tmp_path), 2, 0, 2)[1] == "rank0.pt holds step 2 of rank 0 of 1"
+
+
+@pytest.mark.parametrize("damage", ["bit", "block"])
+def test_a_checkpoint_file_of_the_right_size_but_damaged_is_refused_by_its_digest(tmp_path, damage):
+    """A flipped low bit or an inverted 4 KiB block keeps the size and, in tensor data, still
+    loads: only the sha256 that save_hashed recorded in COMPLETE tells it apart."""
+    import torch
+
+    ns = template_namespace(CHECKPOINT_KEEP=None)
+    path = tmp_path / "step_2"
+    path.mkdir()
+    state = {"step": 2, "rank": 0, "world": 1, "modules": [{"w": torch.randn(64, 64)}], "optimizers": [], "losses": []}
+    entry = ns["save_hashed"](state, str(path / "rank0.pt"))
+    raw = (path / "rank0.pt").read_bytes()
+    assert entry == {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}  # what was written
+    ns["write_json"](str(path / "COMPLETE"), {"step": 2, "files": {"rank0.pt": entry}})
+    assert ns["read_checkpoint"](str(tmp_path), 2, 0, 1)[1] is None
+    data = bytearray(raw)
+    middle = len(data) // 2  # inside the tensor's 16 KiB
+    if damage == "bit":
+        data[middle] ^= 1
+    else:
+        data[middle - 2048:middle + 2048] = bytes(b ^ 0xFF for b in data[middle - 2048:middle + 2048])
+    (path / "rank0.pt").write_bytes(bytes(data))
+    assert torch.load(path / "rank0.pt", weights_only=True)["step"] == 2  # torch.load alone takes it
+    loaded, why = ns["read_checkpoint"](str(tmp_path), 2, 0, 1)
+    assert loaded is None and why == "rank0.pt is damaged: its sha256 is not the one COMPLETE records"
 
 
 def test_a_restart_says_which_rank_failed_how_and_which_attempt_follows():
