@@ -42,6 +42,6 @@ class Inputs(dict):
         return Inputs({k: v.narrow(dim, start, length) for k, v in self.items()})
 
 
-def forward(model, x):
+def run_model(model, x):
     """model(x), or model(**x) for several named inputs."""
     return model(**x) if isinstance(x, dict) else model(x)

@@ -25,7 +25,7 @@ def reference(args):
         loss = 0.0
         for xm, ym in zip(x.chunk(ACCUMULATE), y.chunk(ACCUMULATE)):  # training.accumulate's micro-steps
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
-                micro = compute_loss(forward(model, xm.to(device)), ym.to(device)) * (xm.shape[0] / BATCH_SIZE)
+                micro = compute_loss(run_model(model, xm.to(device)), ym.to(device)) * (xm.shape[0] / BATCH_SIZE)
             micro.backward()  # the gradients add up in .grad
             loss += micro.detach()
         facts = {}
