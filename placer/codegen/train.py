@@ -59,9 +59,9 @@ class TrainWriter(TrainingOptions):
                  orders: dict[int, str] | None = None, named: bool = False, own_loss: bool = False):
         self.segs, self.world, self.devices = segs, world, devices
         self.named = named
+        """model.inputs: the batch's input is Inputs (runtime/batch.py), passed to forward by keyword."""
         self.own_loss = own_loss
         """output: loss: the model's output is its loss, one number: the rows are the target's."""
-        """model.inputs: the batch's input is Inputs (runtime/batch.py), passed to forward by keyword."""
         self.lockstep = lockstep
         """A module model run in lockstep (runtime/lockstep.py): every rank runs the whole forward."""
         self.scheduled = training is not None and training.lr_schedule is not None

@@ -390,13 +390,14 @@ def _projections(layer: nn.Module) -> dict:
                 value = getattr(holder, attr, None) if holder is not None else None
                 if isinstance(value, int) and not isinstance(value, bool):
                     heads.append((path, prefix + attr, value))
-    held = {(path, v) for path, _, v in heads}
-    counts = {path: {v for p, _, v in heads if p == path} for path, _, _ in heads}
+    counts: dict[str, set[int]] = {}  # module path -> the head counts it holds
+    for path, _, v in heads:
+        counts.setdefault(path, set()).add(v)
     per_head = tuple((path, name, tuple(t.shape)) for path, n in counts.items()  # ALiBi's slopes, a bias [heads, ..]
                      for name, t in [*layer.get_submodule(path).named_parameters(recurse=False),
                                      *layer.get_submodule(path).named_buffers(recurse=False)] if set(t.shape) & n)
     return {"projections": tuple(proj), "heads": tuple(heads), "head_tensors": per_head,
-            "head_tables": tuple((p, n) for p, dim, n in tables if (p.rpartition(".")[0], dim) in held)}
+            "head_tables": tuple((p, n) for p, dim, n in tables if dim in counts.get(p.rpartition(".")[0], ()))}
 
 
 def model_output(spec: Spec, output):

@@ -416,7 +416,7 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
 
     Raises ForwardFailed (with the failing layer, if any) when the forward raises.
     """
-    named = args[0] if len(args) == 1 and isinstance(args[0], dict) else None  # model.inputs, by keyword
+    named = _named(args)
     if named is not None:
         args, use_fx = tuple(named.values()), False
     mods = {name: module.get_submodule(name) for name in layers}
@@ -446,6 +446,11 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
                        calls=tuple(rec.calls), linear_reads={k: tuple(v) for k, v in rec.linear_reads.calls.items()})
 
 
+def _named(args: tuple) -> dict | None:
+    """model.inputs: the one argument is {name: tensor}, passed to forward by keyword."""
+    return args[0] if len(args) == 1 and isinstance(args[0], dict) else None
+
+
 _READ_VALUE = (torch.Tensor.item, torch.Tensor.__bool__)
 _ALL = (torch.all, torch.Tensor.all)
 _GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None))
@@ -473,33 +478,35 @@ class _LinearReads:
 
     def __init__(self, mods: dict):
         self.calls: dict[str, list] = {name: [] for name in mods}
-        self.seen: list = []  # every input read, alive until the trace ends
-        self.made: dict[int, tuple[str, object]] = {}  # id(grad_fn of a Linear's output) -> (layer, path)
+        self.called: set = set()  # (layer, path) of each Linear called so far
+        self.keys: dict[int, int] = {}  # id(an input read) -> its number
+        self.seen: list = []  # every input read, alive until the trace ends (so ids stay distinct)
+        self.made: dict[int, tuple[str, str]] = {}  # id(grad_fn of a Linear's output) -> (layer, path)
         self.linears = [(layer, path, m) for layer, lm in mods.items() for path, m in lm.named_modules()
                         if path and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
 
     def hooks(self):
         for layer, path, m in self.linears:
             yield m.register_forward_pre_hook(self._pre(layer, path))
-            yield m.register_forward_hook(self._post(layer))
+            yield m.register_forward_hook(self._post(layer, path))
 
     def _pre(self, layer, path):
         def hook(module, args):
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if x is None or any(p == path for p, *_ in self.calls[layer]):
+            if x is None or (layer, path) in self.called:  # its first call only
                 return
-            key = next((i for i, t in enumerate(self.seen) if t is x), None)
-            if key is None:
+            self.called.add((layer, path))
+            key = self.keys.setdefault(id(x), len(self.seen))
+            if key == len(self.seen):
                 self.seen.append(x)
-                key = len(self.seen) - 1
             self.calls[layer].append((path, key, self._feeder(layer, x.grad_fn), math.prod(x.shape[:-1]),
                                       x.requires_grad))
         return hook
 
-    def _post(self, layer):
+    def _post(self, layer, path):
         def hook(module, args, out):
             if isinstance(out, torch.Tensor) and out.grad_fn is not None:
-                self.made[id(out.grad_fn)] = (layer, module)
+                self.made[id(out.grad_fn)] = (layer, path)
         return hook
 
     def _feeder(self, layer, fn) -> str:
@@ -509,7 +516,7 @@ class _LinearReads:
                 return ""
             made = self.made.get(id(fn))
             if made is not None:
-                return next((p for l, p, m in self.linears if l == layer and m is made[1]), "") if made[0] == layer else ""
+                return made[1] if made[0] == layer else ""
             if not any(w in type(fn).__name__ for w in _ELEMENTWISE):
                 return ""
             fn = next((f for f, _ in fn.next_functions if f is not None and type(f).__name__ != "AccumulateGrad"), None)
@@ -554,7 +561,7 @@ def autocast_dtypes(module: torch.nn.Module, layers: list[str], args: tuple) -> 
         with FakeTensorMode(), torch.autocast("cpu", dtype=torch.bfloat16):
             state = {n: torch.empty(t.shape, dtype=t.dtype, requires_grad=t.requires_grad) for n, t in
                      list(module.named_parameters()) + list(module.named_buffers())}  # tied: one name each
-            named = args[0] if len(args) == 1 and isinstance(args[0], dict) else {}  # model.inputs
+            named = _named(args) or {}
             fake = tuple(torch.empty(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in args)
             functional_call(module, state, () if named else fake,
                             {k: torch.empty(x.shape, dtype=x.dtype) for k, x in named.items()}, strict=False)

@@ -296,7 +296,8 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
                                "GPT-2's c_attn fuses q, k and v in one output, which a column split would cut across "
                                "q, k and v)", loc, "use mode data (or shard: full) for this segment")]
     for l, loc in zip(info, locs):  # the first refusal is enough: the other blocks are alike
-        paired = {p for cols, row in groups(l) for p in (*cols, row)}
+        found = groups(l)
+        paired = {p for cols, row in found for p in (*cols, row)}
         lone = [p for p, *_ in l.projections if p not in paired]
         if lone:
             return [Diagnostic("P028", f"segment {seg.name!r}: Linear {l.name}.{lone[0]} has no partner in its "
@@ -304,7 +305,7 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
                                "halves, then its last as the row half; across sibling modules, the Linears reading "
                                "one tensor, or a Linear feeding the next through elementwise work only, then the next "
                                "Linear called)", loc, "place this layer in a segment with mode data or none")]
-        holders = {cols[0].rpartition(".")[0] for cols, _ in groups(l)}
+        holders = {cols[0].rpartition(".")[0] for cols, _ in found}
         kept = [(path, name, shape) for path, name, shape in l.head_tensors if path in holders]
         if kept:  # its heads split, the tensor whole: each rank would add every head's values to its own
             path, name, shape = kept[0]
@@ -316,7 +317,7 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
                                "use mode data (or shard: full) for this segment, or keep the per-head values in "
                                "an nn.Embedding")]
         sizes = {p: (n_in, n_out) for p, _, n_in, n_out, _ in l.projections}
-        for cols, row in groups(l):
+        for cols, row in found:
             parent = cols[0].rpartition(".")[0]  # the attention module: its columns' (BERT's self, not output)
             bad = [(f"{p} out_features", sizes[p][1]) for p in cols] + [(f"{row} in_features", sizes[row][0])]
             bad += [(f"{a} of {l.name}.{parent}" if parent else f"{a} of {l.name}", v)
