@@ -144,7 +144,7 @@ def validate(specs, deep, fmt, strict, overrides):
                 what = (units.count(len(spec.model.layers), "layer") if spec.model.inline
                         else f"module {spec.model.module}")
                 warned = f", {units.count(len(diags), 'warning')}" if diags else ""
-                click.echo(f"{path}: ok ({what}, {units.count(len(spec.placement), 'segment')}, "
+                click.echo(f"{path}: ok ({what}, {'placement auto' if spec.auto else units.count(len(spec.placement), 'segment')}, "
                            f"{units.count(len(spec.devices), 'device')}{warned})")
             if fmt == "text":
                 echo(f"{path}: checked in {seconds * 1000:.0f} ms{' (--deep)' if deep else ''}", level=1, err=True)

@@ -344,6 +344,10 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
                 spec.doc.loc(("model", "module")), "pass --deep to build it on the meta device (it runs "
                 "the model's __init__ and forward; no weights are allocated)"))
         graph, plan, est, timeline = build_and_plan(spec, progress=say)
+        from placer.cli.main import emit_diagnostics
+        from placer.estimate.capacity import over_capacity
+
+        emit_diagnostics(over_capacity(spec, est), "text", file=sys.stderr)
         echo(f"placer: planned in {time.perf_counter() - t0:.2f} s", level=DETAIL, err=True)
         st = None
         if hardware:

@@ -127,11 +127,14 @@ def _check_devices(spec: Spec) -> list[Diagnostic]:
     seen: dict[Device, int] = {}
     for i, dev in enumerate(spec.devices):
         canon = Device.parse(dev)  # no prefix means node0: `node0/cuda:0` is `cuda:0`
-        if canon in seen and spec.devices[seen[canon]] != dev:  # exact repeats are schema errors
-            diags.append(D("P010", f"device {dev!r} is listed twice (also as {spec.devices[seen[canon]]!r})",
+        if canon in seen:  # exact repeats of a plain name are schema errors, of a mapping's name not
+            also = "" if spec.devices[seen[canon]] == dev else f" (also as {spec.devices[seen[canon]]!r})"
+            diags.append(D("P010", f"device {dev!r} is listed twice{also}",
                            spec.doc.loc(("devices", i)), "a device without a node prefix is on node0; "
                            "each listed device is one worker: keep one name"))
         seen.setdefault(canon, i)
+    if spec.auto:  # nothing is placed yet: which devices run what is the search's choice
+        return diags
     used = set()
     for seg in spec.placement:
         for dev, loc in zip(seg.devices, seg.device_locs):
@@ -444,6 +447,11 @@ def _check_mode_shapes(spec: Spec, groups) -> list[Diagnostic]:
 
 def check(spec: Spec) -> list[Diagnostic]:
     """All semantic diagnostics (errors and warnings), in file order."""
+    if spec.auto:  # the placement's rules are the search's to meet (placer/search)
+        diags = _check_devices(spec) + _check_names(spec) + _check_auto(spec)
+        if spec.model.layers is not None and not any(d.severity == "error" for d in diags):
+            diags += _check_shapes(spec, None)
+        return sorted(diags, key=lambda d: (d.severity != "error", d.loc.line, d.loc.col))
     names = layer_names(spec)
     groups, diags = (resolve_segments(spec, names) if names is not None else (None, []))
     diags += _check_devices(spec) + _check_names(spec) + _check_pipeline(spec)
@@ -451,6 +459,15 @@ def check(spec: Spec) -> list[Diagnostic]:
     if groups is not None and not any(d.code in ("P001", "P002", "P003", "P004") for d in diags):
         diags += _check_shapes(spec, groups)
     return sorted(diags, key=lambda d: (d.severity != "error", d.loc.line, d.loc.col))
+
+
+def _check_auto(spec: Spec) -> list[Diagnostic]:
+    """P100: with `placement: auto` the search chooses the pipeline too."""
+    if spec.pipeline is None:
+        return []
+    return [D("P100", "'pipeline' is given but the placement is auto", spec.pipeline.loc,
+              "the search chooses the stages, schedule and micro-batches: remove 'pipeline', or write the "
+              "placement (`placer suggest` writes one to start from)")]
 
 
 def _check_size(doc: load.Document) -> list[Diagnostic]:

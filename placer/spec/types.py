@@ -7,6 +7,7 @@ the user did not write, consumers that read options from a plan fall back on
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from placer.diagnostics import Loc
@@ -202,12 +203,37 @@ class Runtime:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """A listed device with what the spec states about it (`{name: cuda:0, memory: 80GiB, hardware: h100}`)."""
+    name: str
+    memory: int | None = None
+    """Bytes a plan may use on it (what `plan` estimates as its total); None: no limit stated."""
+    hardware: str | None = None
+    """The hardware profile it is scored on (estimate/hardware.py); None: the command's choice."""
+    loc: Loc = field(default_factory=Loc, compare=False)
+
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """`80GiB`, `16 GB`, `512MiB` or an integer, in bytes (the schema's `memory_size`)."""
+    if isinstance(value, int):
+        return value
+    number, unit = re.fullmatch(r"([0-9.]+)\s*([A-Za-z]+)", value.strip()).groups()  # type: ignore[union-attr]
+    return int(float(number) * SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True, kw_only=True)
 class Spec:
     name: str
     description: str | None
     model: Model
     devices: tuple[str, ...]
+    """The listed devices' names, in order (a mapping's `name`)."""
     placement: tuple[Segment, ...]
+    """() with `auto`: the search (placer/search) fills it in."""
     pipeline: Pipeline | None
     route: str = "direct"
     """Spec-wide copy route: direct | via_host."""
@@ -217,6 +243,10 @@ class Spec:
     """The spec file (for resolving relative module paths)."""
     doc: Document = field(repr=False, compare=False)
     """The loaded document, for locations of anything else."""
+    device_specs: tuple[DeviceSpec, ...] = ()
+    """Each listed device with its stated memory and hardware (None where not stated)."""
+    auto: bool = False
+    """`placement: auto` or no placement: the search chooses it."""
 
     def device_loc(self, device: str) -> Loc:
         return self.doc.loc(("devices", self.devices.index(device)))
@@ -232,6 +262,13 @@ def _expand_layers(doc: Document, raw: list) -> tuple[Layer, ...]:
         else:
             out.append(Layer(name=l["name"], **common))
     return tuple(out)
+
+
+def _device(doc: Document, i: int, raw: str | dict) -> DeviceSpec:
+    if isinstance(raw, str):
+        return DeviceSpec(name=raw, loc=doc.loc(("devices", i)))
+    return DeviceSpec(name=raw["name"], memory=parse_size(raw["memory"]) if "memory" in raw else None,
+                      hardware=raw.get("hardware"), loc=doc.loc(("devices", i)))
 
 
 def _given(raw: dict, *keys: str) -> dict:
@@ -268,7 +305,8 @@ def from_document(doc: Document) -> Spec:
         loc=doc.loc(("model",)),
     )
     segments = []
-    for i, s in enumerate(d["placement"]):
+    auto = d.get("placement", "auto") == "auto"
+    for i, s in enumerate([] if auto else d["placement"]):
         p = ("placement", i)
         if "devices" in s:
             devs, dlocs = tuple(s["devices"]), tuple(doc.loc(p + ("devices", k)) for k in range(len(s["devices"])))
@@ -302,7 +340,9 @@ def from_document(doc: Document) -> Spec:
         name=d["name"],
         description=d.get("description"),
         model=model,
-        devices=tuple(d["devices"]),
+        devices=tuple(x if isinstance(x, str) else x["name"] for x in d["devices"]),
+        device_specs=tuple(_device(doc, i, x) for i, x in enumerate(d["devices"])),
+        auto=auto,
         placement=tuple(segments),
         pipeline=Pipeline(microbatches=pl["microbatches"], **_given(pl, "schedule"),
                           loc=doc.loc(("pipeline",))) if pl else None,
