@@ -4,6 +4,7 @@
     spec = placer.load("spec.yaml")            # the validated Spec (SpecError if not valid)
     report = placer.plan(spec)                 # .table(), .to_json(), .svg(); shows as a graph in Jupyter
     source = placer.generate(spec, "prog.py")  # the standalone torch program
+    found = placer.suggest("spec.yaml")        # placement: auto -> the fastest plan that fits; .text, .best
 
 Importing placer does not import torch; plan and generate do.
 """
@@ -12,10 +13,10 @@ import types
 
 __version__ = "0.1.0"
 
-from placer.api import generate, load, plan  # noqa: E402
+from placer.api import generate, load, plan, suggest  # noqa: E402
 from placer.diagnostics import PlanError, SpecError  # noqa: E402
 
-__all__ = ["load", "plan", "generate", "SpecError", "PlanError", "__version__"]
+__all__ = ["load", "plan", "generate", "suggest", "SpecError", "PlanError", "__version__"]
 
 
 class _Package(types.ModuleType):

@@ -1,4 +1,4 @@
-"""The Python API: `placer.load`, `placer.plan`, `placer.generate`, for scripts and notebooks.
+"""The Python API: `placer.load`, `placer.plan`, `placer.generate`, `placer.suggest`, for scripts and notebooks.
 
 The same stages as the CLI, returning values and raising `SpecError` / `PlanError` (with the
 same diagnostics the CLI prints). torch is imported on first use, not by `import placer`.
@@ -66,6 +66,32 @@ class PlanReport:
         return self.table().splitlines()[0]
 
 
+def _resolved(spec):
+    """`placement: auto` resolved by the search (on this machine's cpu profile)."""
+    from placer.search import resolve
+
+    return resolve(spec)[0]
+
+
+def suggest(spec_or_path, hardware: str = "cpu", overrides=()):
+    """Search for the placement of a Spec (or a spec file) whose placement is `auto` or missing
+    (a written one is searched for anew): the fastest predicted plan that fits every stated
+    memory. Returns a `placer.search.Suggestion`: `.text` (the spec to write, with its comment
+    header), `.spec` (it, loaded), `.best` and `.kept` (candidates, fastest first). Raises
+    PlanError A001 when no placement fits. A module model is built: this RUNS THE MODEL CODE."""
+    import dataclasses
+
+    from placer.deps import require_torch
+
+    require_torch("placer.suggest()")
+    from placer.search import suggest as search
+
+    spec = _spec(spec_or_path, overrides)
+    if not spec.auto:
+        spec = dataclasses.replace(spec, placement=(), pipeline=None, auto=True)
+    return search(spec, hardware)
+
+
 def plan(spec_or_path, overrides=()) -> PlanReport:
     """Plan a Spec (or a spec file): memory, communication and FLOPs per device. For a
     `model.module` spec this builds the model on the meta device, so it RUNS THE MODEL CODE."""
@@ -74,7 +100,7 @@ def plan(spec_or_path, overrides=()) -> PlanReport:
     require_torch("placer.plan()")
     from placer.cli.plan_cmd import build_and_plan
 
-    spec = _spec(spec_or_path, overrides)
+    spec = _resolved(_spec(spec_or_path, overrides))
     graph, lowered, estimate, timeline = build_and_plan(spec)
     return PlanReport(spec, graph, lowered, estimate, timeline)
 
@@ -87,7 +113,7 @@ def generate(spec_or_path, output=None, overrides=()) -> str:
     require_torch("placer.generate()")
     from placer.codegen.program import generate as generate_program
 
-    spec = _spec(spec_or_path, overrides)
+    spec = _resolved(_spec(spec_or_path, overrides))
     where = os.path.dirname(os.path.abspath(output)) if output else None  # it finds the spec's files from there
     text = generate_program(spec, filename=os.path.basename(output) if output else "program.py", out_dir=where).text
     if output:

@@ -50,6 +50,9 @@ def command(spec_path, output, fmt, overrides):
     t0 = time.perf_counter()
     try:
         spec = load_and_warn(spec_path, overrides)
+        from placer.search import resolve
+
+        spec, _ = resolve(spec, lambda msg: echo(f"placer: {msg}", err=True))
         output = output or f"{spec.name}_program.py"
         program = generate(spec, filename=os.path.basename(output), out_dir=os.path.dirname(os.path.abspath(output)))
     except PlacerError as e:

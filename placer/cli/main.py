@@ -48,6 +48,7 @@ def main():
     placer plan spec.yaml       per-device memory, copies, collectives, comm bytes, diagrams
     placer generate spec.yaml   a readable standalone torch program
     placer run spec.yaml        generate and launch it (simulated on CPU workers if devices are missing)
+    placer suggest spec.yaml    find the placement: the fastest plan that fits (writes the spec)
     placer init -o spec.yaml    a commented starter spec (--model REF: your model's layers, placed)
     placer schema               the JSON Schema of a spec (--path: where the installed file is)
 
@@ -155,7 +156,7 @@ def _register_optional_commands():
     """Commands of later stages live in their own modules."""
     import importlib
 
-    for mod in ("placer.cli.plan_cmd", "placer.cli.generate_cmd", "placer.cli.run_cmd", "placer.cli.init_cmd",
+    for mod in ("placer.cli.plan_cmd", "placer.cli.generate_cmd", "placer.cli.run_cmd", "placer.cli.init_cmd", "placer.cli.suggest_cmd",
                 "placer.cli.schema_cmd"):
         try:
             m = importlib.import_module(mod)

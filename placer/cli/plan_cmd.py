@@ -319,6 +319,9 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
       placer plan --deep --svg out/placement.svg --schedule out/schedule.svg specs/gpt_1b.yaml
       placer plan --hardware cpu specs/mlp_pipeline_1f1b.yaml   # predicted step time
 
+    With `placement: auto` (or none) it plans the placement the search chooses (`placer
+    suggest`; scored on --hardware, `cpu` without it) and says which on stderr.
+
     -q leaves out the progress messages on stderr (the plan itself is the result); -v adds
     how long building and planning took.
     """
@@ -343,6 +346,9 @@ def command(spec_path, fmt, plan_text, dot, svg, png, schedule_path, deep, hardw
                 "P071", f"model.module {spec.model.module!r} is user code, and planning it runs that code",
                 spec.doc.loc(("model", "module")), "pass --deep to build it on the meta device (it runs "
                 "the model's __init__ and forward; no weights are allocated)"))
+        from placer.search import resolve
+
+        spec, _ = resolve(spec, say, hardware or "cpu")
         graph, plan, est, timeline = build_and_plan(spec, progress=say)
         from placer.cli.main import emit_diagnostics
         from placer.estimate.capacity import over_capacity

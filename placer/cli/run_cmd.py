@@ -243,14 +243,17 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
     from placer.codegen.program import generate
     from placer.launch import run as launcher
     from placer.launch.resume import effective_spec, record_fingerprint, resume_changes
+    from placer.search import resolve
 
     spec = load_and_warn(spec_path, overrides, say=lambda text: console.say(text, err=True))
+    spec, chosen = resolve(spec, lambda text: console.say(text, err=True))  # `placement: auto`
     if overrides:  # run.log says how the run's spec.yaml came from SPEC
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)
     ckpt = spec.training.checkpoint
     # RUN_DIR/spec.yaml is the spec as trained, and fingerprint.json what a later --resume must keep
-    data, text = effective_spec(spec.doc, Path(spec_path).read_bytes(), overrides, steps)
+    data, text = (effective_spec(spec.doc, Path(spec_path).read_bytes(), overrides, steps) if chosen is None
+                  else effective_spec(spec.doc, chosen.encode(), (), steps))  # auto: with the placement chosen
     if resume:
         run_dir = launcher.resumable_run_dir(Path(resume), spec)
         console.append = True

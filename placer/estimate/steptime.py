@@ -7,7 +7,7 @@ device runs its ops in order on one clock:
   layers at each device's shapes (`Hardware.layer_times`, estimate/layertime.py); else the larger
   of FLOPs / FLOP/s (a convolution's at the profile's conv rates) and bytes in and out / memory
   bandwidth, plus a fixed cost per layer and pass, backward twice the forward (a zero-bubble
-  half once); a pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
+  half once), plus the forward again in a recomputed segment's backward; a pipeline's action (one micro-batch) adds the schedule's fixed cost per action;
   a layer the device ran just before in the same pass (the next micro-batch) takes its warm
   time where measured;
 - a copy, split, merge or collective starts when every device in it has reached it and ends
@@ -80,19 +80,21 @@ def compute_seconds(op: Op, plan: Plan, graph: ModelGraph, hw: Hardware, micro_s
     seg = plan.segments[op.segment]
     share = seg.degree * plan.microbatches * micro_steps
     factor = BACKWARD_FACTOR[op.phase]
+    redo = seg.recompute and op.phase in ("bwd", "bwd_input")  # its forward runs again first
     t = 0.0
     for name in plan.chunk_layers(op):
         layer = graph.layer(name)
         timed = hw.layer_times.get((op.segment, name))
         if timed:  # measured at this device's shape, its fixed cost included; a zero-bubble half: half
             fwd, bwd = timed[2:] if again and len(timed) == 4 else timed[:2]
-            t += fwd if op.phase == "fwd" else factor / 2 * bwd
+            t += fwd if op.phase == "fwd" else factor / 2 * bwd + redo * fwd
             continue
         flops, conv = layer.flops / share, layer.op in CONV_OPS
         if op.phase == "fwd":
             work = flops / rate(hw, flops, conv=conv) if flops else 0.0
         else:  # a zero-bubble half is half of a whole backward
             work = factor / 2 * 2 * flops / rate(hw, flops, backward=True, conv=conv) if flops else 0.0
+            work += redo * flops / rate(hw, flops, conv=conv) if flops else 0.0
         t += max(work, factor * (layer.in_bytes + layer.out_bytes) / share / hw.mem_bw) + hw.layer_overhead
     return t + (hw.action_s if op.microbatch is not None else 0.0)
 
@@ -205,7 +207,14 @@ def _bucket_ready(op: Op, last_bwd, plan: Plan, graph: ModelGraph) -> float:
     return start + (end - start) * done
 
 
-def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
+def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware, own: dict | None = None) -> StepTime:
+    """`own`: device -> the Hardware it runs on where it is not `hw` (a CPU beside GPUs, GPUs of two
+    kinds): its compute and step at its own rates, a copy or collective at its slowest member's."""
+    own = own or {}
+
+    def on(d: str) -> Hardware:
+        return own.get(d, hw)
+
     seq = {d: micro_steps(plan, d) for d in plan.devices}
     devices = [d for d in plan.devices if seq[d]]
     clock = {d: 0.0 for d in plan.devices}
@@ -229,15 +238,15 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
             start = clock[d]
             again = (op.segment, op.tensor, op.phase) in ran[d]
             ran[d].add((op.segment, op.tensor, op.phase))
-            run(d, compute_seconds(op, plan, graph, hw, n, again), "compute", op)
+            run(d, compute_seconds(op, plan, graph, on(d), n, again), "compute", op)
             if op.phase in ("bwd", "bwd_weight"):
                 last_bwd[d] = (start, clock[d], op)
         elif k == OpKind.STEP:
             clock[d] = max(clock[d], comm_free[d])
-            run(d, step_seconds(plan, graph, d, est, hw) / max(1, _steps_on(plan, d)), "step", op)
+            run(d, step_seconds(plan, graph, d, est, on(d)) / max(1, _steps_on(plan, d)), "step", op)
         elif k == OpKind.SEND:
             key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
-            arrivals.setdefault(key, []).append(clock[d] + micro_step_seconds(op, hw, n))
+            arrivals.setdefault(key, []).append(clock[d] + max(micro_step_seconds(op, on(g), n) for g in (d, *op.dst)))
         elif k == OpKind.RECV:
             key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
             if not arrivals.get(key):
@@ -251,10 +260,10 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware) -> StepTime:
             group = [g for g in op.devices if g in clock]
             if any(at[g] >= len(seq[g]) or _key(seq[g][at[g]][0]) != _key(op) for g in group):
                 return False
-            seconds = micro_step_seconds(op, hw, n)
+            seconds = max(micro_step_seconds(op, on(g), n) for g in group)
             if _overlapped(op, plan):
                 start = max(max(_bucket_ready(op, last_bwd[g], plan, graph), comm_free[g]) for g in group)
-                stolen = (1 - hw.overlap) * seconds  # what the backward does not hide: its cores' time
+                stolen = (1 - min(on(g).overlap for g in group)) * seconds  # what the backward does not hide: its cores' time
                 for g in group:
                     comm_free[g] = start + seconds
                     busy[g]["overlapped"] += seconds - stolen
