@@ -106,7 +106,8 @@ def _hardware(spec: Spec, default: str) -> dict[str, str]:
 def _profiles(names: dict[str, str], workers: int):
     from placer.estimate import hardware as hw
 
-    return {d: hw.profile(n, workers) for d, n in names.items()}
+    made = {n: hw.profile(n, workers) for n in sorted(set(names.values()))}  # one object per profile
+    return {d: made[n] for d, n in names.items()}
 
 
 def model_graph(spec: Spec, say=lambda msg: None):
@@ -304,7 +305,7 @@ def _score(spec: Spec, graph, c: Candidate, hw, default_hw, caps) -> tuple[Candi
     if spec.model.inline and any(d.severity == "error" for d in check(s)):
         return None, []
     try:
-        plan = lower(place(s, graph), s, graph)
+        plan = lower(place(s, graph), s, graph, each=False)
         est = estimate(plan, graph, s.training.optimizer, s.training.prefetch, lambda n: layer_geometry(s, n))
     except (PlacerError, ValueError, AssertionError):
         return None, []
@@ -312,7 +313,7 @@ def _score(spec: Spec, graph, c: Candidate, hw, default_hw, caps) -> tuple[Candi
     if short:
         return None, short
     try:
-        st = step_time(plan, graph, est, default_hw, {d: hw[d] for d in plan.devices})
+        st = step_time(plan, graph, est, default_hw, {d: hw[d] for d in plan.devices if hw[d] is not default_hw})
     except ValueError:
         return None, []
     t = st.per_device[st.critical]

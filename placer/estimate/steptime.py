@@ -215,6 +215,10 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware, own: dict | None
     def on(d: str) -> Hardware:
         return own.get(d, hw)
 
+    def slowest(op: Op, n: int, devices) -> float:  # a copy or collective at its slowest member's rates
+        kinds = {id(h): h for h in map(on, devices)} if own else {0: hw}
+        return max(micro_step_seconds(op, h, n) for h in kinds.values())
+
     seq = {d: micro_steps(plan, d) for d in plan.devices}
     devices = [d for d in plan.devices if seq[d]]
     clock = {d: 0.0 for d in plan.devices}
@@ -246,7 +250,7 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware, own: dict | None
             run(d, step_seconds(plan, graph, d, est, on(d)) / max(1, _steps_on(plan, d)), "step", op)
         elif k == OpKind.SEND:
             key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
-            arrivals.setdefault(key, []).append(clock[d] + max(micro_step_seconds(op, on(g), n) for g in (d, *op.dst)))
+            arrivals.setdefault(key, []).append(clock[d] + slowest(op, n, (d, *op.dst)))
         elif k == OpKind.RECV:
             key = (op.segment, op.phase, op.tensor, op.microbatch, op.src, op.dst)
             if not arrivals.get(key):
@@ -260,7 +264,7 @@ def step_time(plan: Plan, graph: ModelGraph, est, hw: Hardware, own: dict | None
             group = [g for g in op.devices if g in clock]
             if any(at[g] >= len(seq[g]) or _key(seq[g][at[g]][0]) != _key(op) for g in group):
                 return False
-            seconds = max(micro_step_seconds(op, on(g), n) for g in group)
+            seconds = slowest(op, n, group)
             if _overlapped(op, plan):
                 start = max(max(_bucket_ready(op, last_bwd[g], plan, graph), comm_free[g]) for g in group)
                 stolen = (1 - min(on(g).overlap for g in group)) * seconds  # what the backward does not hide: its cores' time

@@ -6,6 +6,7 @@ All sizes are for one training step on the *global* batch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 INPUT = "input"
@@ -158,7 +159,11 @@ class ModelGraph:
         return [l.name for l in self.layers]
 
     def layer(self, name: str) -> LayerInfo:
-        return next(l for l in self.layers if l.name == name)
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, LayerInfo]:  # (the estimators look layers up by name per op)
+        return {l.name: l for l in self.layers}
 
     @property
     def total_params(self) -> int:

@@ -487,8 +487,12 @@ def insert_grad_norm(plan: Plan, spec: Spec, graph: ModelGraph) -> Plan:
 PASSES = (insert_copies, insert_splits, insert_collectives, insert_pipeline, insert_ties, insert_grad_norm)
 
 
-def lower(plan: Plan, spec: Spec, graph: ModelGraph, passes=PASSES) -> Plan:
-    """Run the lowering passes in order, verifying the plan after each."""
+def lower(plan: Plan, spec: Spec, graph: ModelGraph, passes=PASSES, each: bool = True) -> Plan:
+    """Run the lowering passes in order, verifying the plan after each (`each=False`: after the last
+    only, as the placement search lowers many candidates)."""
     for i, p in enumerate(passes):
-        plan = verify(p(plan, spec, graph), complete=i == len(passes) - 1, after=p.__name__)
+        last = i == len(passes) - 1
+        plan = p(plan, spec, graph)
+        if each or last:
+            plan = verify(plan, complete=last, after=p.__name__)
     return plan
