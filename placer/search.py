@@ -34,6 +34,9 @@ from placer.estimate.capacity import Shortfall, memory_caps, shortfalls
 from placer.spec.types import Parallel, Pipeline, Segment, Selector, Spec
 
 SCHEDULES = ("gpipe", "1f1b")
+FULL = 48
+"""Candidates that fit scored by the step-time model: the rest, slower by the quick bound
+(`_quick`), are left out (a large space: 64 devices, 96 layers)."""
 KEEP = 20
 """Candidates kept in a Suggestion (the best first); `--format json` lists them."""
 
@@ -290,6 +293,38 @@ def candidates(spec: Spec, graph, kinds: dict[str, str], hw, caps: dict) -> list
     return out
 
 
+def _quick(c: Candidate, graph, hw, caps: dict, slots: int) -> tuple[bool, float]:
+    """(whether it seems to exceed a stated memory, a rough step time): each stage's compute at its
+    hardware's rates over its degree, plus data parallelism's gradient all-reduce or tensor
+    parallelism's activation all-reduces at the link's bandwidth; stages one after the other,
+    or a pipeline's (m + p - 1) micro-batch slots of its slowest stage. It orders the candidates
+    for the step-time model, which decides."""
+    index = {n: i for i, n in enumerate(graph.names)}
+    times, over = [], False
+    for s in c.stages:
+        g, h = len(s.devices), hw[s.devices[0]]
+        deg = g if s.mode != "none" else 1
+        secs, mem = _layer_costs(graph, h, deg, slots)
+        ids = [index[n] for n in s.layers]
+        t = sum(secs[i] for i in ids)
+        params = sum(graph.layers[i].param_bytes for i in ids)
+        opts = dict(s.options)
+        if s.mode == "data":
+            t += 2 * params * (g - 1) / g / h.link_bw * (1.5 if opts.get("shard") == "full" else 1)
+        elif s.mode == "tensor":
+            d = opts.get("data", 1)
+            t += 4 * sum(graph.layers[i].out_bytes for i in ids) / d / h.link_bw + 2 * params / g / h.link_bw
+        held = sum(mem[i] for i in ids)
+        if s.mode == "data" and opts.get("shard") in ("optimizer", "full"):
+            held -= sum(graph.layers[i].param_bytes for i in ids) * slots * (g - 1) / g
+        over |= any(held > caps[d] for d in s.devices if d in caps)
+        times.append(t)
+    if c.schedule:
+        m, p = c.microbatches or 1, len(c.stages)
+        return over, (m + p - 1) * max(times) / m + m * p * hw[c.stages[0].devices[0]].action_s
+    return over, sum(times)
+
+
 # -- scoring -----------------------------------------------------------------------------------------
 
 def _score(spec: Spec, graph, c: Candidate, hw, default_hw, caps) -> tuple[Candidate | None, list[Shortfall]]:
@@ -328,7 +363,7 @@ def suggest(spec: Spec, hardware: str = "cpu", say: Callable[[str], None] = lamb
             graph=None) -> Suggestion:
     """The fastest placement whose estimate fits every stated memory, as a Suggestion. PlanError:
     A001 when none fits (naming the smallest shortfall), A002 when the search finds no plan."""
-    from placer.estimate.steptime import workers_per_host  # noqa: F401  (the profiles' workers below)
+    from placer.estimate.memory import state_slots
 
     t0 = time.perf_counter()
     graph = graph if graph is not None else model_graph(spec, say)
@@ -346,7 +381,12 @@ def suggest(spec: Spec, hardware: str = "cpu", say: Callable[[str], None] = lamb
     fits: list[Candidate] = []
     closest: tuple[int, Candidate, list[Shortfall]] | None = None
     pruned = 0
-    for c in cands:
+    slots = state_slots(spec.training.optimizer)[0]
+    quick = [_quick(c, graph, hw, caps, slots) for c in cands]
+    order = sorted(range(len(cands)), key=lambda i: (quick[i], i))
+    for c in (cands[i] for i in order):
+        if len(fits) >= FULL:  # the rest are slower by the quick bound (what a large space needs)
+            break
         scored, short = _score(spec, graph, c, hw, default_hw, caps)
         if short:  # recompute only adds work: it is tried where a plan does not fit without it
             c = dataclasses.replace(c, stages=tuple(dataclasses.replace(s, recompute=True) for s in c.stages))
