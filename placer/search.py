@@ -352,9 +352,9 @@ def _score(spec: Spec, graph, c: Candidate, hw, default_hw, caps) -> tuple[Candi
     except ValueError:
         return None, []
     t = st.per_device[st.critical]
-    exposed = t.comm_s
-    bound = (f"{st.critical} finishes last: compute {units.seconds(t.compute_s)}, "
-             f"communication {units.seconds(exposed)} exposed, optimizer {units.seconds(t.step_s)}")
+    stage = next(i for i, g in enumerate(c.stages) if st.critical in g.devices)
+    bound = (f"{st.critical} (stage s{stage}) finishes last: compute {units.seconds(t.compute_s)}, "
+             f"communication {units.seconds(t.comm_s)} exposed, optimizer {units.seconds(t.step_s)}")
     return dataclasses.replace(c, step_s=st.step_s, critical=st.critical, bound=bound,
                                memory={d: e.total_bytes for d, e in est.per_device.items()}), []
 
@@ -476,7 +476,7 @@ def header(spec: Spec, c: Candidate, ranked: list[Candidate], hardware: dict, ca
         for o in others:
             peak = max(o.memory.values())
             lines.append(f"    {o.describe().ljust(w)}  {units.seconds(o.step_s):>9}  peak {units.size(peak)}")
-    return "".join(f"# {line}".rstrip() + "\n" for line in lines)
+    return "".join(f"# {line}".rstrip() + "\n" for line in lines) + "#\n"
 
 
 def spec_text(spec: Spec, c: Candidate, ranked: list[Candidate], hardware: dict, caps: dict) -> str:

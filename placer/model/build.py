@@ -524,7 +524,7 @@ def checked_graph(spec: Spec) -> ModelGraph:
 
 def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[Diagnostic]:
     diags = _check_loss(spec, graph)
-    if not spec.model.inline:
+    if not spec.model.inline and not spec.auto:  # (auto: the search checks what it places)
         groups, sel = check.resolve_segments(spec, graph.names)
         diags += sel
         if not sel:
@@ -538,6 +538,7 @@ def _deep_diagnostics(spec: Spec, module: nn.Module, graph: ModelGraph) -> list[
                 diags += _check_outside_reads(spec, graph, placed)
             elif not any(d.severity == "error" for d in diags) and len(placed) > 1:
                 diags += _check_cut(spec, module, placed)
+    if not spec.model.inline:
         dropout = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                         and m.p > 0), None)
         if dropout and len(spec.devices) > 1:

@@ -135,6 +135,8 @@ def test_placement_auto_through_plan_generate_and_the_api(tmp_path):
 @pytest.mark.parametrize("case", ["tinygpt_auto.yaml", "hf_llama_auto.yaml"])
 def test_module_models_get_a_placement_that_validates_deep(case, tmp_path):
     pytest.importorskip("transformers") if case.startswith("hf_") else None
+    r = invoke("validate", "--deep", CASES / case)  # the auto spec itself: its model builds, its loss runs
+    assert r.exit_code == 0 and "placement auto" in r.output, r.output
     out = tmp_path / "placed.yaml"
     r = invoke("suggest", CASES / case, "-o", out)
     assert r.exit_code == 0, r.output
