@@ -37,6 +37,9 @@ SCHEDULES = ("gpipe", "1f1b")
 FULL = 48
 """Candidates that fit scored by the step-time model: the rest, slower by the quick bound
 (`_quick`), are left out (a large space: 64 devices, 96 layers)."""
+BUDGET = 100_000
+"""Of the candidates scored, their devices times micro-batches in all (what lowering and replaying
+them costs, `_size`); past it, once one fits, only candidates that still fit in it are scored."""
 KEEP = 20
 """Candidates kept in a Suggestion (the best first); `--format json` lists them."""
 
@@ -293,6 +296,12 @@ def candidates(spec: Spec, graph, kinds: dict[str, str], hw, caps: dict) -> list
     return out
 
 
+def _size(c: Candidate) -> int:
+    """About how many ops its plan holds: each device's actions grow with the micro-batches, and a
+    tensor-parallel stage's all-reduces with its layers."""
+    return sum(len(s.devices) * (1 + len(s.layers) if s.mode == "tensor" else 1) for s in c.stages) * (c.microbatches or 1)
+
+
 def _quick(c: Candidate, graph, hw, caps: dict, slots: int) -> tuple[bool, float]:
     """(whether it seems to exceed a stated memory, a rough step time): each stage's compute at its
     hardware's rates over its degree, plus data parallelism's gradient all-reduce or tensor
@@ -384,9 +393,19 @@ def suggest(spec: Spec, hardware: str = "cpu", say: Callable[[str], None] = lamb
     slots = state_slots(spec.training.optimizer)[0]
     quick = [_quick(c, graph, hw, caps, slots) for c in cands]
     order = sorted(range(len(cands)), key=lambda i: (quick[i], i))
+    firsts: dict[tuple, int] = {}  # the quick bound's best of each shape first: it errs by mode and shape
+    for i in order:
+        c = cands[i]
+        firsts.setdefault((len(c.stages), c.stages[0].devices, c.stages[0].mode, c.stages[0].options), i)
+    lead = set(firsts.values())
+    order = list(firsts.values()) + [i for i in order if i not in lead]
+    spent = 0
     for c in (cands[i] for i in order):
         if len(fits) >= FULL:  # the rest are slower by the quick bound (what a large space needs)
             break
+        if fits and spent + _size(c) > BUDGET:  # its op lists alone would take the rest of the budget
+            continue
+        spent += _size(c)
         scored, short = _score(spec, graph, c, hw, default_hw, caps)
         if short:  # recompute only adds work: it is tried where a plan does not fit without it
             c = dataclasses.replace(c, stages=tuple(dataclasses.replace(s, recompute=True) for s in c.stages))
