@@ -1,4 +1,4 @@
-"""`placer suggest`: search for the placement, and write it as a spec (placer/search.py)."""
+"""`placer suggest`: search for the placement, and write it as a spec (placer/search/)."""
 from __future__ import annotations
 
 import json

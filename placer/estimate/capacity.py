@@ -1,5 +1,5 @@
 """Stated capacities against the memory estimate: what `plan` warns about (W008) and what the
-placement search prunes by (placer/search.py)."""
+placement search prunes by (placer/search/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
