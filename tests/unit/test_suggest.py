@@ -144,3 +144,21 @@ def test_module_models_get_a_placement_that_validates_deep(case, tmp_path):
     r = invoke("validate", "--deep", out)
     assert r.exit_code == 0, r.output
     assert "2 segments" in r.output
+
+
+def test_stages_on_a_slower_device_get_fewer_layers():
+    """The cut weighs each layer at its stage's own hardware: an H100 beside an L4 takes more layers."""
+    from placer.search import space
+
+    layers = "".join(f"    - {{name: l{i}, op: Linear, args: [2048, 2048]}}\n" for i in range(8))
+    text = (f"placer: 1\nname: mixed\nmodel:\n  layers:\n{layers}  input: {{shape: [B, 2048]}}\n"
+            "  target: {shape: [B, 2048]}\n  loss: MSELoss\n"
+            "devices: [{name: cuda:0, hardware: h100}, {name: cuda:1, hardware: l4}]\n"
+            "training: {batch_size: 256, steps: 1, optimizer: {op: SGD, lr: 0.1}}\n")
+    spec = load_spec_text(text)
+    graph = space.model_graph(spec)
+    hw = search._profiles(search._hardware(spec, "cpu"), 2)
+    two = [c for c in space.candidates(spec, graph, {"cuda:0": "h100", "cuda:1": "l4"}, hw, {})
+           if len(c.stages) == 2 and not c.schedule]
+    # a layer: 0.22 ms on the H100, 0.41 on the L4 (FP32 data sheets): 5 + 3 (1.10 / 1.24 ms), not 4 + 4
+    assert [len(s.layers) for s in two[0].stages] == [5, 3]
