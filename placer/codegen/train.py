@@ -410,18 +410,19 @@ class TrainWriter(TrainingOptions):
           *self.autocast(f"out = {self.call_model('x.to(device)')}"),
           "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
         self.when(last.ranks, *self.autocast(f"loss = compute_loss(out, y.to(device)) * ({self.rows('out', 'y')} / BATCH_SIZE)"))
+        c("out = None  # the loss's graph keeps what its backward needs (elsewhere: a stand-in's zeros)")
         if m:
             c("saved.append((loss, crossing.take()))").dedent()
             c("mb_losses = []", "for loss, crossed in saved:").indent()
             c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
             c("loss = None if mb_losses[0] is None else sum(mb_losses).detach()  # this rank's share of the batch's "
               "loss", "# the graphs were kept for glue that segments share (retain_graph): let them go before the next "
-              "forward", "out = saved = crossed = mb_losses = None")
+              "forward", "saved = crossed = mb_losses = None")
         else:
             c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
               'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
-            c("# the graph was kept for glue that segments share (retain_graph): let it go before the next forward",
-              "out, loss = None, None if loss is None else loss.detach()")
+            c("loss = None if loss is None else loss.detach()  # the graph was kept for glue that segments share "
+              "(retain_graph): let it go before the next forward")
         if self.beside and len(last.ranks) > 1:
             c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
               "    loss = None  # it counts once, on the first")
