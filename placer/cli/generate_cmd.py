@@ -10,6 +10,7 @@ import click
 
 from placer.cli.console import DETAIL, echo, verbosity_options
 from placer.cli.options import set_option
+from placer.cli.run_slurm import sbatch_options
 from placer.diagnostics import PlacerError
 
 
@@ -19,9 +20,14 @@ from placer.diagnostics import PlacerError
               help="Where to write the program (default: <spec name>_program.py here).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: {program, world_size, devices, command} on stdout.")
+@click.option("--sbatch", "sbatch", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the Slurm job script for SPEC to FILE instead of the program (submit it with "
+                   "`sbatch FILE`; takes --partition, --time, --account, --sbatch-option). Its nodes run "
+                   "`placer run --in-job`, so placer must be installed where the job runs.")
+@sbatch_options
 @set_option
 @verbosity_options
-def command(spec_path, output, fmt, overrides):
+def command(spec_path, output, fmt, overrides, sbatch, slurm):
     """Write a standalone, readable torch training program for SPEC.
 
     The program imports torch and the spec's own model / data files only (never placer),
@@ -38,6 +44,8 @@ def command(spec_path, output, fmt, overrides):
       torchrun --nproc-per-node 3 program.py     # one worker per device
       python program.py                          # starts its own workers
       python program.py --reference              # the whole model in one process
+      placer generate spec.yaml --sbatch job.sbatch --partition gpu --time 1:00:00
+      sbatch job.sbatch                          # one Slurm job (docs/cluster.md)
 
     -q prints only the line that says what was written; -v adds how long generating took.
     """
@@ -50,10 +58,13 @@ def command(spec_path, output, fmt, overrides):
     t0 = time.perf_counter()
     try:
         spec = load_and_warn(spec_path, overrides)
-        output = output or f"{spec.name}_program.py"
+        output = output or f"{spec.name}_program.py"  # --sbatch: generated all the same, to fail here, not in the job
         program = generate(spec, filename=os.path.basename(output), out_dir=os.path.dirname(os.path.abspath(output)))
     except PlacerError as e:
         fail(e, fmt)
+    if sbatch:
+        _write_sbatch(spec, spec_path, sbatch, slurm, overrides, fmt)
+        return
     try:
         with open(output, "w") as f:
             f.write(program.text)
@@ -69,3 +80,28 @@ def command(spec_path, output, fmt, overrides):
     echo(f"run it: {command_line}")
     echo(f"    or: python {output}   (starts its own workers; --simulate runs them all on CPU)")
     echo(f"generated in {time.perf_counter() - t0:.2f} s ({len(program.text.splitlines())} lines)", level=DETAIL)
+
+
+def _write_sbatch(spec, spec_path: str, path: str, slurm, overrides, fmt: str) -> None:
+    from placer.cli.main import fail
+    from placer.launch import slurm as jobs
+
+    try:
+        text = jobs.script(spec, spec_path=spec_path, run_dir=None, options=slurm,
+                           placer_args=tuple(a for o in overrides for a in ("--set", o)))
+        shape = jobs.job_shape(spec)
+    except PlacerError as e:
+        fail(e, fmt)
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        click.echo(f"error: cannot write {path}: {e.strerror}", err=True)
+        sys.exit(1)
+    if fmt == "json":
+        click.echo(json.dumps({"sbatch": path, "nodes": shape.nnodes, "workers_per_node": shape.per_node,
+                               "gpus_per_node": shape.gpus_per_node, "command": f"sbatch {path}"}, indent=2))
+        return
+    click.echo(f"wrote {path} (a Slurm job: {shape.nnodes} node(s) x {shape.per_node} worker(s)"
+               f"{f', {shape.gpus_per_node} GPU(s) per node' if shape.gpus_per_node else ''})")
+    echo(f"submit it: sbatch {path}   (its run directory: runs/{spec.name}-<job id>, or $PLACER_RUN_DIR)")

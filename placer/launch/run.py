@@ -91,7 +91,8 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
            "stopped.json", "metrics.csv", "tensorboard", STATUS_DIR,
-           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json", "fingerprint.json")
+           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json", "fingerprint.json",
+           "job", "job.sbatch")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
 
