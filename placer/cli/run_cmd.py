@@ -198,6 +198,12 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
     from placer.deps import require_torch
 
     require_torch("placer run")
+    if launcher == "slurm" and (resume_dir or in_job or nnodes > 1 or node_rank or rdzv_endpoint):
+        raise click.UsageError("--launcher slurm starts every node itself: leave out --resume, --in-job, "
+                               "--nnodes, --node-rank and --rdzv-endpoint")
+    if launcher != "slurm" and (detach or any(vars(slurm).values())):
+        raise click.UsageError("--detach, --partition, --time, --account and --sbatch-option go with "
+                               "--launcher slurm")
     if in_job and node_rank == 0 and os.environ.get("SLURM_NODEID", "").isdigit():
         node_rank = int(os.environ["SLURM_NODEID"])  # one task per node: its node rank is Slurm's
     if in_job and not run_dir:
@@ -218,9 +224,6 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
     if launcher == "slurm":
         from placer.cli.run_slurm import submit_and_follow
 
-        if resume_dir or in_job or nnodes > 1 or rdzv_endpoint:
-            raise click.UsageError("--launcher slurm starts every node itself: leave out --resume, --in-job, "
-                                   "--nnodes, --node-rank and --rdzv-endpoint")
         submit_and_follow(spec_path, console, fmt, slurm=slurm, detach=detach, run_dir=run_dir, overwrite=overwrite,
                           steps=steps, overrides=overrides, check=check, tolerance=(rtol, atol))
     job = JobNode(Path(run_dir), node_rank) if in_job else None

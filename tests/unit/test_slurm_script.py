@@ -1,0 +1,58 @@
+"""`placer generate --sbatch`: the job script, and the errors before anything is submitted
+(the real Slurm runs are tests/distributed/test_slurm.py)."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from placer.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sbatch(tmp_path: Path, spec: str, *args: str) -> str:
+    out = tmp_path / "job.sbatch"
+    r = CliRunner().invoke(main, ["generate", str(ROOT / "specs" / spec), "--sbatch", str(out), *args])
+    assert r.exit_code == 0, r.output
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0  # it parses
+    return out.read_text()
+
+
+def test_two_nodes_of_two_gpus(tmp_path):
+    text = sbatch(tmp_path, "mlp_multi_node.yaml", "--partition", "gpu", "--time", "1:00:00",
+                  "--sbatch-option=--qos=high", "--set", "training.steps=5")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=2",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=1:00:00", "#SBATCH --qos=high"):
+        assert line + "\n" in text
+    assert 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
+    assert ('$PLACER run "$SPEC" --in-job --run-dir "$RUN_DIR" --set training.steps=5 --nnodes "$SLURM_NNODES" '
+            '--rdzv-endpoint "$HEAD:$PORT"') in text
+    assert f"SPEC={ROOT / 'specs' / 'mlp_multi_node.yaml'}\n" in text
+
+
+def test_cpu_workers_on_one_node_ask_for_no_gpu(tmp_path):
+    text = sbatch(tmp_path, "mlp_cpu_workers.yaml")
+    assert "#SBATCH --nodes=1\n" in text and "--gpus-per-node" not in text and "--rdzv-endpoint" not in text
+    assert 'RUN_DIR="${PLACER_RUN_DIR:-runs/mlp_cpu_workers-$SLURM_JOB_ID}"' in text
+
+
+def test_a_bad_time_limit_is_a_usage_error(tmp_path):
+    r = CliRunner().invoke(main, ["generate", str(ROOT / "specs" / "mlp_cpu_workers.yaml"), "--sbatch",
+                                  str(tmp_path / "j"), "--time", "1h"])
+    assert r.exit_code == 2 and "--time '1h' is not a Slurm time limit" in r.output
+
+
+def test_without_slurm_the_run_says_r040(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    r = CliRunner().invoke(main, ["run", str(ROOT / "specs" / "mlp_cpu_workers.yaml"), "--launcher", "slurm",
+                                  "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 1, r.output
+    assert "error[R040]: Slurm's sbatch is not on this machine's PATH" in r.stderr
+    assert (tmp_path / "run" / "job.sbatch").exists()  # written all the same: it can be submitted elsewhere
+
+
+def test_slurm_flags_that_start_nodes_themselves_are_refused():
+    r = CliRunner().invoke(main, ["run", "spec.yaml", "--launcher", "slurm", "--nnodes", "2"])
+    assert r.exit_code == 2 and "--launcher slurm starts every node itself" in r.output
