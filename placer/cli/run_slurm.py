@@ -234,7 +234,7 @@ def _follow(job_id: str, progress: Path, job_dir: Path, console: RunConsole):
         state = jobs.job_state(job_id)
         if (state.state, state.reason) != said:
             said = (state.state, state.reason)
-            if not state.done:
+            if not state.done and state.state != "COMPLETING":  # ending: what it ended as comes next
                 where = f" on {state.nodes}" if state.running and state.nodes else ""
                 console.say(f"job {job_id} {state.state.lower()}{where}" + (f" ({state.reason})" if state.reason else ""))
         relay(final=state.done)
