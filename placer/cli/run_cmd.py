@@ -290,7 +290,7 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         console.log_name = job.log_name
         program = job.program(spec)
     else:
-        program, run_dir = new_run_dir(spec, run_dir, overwrite, node_rank, data, text)
+        program, run_dir = new_run_dir(spec, run_dir, overwrite, node_rank, data, text, job is not None)
         if job:
             job.save_program(program)
 
@@ -314,9 +314,10 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         console.save(run_dir)
 
 
-def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str):
+def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str, in_job: bool = False):
     """Claim a run directory (`run_dir`, or a new runs/<name>-<time>) and write the program,
-    the spec as trained and its fingerprint into it: (program, run dir)."""
+    the spec as trained and its fingerprint into it: (program, run dir). `in_job`: the job's
+    script made RUN_DIR/job/ already (its nodes' output goes there)."""
     from placer.codegen.program import generate
     from placer.launch import run as launcher
     from placer.launch.resume import record_fingerprint
@@ -325,7 +326,8 @@ def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str)
     wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
     program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
     run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(),
-                                     overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None)
+                                     overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None,
+                                     ignore=("job",) if in_job else ())
     (run_dir / "program.py").write_text(program.text)
     record_fingerprint(run_dir, data)
     return program, run_dir

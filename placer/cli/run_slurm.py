@@ -23,6 +23,7 @@ from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 from placer.launch.slurm import CANCELLED, JOB_DIR, SlurmOptions, option_problem
 
 POLL_S = 0.5
+UNKNOWN_POLLS = 20  # a job Slurm does not know for this many polls in a row has ended
 _PROGRESS_LINE = re.compile(r"^step \d+/\d+  loss ")  # the node's plain progress: shown from progress.jsonl instead
 
 
@@ -230,8 +231,13 @@ def _follow(job_id: str, progress: Path, job_dir: Path, console: RunConsole):
                     console.say(line if node == "0" else f"node {node}: {line}", err=path.suffix == ".err",
                                 level=RESULT)
 
+    unknown = 0
     while True:
         state = jobs.job_state(job_id)
+        unknown = unknown + 1 if state.state == "UNKNOWN" else 0
+        if 0 < unknown < UNKNOWN_POLLS:  # the controller busy or restarting: ask again before giving up
+            time.sleep(POLL_S)
+            continue
         if (state.state, state.reason) != said:
             said = (state.state, state.reason)
             if not state.done and state.state != "COMPLETING":  # ending: what it ended as comes next

@@ -97,11 +97,12 @@ OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "fin
 
 
 def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, overwrite: bool = False,
-                  checkpoint_dir: str | None = None) -> Path:
+                  checkpoint_dir: str | None = None, ignore: tuple[str, ...] = ()) -> Path:
     """A run directory that this run alone writes to, claimed by creating its spec.yaml
     exclusively (two runs started together never share one). `path` None: `stem`, `stem-2`, ...,
     the first that os.mkdir creates. A given `path` is created if missing; if it holds files it
-    is refused (R027) unless `overwrite`, which removes a previous run's outputs first."""
+    is refused (R027) unless `overwrite`, which removes a previous run's outputs first; entries
+    named in `ignore` do not count (a Slurm job's job/ folder, which its script makes first)."""
     try:
         if path is None:
             path, n = Path(stem), 2
@@ -110,7 +111,7 @@ def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, over
         elif not _made(path):
             if not path.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
-            if any(path.iterdir()) and not overwrite:
+            if any(p.name not in ignore for p in path.iterdir()) and not overwrite:
                 raise RunError(Diagnostic("R027", f"run directory {path} already holds files", Loc(str(path)),
                                           "choose a new --run-dir, or pass --overwrite to replace a previous "
                                           "run's outputs there"))

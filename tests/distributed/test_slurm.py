@@ -198,6 +198,33 @@ def test_a_slurm_run_checks_against_the_reference(slurm, tmp_path):
     assert "Traceback" not in err
 
 
+def wait_for_job(env: dict, job: str, timeout: float = 240) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+        state = out.split("JobState=")[1].split()[0] if "JobState=" in out else "UNKNOWN"
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(0.5)
+    return "TIMED OUT"
+
+
+def test_the_generated_script_submitted_by_hand(slurm, tmp_path):
+    """`placer generate --sbatch` then `sbatch`: the job makes its run directory itself."""
+    proc = placer(slurm, "generate", str(spec(tmp_path, steps=1)), "--sbatch", "job.sbatch", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    env = {**slurm, "PLACER_RUN_DIR": str(tmp_path / "run"),
+           "PYTHONPATH": str(ROOT) + os.pathsep + slurm.get("PYTHONPATH", "")}
+    job = subprocess.run(["sbatch", "--parsable", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert wait_for_job(slurm, job) == "COMPLETED", _tail(tmp_path / f"slurm-{job}.out") + \
+        _tail(tmp_path / "run" / "job" / "node-0.err")
+    outcome = json.loads((tmp_path / "run" / "job" / "node-0.json").read_text())
+    assert outcome["ok"] and outcome["metrics"]["steps"] == 1
+    assert (tmp_path / "run" / "metrics.json").exists() and (tmp_path / "run" / "logs" / "cpu-1.log").exists()
+
+
 def test_a_failing_rank_is_named(slurm, tmp_path):
     run_dir = tmp_path / "run"
     proc = placer(slurm, "run", str(spec(tmp_path, steps=3, fail_rank=1)), "--launcher", "slurm",
@@ -228,3 +255,29 @@ def test_scancel_is_reported_as_cancelled(slurm, tmp_path):
             proc.wait()
     assert proc.returncode == 143, out + err
     assert f"error[R043]: Slurm job {job} ended CANCELLED" in err and f"run directory kept: {run_dir}" in err
+
+
+def test_in_job_nodes_share_one_run_directory(tmp_path):
+    """What a two-node job's srun runs, without Slurm (this machine is both nodes): each node's
+    `placer run --in-job` (its rank from $SLURM_NODEID), node 0 making the run directory and node
+    1 running in it; every device's log, node 0's metrics and each node's outcome land in it."""
+    path = spec(tmp_path, steps=2)
+    path.write_text(path.read_text().replace('devices: [cpu, "cpu:1"]', "devices: [node0/cpu, node1/cpu]"))
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [placer({**os.environ, "SLURM_NODEID": str(k)}, "run", str(path), "--in-job", "--run-dir", "run",
+                    "--nnodes", "2", "--rdzv-endpoint", endpoint, cwd=tmp_path) for k in (1, 0)]  # node 1 waits
+    try:
+        outs = [p.communicate(timeout=240) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, out + err
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["node0-cpu.log", "node1-cpu.log"]
+    assert json.loads((run / "metrics.json").read_text())["world_size"] == 2
+    assert all(json.loads((run / "job" / f"node-{k}.json").read_text())["ok"] for k in (0, 1))
+    assert "node 0 of 2: 1 workers (gloo)" in (run / "run.log").read_text()
+    assert "node 1 of 2: 1 workers (gloo)" in (run / "job" / "node-1.log").read_text()
