@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -22,12 +21,6 @@ from placer.cli.run_slurm import slurm_options
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 from placer.launch.slurm import JobNode
-
-
-def default_run_dir(name: str, node_rank: int) -> str:
-    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
-    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
-
 
 MEASURES = {"cuda_max_memory_allocated": "the CUDA allocator's peak (torch.cuda.max_memory_allocated)",
             "peak_rss_above_import": "the worker's peak RSS above its RSS right after importing torch (CPU "
@@ -290,7 +283,7 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         console.log_name = job.log_name
         program = job.program(spec)
     else:
-        program, run_dir = new_run_dir(spec, run_dir, overwrite, node_rank, data, text, job is not None)
+        program, run_dir = launcher.new_run_dir(spec, run_dir, overwrite, node_rank, data, text, job is not None)
         if job:
             job.save_program(program)
 
@@ -312,25 +305,6 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         raise
     finally:
         console.save(run_dir)
-
-
-def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str, in_job: bool = False):
-    """Claim a run directory (`run_dir`, or a new runs/<name>-<time>) and write the program,
-    the spec as trained and its fingerprint into it: (program, run dir). `in_job`: the job's
-    script made RUN_DIR/job/ already (its nodes' output goes there)."""
-    from placer.codegen.program import generate
-    from placer.launch import run as launcher
-    from placer.launch.resume import record_fingerprint
-
-    ckpt = spec.training.checkpoint
-    wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
-    program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
-    run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(),
-                                     overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None,
-                                     ignore=("job",) if in_job else ())
-    (run_dir / "program.py").write_text(program.text)
-    record_fingerprint(run_dir, data)
-    return program, run_dir
 
 
 def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole, outcome: dict, *, check, steps,

@@ -139,10 +139,9 @@ def _save(console: RunConsole, outcome: dict) -> None:
 def _submit_and_follow(spec_path, console: RunConsole, outcome: dict, *, slurm: SlurmOptions, detach, run_dir,
                        overwrite, steps, overrides, check, tolerance) -> int:
     from placer.cli.main import load_and_warn
-    from placer.cli.run_cmd import new_run_dir
     from placer.launch import slurm as jobs
     from placer.launch.resume import effective_spec
-    from placer.launch.run import PROGRESS
+    from placer.launch.run import PROGRESS, new_run_dir
 
     spec = load_and_warn(spec_path, overrides, say=lambda text: console.say(text, err=True))
     shape = jobs.job_shape(spec)

@@ -132,6 +132,28 @@ def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, over
     return path
 
 
+def default_run_dir(name: str, node_rank: int) -> str:
+    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
+
+
+def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str, in_job: bool = False):
+    """Claim a run directory (`run_dir`, or a new runs/<name>-<time>) and write the program,
+    the spec as trained and its fingerprint into it: (program, run dir). `in_job`: the job's
+    script made RUN_DIR/job/ already (its nodes' output goes there)."""
+    from placer.codegen.program import generate
+    from placer.launch.resume import record_fingerprint
+
+    ckpt = spec.training.checkpoint
+    wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
+    program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
+    run_dir = claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(), overwrite=overwrite,
+                            checkpoint_dir=ckpt.dir if ckpt else None, ignore=("job",) if in_job else ())
+    (run_dir / "program.py").write_text(program.text)
+    record_fingerprint(run_dir, data)
+    return program, run_dir
+
+
 def resumable_run_dir(path: Path, spec: Spec) -> Path:
     """`placer run --resume RUN_DIR`: RUN_DIR must be a run's directory (its spec.yaml) and the
     spec must save checkpoints to resume from (R032). Which checkpoint is the program's choice:
