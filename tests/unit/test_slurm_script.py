@@ -2,6 +2,7 @@
 (the real Slurm runs are tests/distributed/test_slurm.py)."""
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -56,3 +57,49 @@ def test_without_slurm_the_run_says_r040(tmp_path, monkeypatch):
 def test_slurm_flags_that_start_nodes_themselves_are_refused():
     r = CliRunner().invoke(main, ["run", "spec.yaml", "--launcher", "slurm", "--nnodes", "2"])
     assert r.exit_code == 2 and "--launcher slurm starts every node itself" in r.output
+
+
+def fake_slurm(monkeypatch, states, on_poll=None):
+    """sbatch accepts the job as 7; scontrol reports `states` in turn (the last one from then on)."""
+    from placer.cli import run_slurm
+    from placer.launch import slurm
+
+    seen = []
+
+    def job_state(job_id):
+        state = states[min(len(seen), len(states) - 1)]
+        seen.append(state)
+        if on_poll:
+            on_poll(len(seen))
+        return slurm.JobState(job_id, *state)
+
+    monkeypatch.setattr(slurm, "submit", lambda script, spec: "7")
+    monkeypatch.setattr(slurm, "job_state", job_state)
+    monkeypatch.setattr(run_slurm, "POLL_S", 0.0)
+    return seen
+
+
+def test_a_job_out_of_time_before_placer_reported_is_r042(tmp_path, monkeypatch):
+    fake_slurm(monkeypatch, [("PENDING", "Priority"), ("RUNNING", "", "", "gpu01"), ("TIMEOUT", "TimeLimit", "0:15")])
+    r = CliRunner().invoke(main, ["run", str(ROOT / "specs" / "mlp_cpu_workers.yaml"), "--launcher", "slurm",
+                                  "--time", "1", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 1, r.output
+    assert "job 7 pending (Priority)" in r.stdout and "job 7 running on gpu01" in r.stdout
+    assert "error[R042]: Slurm job 7 ended TIMEOUT (TimeLimit), exit code 0:15, and node(s) 0 never reported" in r.stderr
+    assert "hint: raise --time" in r.stderr
+    assert "submitted Slurm job 7" in (tmp_path / "run" / "job" / "submit.log").read_text()
+
+
+def test_a_controller_that_forgets_the_job_for_a_moment_is_asked_again(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+
+    def node_done(polls):
+        if polls == 2:  # node 0's placer run finished while scontrol could not say
+            (run_dir / "job" / "node-0.json").write_text('{"ok": true, "metrics": {"steps": 3}}')
+    seen = fake_slurm(monkeypatch, [("RUNNING",), ("UNKNOWN",), ("UNKNOWN",), ("COMPLETED", "", "0:0")], node_done)
+    r = CliRunner().invoke(main, ["run", str(ROOT / "specs" / "mlp_cpu_workers.yaml"), "--launcher", "slurm",
+                                  "--run-dir", str(run_dir), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert len(seen) == 4
+    outcome = json.loads(r.stdout)
+    assert outcome["ok"] and outcome["job_state"] == "COMPLETED" and outcome["metrics"] == {"steps": 3}
