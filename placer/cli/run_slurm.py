@@ -188,9 +188,10 @@ def _submit_and_follow(spec_path, console: RunConsole, outcome: dict, *, slurm: 
         outcome["ok"] = True
         return 0
     outcome["ok"] = False
-    if state.state != "TIMEOUT" and any(o.get("diagnostics") for o in outcomes.values()):
+    reported = complete or any(o.get("diagnostics") for o in outcomes.values())
+    if state.state != "TIMEOUT" and reported:  # the nodes' own reports (R020, R021 ...) came first
         console.say(f"{ended}, exit code {state.exit_code}: the report above; every node's output is in "
-                    f"{run_dir / JOB_DIR}", err=True)  # the nodes' own reports (R020 ...) came first
+                    f"{run_dir / JOB_DIR}", err=True)
         return 1
     raise RunError(_ended_early(spec, run_dir, job_id, state, outcomes, shape.nnodes, ended))
 

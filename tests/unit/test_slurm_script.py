@@ -103,3 +103,18 @@ def test_a_controller_that_forgets_the_job_for_a_moment_is_asked_again(tmp_path,
     assert len(seen) == 4
     outcome = json.loads(r.stdout)
     assert outcome["ok"] and outcome["job_state"] == "COMPLETED" and outcome["metrics"] == {"steps": 3}
+
+
+def test_a_check_that_fails_on_the_node_is_its_report_not_r042(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+
+    def node_done(polls):
+        if polls == 1:  # R021 is said on the node, which exits 1: an outcome without diagnostics
+            (run_dir / "job" / "node-0.json").write_text('{"ok": false, "check": {"ok": false}}')
+    fake_slurm(monkeypatch, [("RUNNING",), ("FAILED", "NonZeroExitCode", "1:0")], node_done)
+    r = CliRunner().invoke(main, ["run", str(ROOT / "specs" / "mlp_cpu_workers.yaml"), "--launcher", "slurm",
+                                  "--check", "--run-dir", str(run_dir)])
+    assert r.exit_code == 1, r.output
+    assert "Slurm job 7 ended FAILED (NonZeroExitCode), exit code 1:0: the report above" in r.stderr
+    assert "R042" not in r.stderr
+    assert "--check" in (run_dir / "job.sbatch").read_text()
