@@ -4,16 +4,20 @@
 --launcher slurm` writes it into the run directory and submits it): #SBATCH lines from the
 spec's devices (nodes, GPUs per node), then one `srun` task per node running `placer run
 --in-job` for that node's workers. So a node's workers start, log, write metrics and fail
-exactly as in a local run, into the one run directory every node sees. `submit`,
-`job_state` and `cancel` wrap sbatch, scontrol / sacct and scancel. Nothing here prints.
+exactly as in a local run, into the one run directory every node sees (`JobNode`: what a
+node's task makes, waits for and leaves there). `submit`, `job_state` and `cancel` wrap
+sbatch, scontrol / sacct and scancel. Nothing here prints.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,9 +223,6 @@ class JobNode:
     def program(self, spec: Spec, timeout_s: float = 300.0):
         """The Program that made RUN_DIR/program.py, as `save_program` left it (node K > 0 waits
         for node 0 to write it; R044 if it never does)."""
-        import json
-        import time
-
         from placer.codegen.program import Program
 
         path, deadline = self.run_dir / JOB_DIR / "program.json", time.monotonic() + timeout_s
@@ -239,9 +240,6 @@ class JobNode:
 
     def save_program(self, program) -> None:
         """What the nodes need of the Program besides its text (generating it again costs seconds)."""
-        import dataclasses
-        import json
-
         meta = {k: v for k, v in dataclasses.asdict(program).items() if k != "text"}
         (self.run_dir / JOB_DIR).mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / JOB_DIR / "program.json.tmp"
@@ -249,8 +247,6 @@ class JobNode:
         tmp.replace(self.run_dir / JOB_DIR / "program.json")  # whole or absent for a node that waits
 
     def report(self, outcome: dict) -> None:
-        import json
-
         try:
             (self.run_dir / JOB_DIR).mkdir(parents=True, exist_ok=True)
             (self.run_dir / JOB_DIR / f"node-{self.node_rank}.json").write_text(
@@ -261,8 +257,6 @@ class JobNode:
 
 def read_outcomes(run_dir: Path) -> dict[int, dict]:
     """Each node's outcome that `JobNode.report` left, by node rank."""
-    import json
-
     found = {}
     for path in sorted((run_dir / JOB_DIR).glob("node-*.json")):
         try:
