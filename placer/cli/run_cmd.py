@@ -23,13 +23,22 @@ from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
 from placer.launch.slurm import JobNode
 
 MEASURES = {"cuda_max_memory_allocated": "the CUDA allocator's peak (torch.cuda.max_memory_allocated)",
-            "peak_rss_above_import": "the worker's peak RSS above its RSS right after importing torch (CPU "
-                                     "workers: it also holds gloo's buffers, the data and the allocator's slack)"}
+            "tensor_peak": "the most bytes torch's CPU allocator held for tensors in the first two steps"}
+
+
+def measured_peak(m: dict) -> tuple[int | None, str | None]:
+    """(bytes, measure) of a device's peak that the plan estimates: the CUDA allocator's on a GPU,
+    the CPU allocator's tensor bytes on a CPU worker (its RSS, in metrics.json, holds far more)."""
+    if m.get("measure") == "cuda_max_memory_allocated":
+        return m["peak_bytes"], "cuda_max_memory_allocated"
+    if "tensor_peak_bytes" in m:
+        return m["tensor_peak_bytes"], "tensor_peak"
+    return None, None
 
 
 def summary_lines(metrics: dict, wall_s: float, attempts: int = 1, planned: dict | None = None) -> list[str]:
     """The run's speed, then per device: bytes sent, time by kind, measured peak memory beside
-    the plan's estimate (`planned`: device -> bytes)."""
+    the plan's estimate (`planned`: device -> bytes) and their ratio."""
     steps, sps = metrics.get("steps", 0), metrics.get("steps_per_s") or 0.0
     first = metrics.get("resumed_from") or 0
     what = f"trained {steps} steps" if not first else \
@@ -39,20 +48,25 @@ def summary_lines(metrics: dict, wall_s: float, attempts: int = 1, planned: dict
              f"({metrics.get('wall_s', 0):.2f} s training{' in the last attempt' if attempts > 1 else ''}, "
              f"{wall_s:.1f} s with start-up{tries})",
              f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8} "
-             f"{'peak memory':>12} {'planned':>10}"]
+             f"{'peak memory':>12} {'planned':>10} {'ratio':>6}"]
     times, memory, planned = metrics.get("time_s", {}), metrics.get("peak_memory", {}), planned or {}
+    measures = set()
     for device in metrics.get("devices", []):
-        t, m = times.get(device, {}), memory.get(device, {})
-        peak = units.size(m["peak_bytes"]) if "peak_bytes" in m else "-"
-        plan = units.size(planned[device]) if device in planned else "-"
+        t = times.get(device, {})
+        peak, measure = measured_peak(memory.get(device, {}))
+        measures.add(measure)
+        plan = planned.get(device)
+        ratio = f"{peak / plan:.2f}" if peak is not None and plan else "-"
         lines.append(f"{device:<16} {units.size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
                      f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f} "
-                     f"{peak:>12} {plan:>10}")
+                     f"{units.size(peak) if peak is not None else '-':>12} "
+                     f"{units.size(plan) if plan is not None else '-':>10} {ratio:>6}")
     lines.append("(bytes: payload this rank handed to send / collectives; comm: time waiting in copies and "
                  "gradient syncs, plus DDP's all-reduce from each bucket's launch to its completion while backward "
                  "runs, which compute holds too; a pipeline schedule's sends count as compute)")
-    for measure in sorted({m.get("measure") for m in memory.values()} & set(MEASURES)):
-        lines.append(f"(peak memory: {MEASURES[measure]}; planned: placer plan's estimate for one step)")
+    for measure in sorted(m for m in measures if m):
+        lines.append(f"(peak memory: {MEASURES[measure]}; planned: placer plan's estimate for one step; "
+                     "ratio: peak / planned; each worker's RSS is in metrics.json)")
     return lines
 
 

@@ -37,7 +37,7 @@ from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
 STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "hashlib", "importlib", "importlib.util",
-          "json", "mmap", "os", "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
+          "json", "mmap", "os", "queue", "shutil", "signal", "subprocess", "sys", "tempfile", "threading", "time"]
 CHECKPOINT_ONLY = ("hashlib", "shutil")  # imported by programs that save checkpoints
 
 

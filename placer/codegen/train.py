@@ -183,8 +183,10 @@ class TrainWriter(TrainingOptions):
           '    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))',
           "keep_freed_memory()  # each step's new tensors reuse freed pages instead of faulting in new ones",
           "dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))",
-          "if args.measure:  # placer run asks for the bytes each rank sends",
+          "if args.measure:  # placer run asks for the bytes each rank sends and its tensors' peak",
           "    count_sent_bytes()",
+          '    if device.type == "cpu":',
+          "        TENSOR_PEAK.count()",
           "if rank == 0 and why:",
           '    print(f"simulating {world} devices as CPU workers on gloo: {why}", flush=True)',
           "if rank == 0 and args.out and not resuming(args):  # a resumed or restarted run appends",
@@ -412,13 +414,14 @@ class TrainWriter(TrainingOptions):
             c("saved.append((loss, crossing.take()))").dedent()
             c("mb_losses = []", "for loss, crossed in saved:").indent()
             c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
-            c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
-            if self.beside and len(last.ranks) > 1:
-                c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
-                  "    loss = None  # it counts once, on the first")
-            return
-        c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
-          'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
+            c("loss = None if mb_losses[0] is None else sum(mb_losses).detach()  # this rank's share of the batch's "
+              "loss", "# the graphs were kept for glue that segments share (retain_graph): let them go before the next "
+              "forward", "out = saved = crossed = mb_losses = None")
+        else:
+            c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
+              'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
+            c("# the graph was kept for glue that segments share (retain_graph): let it go before the next forward",
+              "out, loss = None, None if loss is None else loss.detach()")
         if self.beside and len(last.ranks) > 1:
             c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
               "    loss = None  # it counts once, on the first")

@@ -132,12 +132,16 @@ def assert_plottable_and_measured(spec: str, run_dir: Path, metrics: dict, stdou
     assert all(float(r["lr"]) == lr for r in rows if lr is not None)
     assert all(float(r["step_s"]) > 0 and float(r["samples_per_s"]) > 0 and int(r["memory_bytes"]) > 0 for r in rows)
     assert set(metrics["peak_memory"]) == set(metrics["devices"])
-    assert all(m["peak_bytes"] > 0 and m["measure"] == "peak_rss_above_import" for m in metrics["peak_memory"].values())
+    # the RSS in metrics.json; the CPU allocator's tensor peak printed beside the plan, with their ratio
+    assert all(m["peak_bytes"] > 0 and m["measure"] == "peak_rss_above_import" and m["tensor_peak_bytes"] > 0
+               for m in metrics["peak_memory"].values())
     planned = json.loads(CliRunner().invoke(main, ["plan", "-q", str(ROOT / "specs" / f"{spec}.yaml"), "--format",
                                                    "json", "--deep"]).stdout)
     for d in planned["devices"]:
         line = next(line for line in stdout.splitlines() if line.startswith(f"{d['device']} "))
-        assert line.endswith(units.size(d["total_bytes"])), (line, d["total_bytes"])
+        peak = metrics["peak_memory"][d["device"]]["tensor_peak_bytes"]
+        assert line.endswith(f"{units.size(peak)} {units.size(d['total_bytes']):>10} "
+                             f"{peak / d['total_bytes']:>6.2f}"), (line, d["total_bytes"])
     if spec == "mlp_data_allreduce":  # DDP's all-reduce, overlapped with backward, is measured as comm
         assert all(metrics["time_s"][d]["overlapped"] > 0 and metrics["time_s"][d]["comm"] > 0
                    for d in metrics["devices"]), metrics["time_s"]
