@@ -9,23 +9,18 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from placer import units
 from placer.cli.console import DETAIL, INFO, RESULT, RunConsole, verbosity, verbosity_options
-from placer.cli.failures import failure_report, failures_in_order, hang_report, restart_lines
+from placer.cli.failures import failure_report, failures_in_order, hang_report, restart_lines, signal_name
 from placer.cli.options import set_option
+from placer.cli.run_slurm import slurm_options
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
-
-
-def default_run_dir(name: str, node_rank: int) -> str:
-    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
-    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
-
+from placer.launch.slurm import JobNode
 
 MEASURES = {"cuda_max_memory_allocated": "the CUDA allocator's peak (torch.cuda.max_memory_allocated)",
             "tensor_peak": "the most bytes torch's CPU allocator held for tensors in the first two steps"}
@@ -177,10 +172,11 @@ def check_failure(report) -> str:
               help="With --resume: continue from the checkpoint although the spec changes what a step computes "
                    "(batch size, optimizer, model, data, precision, schedule, placement), which R033 refuses "
                    "otherwise. The run is then no longer the continuation of the one it resumes.")
+@slurm_options
 @set_option
 @verbosity_options
 def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt,
-            max_restarts, resume_dir, resume_anyway, overrides):
+            max_restarts, resume_dir, resume_anyway, overrides, launcher, slurm, detach, in_job):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
@@ -203,11 +199,22 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
       placer run spec.yaml --resume runs/a
       placer run spec.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node 0
       placer run spec.yaml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node 1
+      placer run spec.yaml --launcher slurm --partition gpu --time 1:00:00   # one Slurm job (docs/cluster.md)
     """
     from placer.cli.main import fail
     from placer.deps import require_torch
 
     require_torch("placer run")
+    if launcher == "slurm" and (resume_dir or in_job or nnodes > 1 or node_rank or rdzv_endpoint):
+        raise click.UsageError("--launcher slurm starts every node itself: leave out --resume, --in-job, "
+                               "--nnodes, --node-rank and --rdzv-endpoint")
+    if launcher != "slurm" and (detach or any(vars(slurm).values())):
+        raise click.UsageError("--detach, --partition, --time, --account and --sbatch-option go with "
+                               "--launcher slurm")
+    if in_job and node_rank == 0 and os.environ.get("SLURM_NODEID", "").isdigit():
+        node_rank = int(os.environ["SLURM_NODEID"])  # one task per node: its node rank is Slurm's
+    if in_job and not run_dir:
+        raise click.UsageError("--in-job runs in the job's run directory: pass --run-dir RUN_DIR")
     if nnodes > 1 and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if node_rank >= nnodes:
@@ -221,12 +228,20 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
     from placer.launch.run import Interrupted, interruptible
 
     console = RunConsole(quiet=fmt == "json", level=verbosity())
+    if launcher == "slurm":
+        from placer.cli.run_slurm import submit_and_follow
+
+        submit_and_follow(spec_path, console, fmt, slurm=slurm, detach=detach, run_dir=run_dir, overwrite=overwrite,
+                          steps=steps, overrides=overrides, check=check, tolerance=(rtol, atol))
+    job = JobNode(Path(run_dir), node_rank) if in_job else None
     try:
         with interruptible():
             outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
                           nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides,
-                          resume=resume_dir, resume_anyway=resume_anyway, tolerance=(rtol, atol))
+                          resume=resume_dir, resume_anyway=resume_anyway, tolerance=(rtol, atol), job=job)
     except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
+        if job:
+            job.report({"ok": False, "interrupted": signal_name(e.signum)})
         if not console.said_interrupted:
             console.say("interrupted before the run started", err=True)
         # everything is said and saved: leave without interpreter shutdown, where a second Ctrl-C
@@ -235,6 +250,8 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         sys.stderr.flush()
         os._exit(128 + e.signum)
     except PlacerError as e:
+        if job:
+            job.report({"ok": False, "diagnostics": [d.as_dict() for d in e.diagnostics]})
         fail(e, fmt)
     except OSError as e:  # writing the run's own files (a full disk); the workers' are reported as R028 too
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -246,13 +263,16 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         # The run is over: the interpreter's last garbage collection, of torch's objects, took
         # 5 s before placer could exit on a loaded 2-core machine; frozen objects are not collected
         gc.freeze()
+    if job:
+        job.report(outcome)
     if fmt == "json":
         click.echo(json.dumps(outcome, indent=2, default=str))
     sys.exit(0 if outcome["ok"] else 1)
 
 
 def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
-        rdzv_endpoint, overrides=(), resume=None, resume_anyway=False, tolerance=(None, None)) -> dict:
+        rdzv_endpoint, overrides=(), resume=None, resume_anyway=False, tolerance=(None, None),
+        job: JobNode | None = None) -> dict:
     from placer.cli.main import load_and_warn
     from placer.codegen.program import generate
     from placer.launch import run as launcher
@@ -262,7 +282,6 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
     if overrides:  # run.log says how the run's spec.yaml came from SPEC
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)
-    ckpt = spec.training.checkpoint
     # RUN_DIR/spec.yaml is the spec as trained, and fingerprint.json what a later --resume must keep
     data, text = effective_spec(spec.doc, Path(spec_path).read_bytes(), overrides, steps)
     if resume:
@@ -273,13 +292,14 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
             console.say(f"--resume-anyway: continuing with {change}", err=True)
         program = generate(spec, filename="program.py", out_dir=str(run_dir))
         launcher.write_atomically(run_dir / "program.py", program.text)
+    elif job and job.joins():  # a cluster job's node: --launcher slurm or node 0 made the run directory
+        run_dir = job.run_dir
+        console.log_name = job.log_name
+        program = job.program(spec)
     else:
-        wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
-        program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
-        run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(),
-                                         overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None)
-        (run_dir / "program.py").write_text(program.text)
-        record_fingerprint(run_dir, data)
+        program, run_dir = launcher.new_run_dir(spec, run_dir, overwrite, node_rank, data, text, job is not None)
+        if job:
+            job.save_program(program)
 
     def trains_on() -> None:  # a resume's checkpoint loaded: the run trains with this spec from here
         launcher.write_atomically(run_dir / "spec.yaml", text)

@@ -91,16 +91,18 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
            "stopped.json", "metrics.csv", "tensorboard", STATUS_DIR,
-           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json", "fingerprint.json")
+           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json", "fingerprint.json",
+           "job", "job.sbatch")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
 
 def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, overwrite: bool = False,
-                  checkpoint_dir: str | None = None) -> Path:
+                  checkpoint_dir: str | None = None, ignore: tuple[str, ...] = ()) -> Path:
     """A run directory that this run alone writes to, claimed by creating its spec.yaml
     exclusively (two runs started together never share one). `path` None: `stem`, `stem-2`, ...,
     the first that os.mkdir creates. A given `path` is created if missing; if it holds files it
-    is refused (R027) unless `overwrite`, which removes a previous run's outputs first."""
+    is refused (R027) unless `overwrite`, which removes a previous run's outputs first; entries
+    named in `ignore` do not count (a Slurm job's job/ folder, which its script makes first)."""
     try:
         if path is None:
             path, n = Path(stem), 2
@@ -109,7 +111,7 @@ def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, over
         elif not _made(path):
             if not path.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
-            if any(path.iterdir()) and not overwrite:
+            if any(p.name not in ignore for p in path.iterdir()) and not overwrite:
                 raise RunError(Diagnostic("R027", f"run directory {path} already holds files", Loc(str(path)),
                                           "choose a new --run-dir, or pass --overwrite to replace a previous "
                                           "run's outputs there"))
@@ -128,6 +130,28 @@ def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, over
         err = e if blocker is None else OSError(errno.ENOTDIR, f"{blocker} is a file, not a directory", str(blocker))
         raise disk_error(err, f"cannot create the run directory {path}") from None
     return path
+
+
+def default_run_dir(name: str, node_rank: int) -> str:
+    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
+
+
+def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str, in_job: bool = False):
+    """Claim a run directory (`run_dir`, or a new runs/<name>-<time>) and write the program,
+    the spec as trained and its fingerprint into it: (program, run dir). `in_job`: the job's
+    script made RUN_DIR/job/ already (its nodes' output goes there)."""
+    from placer.codegen.program import generate
+    from placer.launch.resume import record_fingerprint
+
+    ckpt = spec.training.checkpoint
+    wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
+    program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
+    run_dir = claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(), overwrite=overwrite,
+                            checkpoint_dir=ckpt.dir if ckpt else None, ignore=("job",) if in_job else ())
+    (run_dir / "program.py").write_text(program.text)
+    record_fingerprint(run_dir, data)
+    return program, run_dir
 
 
 def resumable_run_dir(path: Path, spec: Spec) -> Path:
