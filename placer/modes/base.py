@@ -55,6 +55,9 @@ class Mode:
     """Whether a 2-D segment's devices hold slices of its parameters (tensor, channel), so that a
     `sync: parameter_server` keeps a copy of every position's (SliceServer); spatial's hold the
     whole weights, which its server keeps whole, as data's does."""
+    splits_params = False
+    """Whether the group's devices hold parts of some parameters while each runs its rows of the
+    batch (expert: its experts), so the whole values are gathered before they are saved."""
     rows_around = False
     """Whether a module model's 2-D group in lockstep cuts its replica's rows where tensors enter
     it and gathers them after its last layer (replica_rows_around: tensor), not inside a chain
