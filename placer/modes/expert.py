@@ -145,8 +145,8 @@ class Expert(Mode):
     def emit_stage(self, seg, resumable):
         k = seg.k
         return [f"seg{k} = stage",
-                f"experts{k} = expert_parallelize(model, {list(seg.experts)!r}, g{k})  # E / {len(seg.ranks)} "
-                "experts on each rank"]
+                f"experts{k} = expert_parallelize(model, {list(seg.experts)!r}, g{k})  # each rank: 1/{len(seg.ranks)} "
+                "of every mixture's experts, by name"]
 
     def emit_sync(self, seg):
         k = seg.k
