@@ -184,6 +184,11 @@ class Mode:
         """(ranks that run them, lines): the gradient sync and optimizer step after backward."""
         return seg.ranks, [f"opt{seg.k}.step()"]
 
+    def emit_norm_share(self, seg) -> str:
+        """Under `clip_grad_norm`, the line adding the segment's gradients to `norm_params`: its
+        slices on every rank, its whole parameters on its owner."""
+        return f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})"
+
     def emit_norm_share_sharded(self, seg, leaders: tuple[int, ...]) -> str:
         """Under `clip_grad_norm`, the line adding a 2-D segment's `shard: full` gradients (FSDP2
         over its replicas) to `norm_params`, each piece once; `leaders`: each replica's first rank.

@@ -155,6 +155,9 @@ class Expert(Mode):
                            f" experts{k}.values(), g{k})  # the dense gradients summed",
                            f"opt{k}.step()"]
 
+    def emit_norm_share(self, seg):
+        return super().emit_norm_share(seg) + f" + list(experts{seg.k}.values())  # each rank's experts"
+
     def emit_gather(self, seg):
         k = seg.k
         return [f"whole = {{n: experts_whole(p, g{k}) if n in experts{k} else p for n, p in "

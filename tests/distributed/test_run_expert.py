@@ -2,7 +2,8 @@
 Qwen2-MoE with a shared expert, a DeepSeek-V3-style config with a dense first layer): each
 rank holds E / G experts of every MoE layer, tokens go to their experts' ranks and back by
 all-to-all, the rest is data parallel. `run --check` matches the one-device reference (the
-expert slices gathered whole), alone and as a stage of a 1F1B pipeline beside a data stage.
+expert slices gathered whole), alone (with clip_grad_norm, with accumulate) and as a stage
+of a 1F1B pipeline beside a data stage.
 
 Bytes: a rank hands torch its whole dispatch buffer (its tokens x top k rows) whatever the
 routing, but the combine's input and the dispatch's gradient are the rows its experts
@@ -31,7 +32,10 @@ STAGE = ("devices=[cpu:0, cpu:1, cpu:2, cpu:3]",
          "cpu:1], parallel: data}, {name: back, layers: [model.layers.1, model.norm, lm_head], devices: [cpu:2, "
          "cpu:3], parallel: expert}]",
          "pipeline={microbatches: 2, schedule: 1f1b}")
-RUNS = [("mixtral", ALONE), ("qwen2_moe", ALONE), ("deepseek_v3", ALONE), ("mixtral", STAGE)]
+CLIP = (*ALONE, "training.clip_grad_norm=0.01")  # the global norm counts each rank's experts
+ACCUMULATE = (*ALONE, "training.accumulate=2")  # the all-to-alls of each micro-step
+RUNS = [("mixtral", ALONE), ("qwen2_moe", CLIP), ("deepseek_v3", ACCUMULATE), ("mixtral", STAGE)]
+IDS = ["mixtral-alone", "qwen2_moe-clip", "deepseek_v3-accumulate", "mixtral-stage"]
 
 
 def planned(sets) -> dict:
@@ -56,11 +60,11 @@ def assert_group_sends_what_the_plan_says(sets, metrics, group) -> None:
     assert sum(sent[d] for d in group) == sum(plan[d] for d in group), ({d: sent[d] for d in group}, plan)
 
 
-@pytest.mark.parametrize("family,sets", RUNS, ids=[f"{f}-{'stage' if s is STAGE else 'alone'}" for f, s in RUNS])
+@pytest.mark.parametrize("family,sets", RUNS, ids=IDS)
 def test_expert_parallel_matches_one_device(family, sets, tmp_path):
     sets = (f"model.kwargs.family={family}", *sets)
     checked = h.checked_run(SPEC, tmp_path / "run", *(a for s in sets for a in ("--set", s)))
     assert "expert_parallelize(model, " in checked.program and "all_to_all_single" not in checked.program.split(
         "# Below: placer's runtime")[0]  # the spec's part calls the piece; the piece sends
-    group = ["cpu:0", "cpu:1"] if sets[1:] == ALONE else ["cpu:2", "cpu:3"]
+    group = ["cpu:2", "cpu:3"] if sets[1:] == STAGE else ["cpu:0", "cpu:1"]
     assert_group_sends_what_the_plan_says(sets, checked.metrics, group)

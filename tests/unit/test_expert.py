@@ -150,3 +150,19 @@ def test_experts_in_a_module_list_are_refused(tmp_path):
         "training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}\n")
     (d,) = errors(str(tmp_path / "spec.yaml"))
     assert d.code == "P112" and "'moe.experts'" in d.message
+
+
+def test_under_clip_grad_norm_each_rank_counts_its_own_experts(tmp_path):
+    pytest.importorskip("transformers")
+    text = api.generate(SPEC, str(tmp_path / "program.py"), overrides=[EXPERT, "training.clip_grad_norm=1.0"])
+    assert "norm_params += norm_share(seg0, owner=rank == 0) + list(experts0.values())" in text
+
+
+def test_an_all_to_all_moves_a_share_of_each_devices_rows_to_each_other_device():
+    from placer.estimate.comm import op_moves, op_sent
+    from placer.plan.ir import Op
+
+    op = Op(kind=OpKind.ALL_TO_ALL, devices=("a", "b", "c", "d"), segment=0, phase="fwd", tensor="act", bytes=400)
+    assert op_sent(op) == dict.fromkeys("abcd", 400)  # the whole send buffer, the rows kept included
+    moved = op_moves(op)
+    assert len(moved) == 12 and {n for _, _, n in moved} == {100}
