@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -382,8 +383,10 @@ def _expert_weights(layer: nn.Module) -> tuple:
     out = []
     for path, e, _ in _experts(layer):
         m = layer.get_submodule(path)
-        stacked = not isinstance(m, nn.ModuleList)
-        cut = [p for p in m.parameters(recurse=not stacked) if p.requires_grad and (not stacked or p.shape[0] == e)]
+        # Hugging Face's experts: 3-D weights, called as experts(hidden, top_k_index, top_k_weights)
+        stacked = not isinstance(m, nn.ModuleList) and len(inspect.signature(m.forward).parameters) == 3
+        cut = [p for p in m.parameters(recurse=isinstance(m, nn.ModuleList))
+               if p.requires_grad and (isinstance(m, nn.ModuleList) or p.shape[0] == e)]
         parent = layer.get_submodule(path.rpartition(".")[0]) if "." in path else layer
         noise = getattr(parent, "jitter_noise", 0) or getattr(getattr(parent, "config", None), "router_jitter_noise", 0)
         out.append((path, getattr(m, "hidden_dim", 0), sum(p.numel() for p in cut), stacked, float(noise or 0)))

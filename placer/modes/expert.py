@@ -55,9 +55,10 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
     for i, path, e, _, _, _, stacked, noise in found:
         where = f"{info[i].name}.{path}" if path else info[i].name
         if not stacked:
-            return [Diagnostic("P112", f"segment {seg.name!r}: the experts of {where!r} are an nn.ModuleList; mode "
-                               "'expert' spreads stacked experts (one 3-D weight per projection, expert on dim 0, "
-                               "as Hugging Face's MoE models hold them)", locs[i],
+            return [Diagnostic("P112", f"segment {seg.name!r}: the experts of {where!r} are not stacked as mode 'expert' "
+                               "spreads them: one 3-D weight per projection, expert on dim 0, the module called as "
+                               "experts(hidden, top_k_index, top_k_weights), as Hugging Face's MoE models hold them "
+                               "(an nn.ModuleList is not)", locs[i],
                                "stack the experts' weights, or use mode data")]
         if e % degree:
             return [Diagnostic("P111", f"segment {seg.name!r}: {where!r} has {e} experts, not divisible by the "

@@ -149,7 +149,7 @@ def test_experts_in_a_module_list_are_refused(tmp_path):
         "  - {layers: [moe], devices: [cpu:0, cpu:1], parallel: expert}\n"
         "training: {batch_size: 4, steps: 1, optimizer: {op: SGD, lr: 0.1}}\n")
     (d,) = errors(str(tmp_path / "spec.yaml"))
-    assert d.code == "P112" and "'moe.experts'" in d.message
+    assert d.code == "P112" and "'moe.experts'" in d.message and "nn.ModuleList" in d.message
 
 
 def test_under_clip_grad_norm_each_rank_counts_its_own_experts(tmp_path):
