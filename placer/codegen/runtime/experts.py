@@ -7,7 +7,7 @@
 # all-to-alls are torch.distributed.nn's, so backward sends the gradients back the same way.
 # The rest of the segment is data parallel: its gradients are summed over the group after
 # backward (all_reduce_grads); an expert's gradient already sums every rank's tokens.
-import types
+import functools
 import warnings
 
 import torch
@@ -36,7 +36,7 @@ def expert_parallelize(model, paths, group):
                 held[f"{path}.{name}"] = part
         m.num_experts, m.ep_experts, m.ep_group = e // g, e, group
         m.ep_forward = m.forward  # the module's own: it runs the experts this rank holds
-        m.forward = types.MethodType(dispatched, m)
+        m.forward = functools.partial(dispatched, m)
     return held
 
 
