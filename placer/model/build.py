@@ -322,6 +322,8 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             window=() if spec.model.inline else _window(m), linear_reads=tr.linear_reads.get(name, ()),
             experts=() if spec.model.inline else _experts(m),
             expert_weights=() if spec.model.inline else _expert_weights(m),
+            param_rows=tuple((p.shape[0] if p.dim() else 1, _bytes(p) // max(p.shape[0] if p.dim() else 1, 1))
+                             for p in trainable),
             norms=() if spec.model.inline else tuple(x.num_features for x in m.modules() if isinstance(
                 x, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))),
         ))

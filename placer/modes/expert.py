@@ -72,12 +72,30 @@ def check_module(seg, info, locs, degree: int) -> list[Diagnostic]:
     return []
 
 
+def dense_bytes(info, sizes: dict, pad: int = 1) -> list[int]:
+    """Per layer, the bytes of its trainable parameters other than its experts' (`sizes`: layer ->
+    parameter bytes, root parameters it consumes included), each parameter's dim 0 padded to a
+    multiple of `pad` as FSDP2 pads it (the experts' divides by the group: never padded)."""
+    cut = {}
+    for i, _, _, _, _, n, _, _ in moes(info):
+        cut[i] = cut.get(i, 0) + n * info[i].param_bytes // max(info[i].params, 1)
+    padding = [sum((-(-n // pad) * pad - n) * row for n, row in l.param_rows) for l in info]
+    return [sizes[l.name] + padding[i] - cut.get(i, 0) for i, l in enumerate(info)]
+
+
 class Expert(Mode):
     name = "expert"
     splits_params = True
+    options_keys = ("shard",)
 
     def check_options(self, spec, seg):
-        t, n = spec.training, len(seg.devices)
+        t, n, p = spec.training, len(seg.devices), seg.parallel
+        if p.shard == "optimizer" or (p.shard == "full" and (len(spec.placement) > 1 or spec.pipeline)):
+            what = "shard 'optimizer'" if p.shard == "optimizer" else "shard 'full' beside other segments or in a pipeline"
+            return [Diagnostic("P114", f"segment {seg.name!r}: mode 'expert' with {what} is not supported",
+                               spec.doc.loc(("placement", seg.index, "parallel", "shard")),
+                               "use shard 'full' (FSDP2 on the dense parameters) on an expert segment that is the "
+                               "whole placement, or drop shard")]
         rows = t.batch_size // t.accumulate // (spec.pipeline.microbatches if spec.pipeline else 1)
         if rows % n == 0 or t.batch_size % t.accumulate:
             return []
@@ -111,7 +129,7 @@ class Expert(Mode):
 
     def options(self, p, layers, graph):
         counts = [e for i, _, e, *_ in moes([graph.layer(n) for n in layers])]
-        return {"experts": max(counts)} if counts else {}
+        return ({"experts": max(counts)} if counts else {}) | ({"shard": "full"} if p.shard == "full" else {})
 
     def collectives(self, a, seg, info, grads, op, ctx):
         g = len(seg.devices)
@@ -125,35 +143,51 @@ class Expert(Mode):
             for what in ("dispatch", "combine"):
                 a.add("post_fwd", i, op(OpKind.ALL_TO_ALL, "fwd", "act", rows, name, attrs={what: e // g}))
                 a.add("post_bwd", i, op(OpKind.ALL_TO_ALL, "bwd", "grad", rows, name, attrs={what: e // g}))
-        dense = sum(ctx.sizes[l.name] for l in info) - sum(
-            n * info[i].param_bytes // max(info[i].params, 1) for i, _, _, _, _, n, _, _ in moes(info))
-        if dense and any(grads):
-            a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", dense, attrs={"dense": True}))
+        full = seg.options.get("shard") == "full"
+        dense = dense_bytes(info, ctx.sizes, len(seg.devices) if full else 1)
+        if full:  # FSDP2 on the dense parameters, a unit per layer as data's
+            for i, (l, pb) in enumerate(zip(info, dense)):
+                if pb:
+                    a.cuts |= {i, i + 1}
+                    a.add("pre_fwd", i, op(OpKind.ALL_GATHER, "fwd", "params", pb, l.name), scale=False)
+                    a.add("pre_bwd", i, op(OpKind.ALL_GATHER, "bwd", "params", pb, l.name), scale=False)
+                    a.add("post_bwd", i, op(OpKind.REDUCE_SCATTER, "bwd", "grads", pb, l.name), scale=False,
+                          weight=True)
+        elif sum(dense) and any(grads):
+            a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(dense), attrs={"dense": True}))
 
     def held(self, seg, info, d, r, share):
-        cut = {}
+        experts = {}
         for i, _, _, _, _, n, _, _ in moes(info):
-            cut[i] = cut.get(i, 0) + n - share(n, d, r)
-        return [(l.params - cut.get(i, 0), l.buffer_bytes) for i, l in enumerate(info)]
+            experts[i] = experts.get(i, 0) + n
+        full = seg.options.get("shard") == "full"  # the dense parameters sharded too (FSDP2)
+        return [((share(l.params - experts.get(i, 0), d, r) if full else l.params - experts.get(i, 0))
+                 + share(experts.get(i, 0), d, r), l.buffer_bytes) for i, l in enumerate(info)]
+
+    def comm_buffers(self, seg, held, largest):
+        return 2 * largest if seg.options.get("shard") == "full" else 0  # FSDP2: one unit gathered, its gradients
 
     def describe(self, seg, devices):
         return (f"expert parallel, {seg.rows} rows each; each mixture of experts spread over the {len(seg.ranks)} "
                 "ranks, tokens sent to their experts and back by all-to-all; other gradients summed after backward")
 
     def runtime(self, seg, torch_pipeline):
-        return {"experts"}
+        return {"experts", "tensor", "sharding"} if seg.shard == "full" else {"experts"}
 
     def emit_stage(self, seg, resumable):
         k = seg.k
-        return [f"seg{k} = stage",
-                f"experts{k} = expert_parallelize(model, {list(seg.experts)!r}, g{k})  # each rank: 1/{len(seg.ranks)} "
-                "of every mixture's experts, by name"]
+        cut = [f"experts{k} = expert_parallelize(model, {list(seg.experts)!r}, g{k})  # each rank: 1/{len(seg.ranks)} "
+               "of every mixture's experts, by name"]
+        if seg.shard == "full":
+            return [f"seg{k} = stage", *cut, f"fully_shard_segment(stage, g{k}, device.type, ignored=experts{k}.values())"
+                    "  # the dense parameters: FSDP2, gradients reduce-scattered in backward"]
+        return [f"seg{k} = stage", *cut]
 
     def emit_sync(self, seg):
         k = seg.k
-        return seg.ranks, ['with timer("comm"):',
-                           f"    expert_sync([p for n, p in named_params(seg{k}, model).items() if n not in experts{k}],"
-                           f" experts{k}.values(), g{k})  # the dense gradients summed",
+        dense = "[]" if seg.shard == "full" else f"[p for n, p in named_params(seg{k}, model).items() if n not in experts{k}]"
+        why = "(FSDP2 reduce-scattered the dense ones)" if seg.shard == "full" else "the dense gradients summed"
+        return seg.ranks, ['with timer("comm"):', f"    expert_sync({dense}, experts{k}.values(), g{k})  # {why}",
                            f"opt{k}.step()"]
 
     def emit_norm_share(self, seg):
@@ -161,7 +195,8 @@ class Expert(Mode):
 
     def emit_gather(self, seg):
         k = seg.k
-        return [f"whole = {{n: experts_whole(p, g{k}) if n in experts{k} else p for n, p in "
+        dense = "full_tensor(p)" if seg.shard == "full" else "p"  # (FSDP2's shards gathered too)
+        return [f"whole = {{n: experts_whole(p, g{k}) if n in experts{k} else {dense} for n, p in "
                 f"named_params(seg{k}, model).items()}}  # segment {k}: each rank's experts gathered"]
 
     def emit_whole_grads(self, seg):

@@ -2,7 +2,7 @@
 Qwen2-MoE with a shared expert, a DeepSeek-V3-style config with a dense first layer): each
 rank holds E / G experts of every MoE layer, tokens go to their experts' ranks and back by
 all-to-all, the rest is data parallel. `run --check` matches the one-device reference (the
-expert slices gathered whole), alone (with clip_grad_norm, with accumulate) and as a stage
+expert slices gathered whole), alone (with `shard: full` and clip_grad_norm, with accumulate) and as a stage
 of a 1F1B pipeline beside a data stage.
 
 Bytes: a rank hands torch its whole dispatch buffer (its tokens x top k rows) whatever the
@@ -31,10 +31,12 @@ STAGE = ("devices=[cpu:0, cpu:1, cpu:2, cpu:3]",
          "cpu:1], parallel: data}, {name: back, layers: [model.layers.1, model.norm, lm_head], devices: [cpu:2, "
          "cpu:3], parallel: expert}]",
          "pipeline={microbatches: 2, schedule: 1f1b}")
-CLIP = (*ALONE, "training.clip_grad_norm=0.01")  # the global norm counts each rank's experts
+# FSDP2 on the dense parameters; the global norm counts each rank's experts and dense shards
+SHARD_CLIP = (ALONE[0].replace("parallel: expert", "parallel: {mode: expert, shard: full}"),
+              "training.clip_grad_norm=0.01")
 ACCUMULATE = (*ALONE, "training.accumulate=2")  # the all-to-alls of each micro-step
-RUNS = [("mixtral", ALONE), ("qwen2_moe", CLIP), ("deepseek_v3", ACCUMULATE), ("mixtral", STAGE)]
-IDS = ["mixtral-alone", "qwen2_moe-clip", "deepseek_v3-accumulate", "mixtral-stage"]
+RUNS = [("mixtral", ALONE), ("qwen2_moe", SHARD_CLIP), ("deepseek_v3", ACCUMULATE), ("mixtral", STAGE)]
+IDS = ["mixtral-alone", "qwen2_moe-shard-clip", "deepseek_v3-accumulate", "mixtral-stage"]
 
 
 @pytest.mark.parametrize("family,sets", RUNS, ids=IDS)

@@ -166,3 +166,34 @@ def test_an_all_to_all_moves_a_share_of_each_devices_rows_to_each_other_device()
     assert op_sent(op) == dict.fromkeys("abcd", 400)  # the whole send buffer, the rows kept included
     moved = op_moves(op)
     assert len(moved) == 12 and {n for _, _, n in moved} == {100}
+
+
+def test_shard_full_gathers_and_scatters_the_dense_parameters_padded_as_fsdp2_pads_them():
+    pytest.importorskip("transformers")
+    full = EXPERT.replace("parallel: expert", "parallel: {mode: expert, shard: full}")
+    report = api.plan(SPEC, overrides=["model.kwargs.family=qwen2_moe", full])
+    ops = report.plan.unique_ops()
+    assert not [op for op in ops if op.kind == OpKind.ALL_REDUCE]
+    g = report.graph
+    padded = sum(-(-n // 2) * 2 * row for l in g.layers for n, row in l.param_rows) + sum(
+        r.bytes for r in g.root_params if r.trainable)
+    experts = 4 * sum(n for l in g.layers for _, _, n, _, _ in l.expert_weights)
+    # the shared expert's gate, a [1, 32] weight in each layer, is padded to 2 rows
+    assert padded - 4 * sum(l.params for l in g.layers) == 2 * 32 * 4
+    for kind, phase in ((OpKind.ALL_GATHER, "fwd"), (OpKind.ALL_GATHER, "bwd"), (OpKind.REDUCE_SCATTER, "bwd")):
+        assert sum(op.bytes for op in ops if op.kind == kind and op.phase == phase) == padded - experts
+    assert "fully_shard_segment(" in api.generate(SPEC, overrides=[full])
+
+
+@pytest.mark.parametrize("shard,more", [("optimizer", ()), ("full", ("pipeline={microbatches: 2, schedule: gpipe}",))])
+def test_what_shard_cannot_do_under_expert_is_refused(shard, more):
+    from placer.spec.check import load_spec
+
+    two = ("placement=[{name: a, layers: [model.embed_tokens, model.rotary_emb, model.layers.0], devices: [cpu:0, "
+           f"cpu:1], parallel: {{mode: expert, shard: {shard}}}}}, {{name: b, layers: [model.layers.1, model.norm, "
+           "lm_head], devices: [cpu:2, cpu:3], parallel: data}]")
+    sets = ["devices=[cpu:0, cpu:1, cpu:2, cpu:3]", two if more else EXPERT.replace(
+        "parallel: expert", f"parallel: {{mode: expert, shard: {shard}}}"), *more]
+    with pytest.raises(PlacerError) as e:
+        load_spec(SPEC, overrides=sets)
+    assert e.value.diagnostics[0].code == "P114"
