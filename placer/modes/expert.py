@@ -76,7 +76,7 @@ def dense_bytes(info, sizes: dict, pad: int = 1) -> list[int]:
     """Per layer, the bytes of its trainable parameters other than its experts' (`sizes`: layer ->
     parameter bytes, root parameters it consumes included), each parameter's dim 0 padded to a
     multiple of `pad` as FSDP2 pads it (the experts' divides by the group: never padded)."""
-    cut = {}
+    cut: dict[int, int] = {}
     for i, _, _, _, _, n, _, _ in moes(info):
         cut[i] = cut.get(i, 0) + n * info[i].param_bytes // max(info[i].params, 1)
     padding = [sum((-(-n // pad) * pad - n) * row for n, row in l.param_rows) for l in info]
@@ -157,7 +157,7 @@ class Expert(Mode):
             a.seg_post_bwd.append(op(OpKind.ALL_REDUCE, "bwd", "grads", sum(dense), attrs={"dense": True}))
 
     def held(self, seg, info, d, r, share):
-        experts = {}
+        experts: dict[int, int] = {}
         for i, _, _, _, _, n, _, _ in moes(info):
             experts[i] = experts.get(i, 0) + n
         full = seg.options.get("shard") == "full"  # the dense parameters sharded too (FSDP2)
