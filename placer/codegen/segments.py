@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from placer.device import Device
 from placer.diagnostics import Diagnostic, PlanError
 from placer.model.graph import ModelGraph
-from placer.modes import MODES, expert, tensor
+from placer.modes import MODES, tensor
 from placer.plan import crossings
 from placer.plan.ir import TRANSFERS, OpKind, Plan
 from placer.plan.layout import in_layout
@@ -236,7 +236,7 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             moved_in=k in moved, loss_gather=k in gathered,
             pairs=tuple(tensor.planned_pairs(plan, k) if opts.get("blocks") else  # () but in tensor
                         tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),
-            experts=expert.paths(placed.layers, [graph.layer(n) for n in placed.layers]) if mode == "expert" else (),
+            experts=MODES[mode].held_modules(placed.layers, [graph.layer(n) for n in placed.layers]),
             recompute=placed.recompute, blocks=bool(opts.get("blocks")), replicas=opts.get("data", 1),
             chained=MODES[mode].chain and len(ranks) > 1 and crossings.lockstep(spec, plan.segments),
             rows_in=(tuple((layer, leaf) for layer, leaf, _ in crossings.rows_entering(

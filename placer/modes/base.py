@@ -143,7 +143,21 @@ class Mode:
         """Per layer (LayerInfo), the dim of its output each device holds a slice of (None: whole)."""
         return [self.layout_dim(seg)] * len(info)
 
+    def held_modules(self, layers, info) -> tuple[str, ...]:
+        """Names in the model of the modules whose parameters the program cuts over the group
+        while the rows are cut too (expert: each mixture's experts); () for other modes."""
+        return ()
+
+    def device_notes(self, seg) -> list[str]:
+        """What each device of the plan's segment holds, for the diagram's header (expert: its
+        experts); [] when every device holds the same layers."""
+        return []
+
     # -- estimate -----------------------------------------------------------------------------------
+    def plan_note(self, seg) -> str | None:
+        """A note for the plan about an assumption the mode's numbers make (expert: uniform routing)."""
+        return None
+
     def held(self, seg, info, d: int, r: int, share) -> list[tuple[int, int]]:
         """(parameter elements, buffer bytes) of each layer that rank r of the d devices holds
         (`share(n, d, r)`: its part of n split d ways)."""

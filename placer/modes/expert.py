@@ -8,6 +8,8 @@ batch, and the dense parameters' gradients are summed over the group after backw
 of experts sends each (token, chosen expert) row to the device holding the expert and its
 output back: two all-to-alls forward, two backward (their gradients), and an exchange of the
 rows per expert before the first. An expert's gradient sums the rows of every device: no sync.
+With `shard: full` the dense parameters are FSDP2's instead (gathered per layer, gradients
+reduce-scattered), each rank's experts left out of it.
 
 Bytes: a device hands torch its whole send buffer, its tokens x top k rows, whatever the
 routing; what comes back to it (the combine's input, the dispatch's gradient) is the rows its
@@ -163,6 +165,19 @@ class Expert(Mode):
         full = seg.options.get("shard") == "full"  # the dense parameters sharded too (FSDP2)
         return [((share(l.params - experts.get(i, 0), d, r) if full else l.params - experts.get(i, 0))
                  + share(experts.get(i, 0), d, r), l.buffer_bytes) for i, l in enumerate(info)]
+
+    def held_modules(self, layers, info):
+        return paths(layers, info)
+
+    def device_notes(self, seg):  # which experts each device holds (of every mixture of experts in it)
+        e, n = seg.options.get("experts", 0), len(seg.devices)
+        return [f"{d}: experts {r * e // n}..{(r + 1) * e // n - 1}" for r, d in enumerate(seg.devices)]
+
+    def plan_note(self, seg):
+        return (f"expert parallel segment {seg.name!r}: all-to-all bytes, expert FLOPs and activations assume uniform "
+                "routing (each device's experts receive the rows its own tokens send); a run's devices differ from "
+                "them by their imbalance, and their sum equals the plan's; at worst one device's experts take every "
+                "row of the group")
 
     def comm_buffers(self, seg, held, largest):
         return 2 * largest if seg.options.get("shard") == "full" else 0  # FSDP2: one unit gathered, its gradients

@@ -80,9 +80,7 @@ def _mode_line(seg) -> str | None:
         t = len(seg.devices) // reps
         runs = " | ".join(", ".join(seg.devices[i:i + t]) for i in range(0, len(seg.devices), t))
         extra.append(f"data x{reps}: {runs}")
-    if seg.mode == "expert":  # which experts each device holds (of every mixture of experts in it)
-        e, n = opts.get("experts", 0), len(seg.devices)
-        extra += [f"{d}: experts {r * e // n}..{(r + 1) * e // n - 1}" for r, d in enumerate(seg.devices)]
+    extra += MODES[seg.mode].device_notes(seg)  # what each device holds, where devices differ (expert)
     return f"{seg.mode} x{len(seg.devices) // reps}" + (f" ({', '.join(extra)})" if extra else "")
 
 
