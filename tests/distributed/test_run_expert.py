@@ -2,8 +2,8 @@
 Qwen2-MoE with a shared expert, a DeepSeek-V3-style config with a dense first layer): each
 rank holds E / G experts of every MoE layer, tokens go to their experts' ranks and back by
 all-to-all, the rest is data parallel. `run --check` matches the one-device reference (the
-expert slices gathered whole), alone (with `shard: full` and clip_grad_norm, with accumulate under bf16) and as a stage
-of a 1F1B pipeline beside a data stage.
+expert slices gathered whole): alone, with `shard: full` and clip_grad_norm, with accumulate
+under bf16, and as a stage of a 1F1B pipeline beside a data stage.
 
 Bytes: a rank hands torch its whole dispatch buffer (its tokens x top k rows) whatever the
 routing, but the combine's input and the dispatch's gradient are the rows its experts
