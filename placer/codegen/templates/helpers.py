@@ -158,7 +158,8 @@ TIME = collections.Counter()  # seconds this rank spends per kind of work: data,
 # What each counted call sends: (position, keyword) of the tensor it hands over
 SENT_ARG = {"send": (0, "tensor"), "isend": (0, "tensor"), "all_reduce": (0, "tensor"),
             "reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),
-            "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input")}
+            "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input"),
+            "all_to_all_single": (1, "input")}
 # DTensor (tensor parallel) talks through the functional collectives: the input comes first
 SENT_ARG_FUNCTIONAL = {"all_reduce": (0, "self"), "all_gather_single": (0, "self"),
                        "reduce_scatter_single": (0, "self")}
