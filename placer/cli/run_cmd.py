@@ -255,9 +255,11 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         run_dir = launcher.resumable_run_dir(Path(resume), spec)
         console.append = True
         console.say(f"resuming the run in {run_dir}")
-        for change in resume_changes(run_dir, spec.doc, data, anyway=resume_anyway):
-            console.say(f"--resume-anyway: continuing with {change}", err=True)
         program = generate(spec, filename="program.py", out_dir=str(run_dir))
+        changed, moved = resume_changes(run_dir, spec.doc, data, anyway=resume_anyway, reshard=program.reshard)
+        for change in changed:
+            console.say(f"resharding the checkpoint: {change}" if change in moved else
+                        f"--resume-anyway: continuing with {change}", err=True)
         launcher.write_atomically(run_dir / "program.py", program.text)
     else:
         wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
@@ -265,11 +267,11 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(),
                                          overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None)
         (run_dir / "program.py").write_text(program.text)
-        record_fingerprint(run_dir, data)
+        record_fingerprint(run_dir, data, program.reshard)
 
     def trains_on() -> None:  # a resume's checkpoint loaded: the run trains with this spec from here
         launcher.write_atomically(run_dir / "spec.yaml", text)
-        record_fingerprint(run_dir, data)
+        record_fingerprint(run_dir, data, program.reshard)
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
                "backend": binding.backend, "world_size": program.world_size}
     try:

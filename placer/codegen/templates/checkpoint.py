@@ -1,12 +1,13 @@
-def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=()):
+def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=(), model=None):
     """Every rank saves what it holds, as plain tensors, to CHECKPOINT_DIR/step_N/rankR.pt:
     its modules' state (parameters and buffers; DTensor shards of FSDP and tensor parallel as
     their local pieces, so no device mesh is pickled), its optimizers' state (ZeRO: its own
     shard's) and their lr schedulers', its random number generator and the losses so far.
-    The world and the placement are fixed by the spec, so rank R's file is read back by rank
-    R. A step directory counts
-    only once it holds COMPLETE (every file's size and sha256, hashed as it is written),
-    written after every rank's file; then old checkpoints are rotated (CHECKPOINT_KEEP)."""
+    Rank R's file is read back by rank R of the same LAYOUT. Where the layout can be resharded
+    (RESHARD None), the model's and optimizers' tensors also go by the model's names to
+    step_N/dcp (torch.distributed.checkpoint), which another placement loads. A step directory
+    counts only once it holds COMPLETE (every file's size and sha256, and the layout), written
+    after every rank's files; then old checkpoints are rotated (CHECKPOINT_KEEP)."""
     root = os.path.join(out or ".", CHECKPOINT_DIR)
     path = os.path.join(root, f"step_{step + 1}")
     STATUS.at(step, "checkpoint")
@@ -31,13 +32,88 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=())
     }
     name, entry = f"rank{rank}.pt", {}
     replace_atomically(os.path.join(path, name), lambda tmp: entry.update(save_hashed(state, tmp)))
+    mine = [(name, entry)] + (save_by_name(os.path.join(path, "dcp"), rank, model, modules, optimizers)
+                              if RESHARD is None and model is not None else [])
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (name, entry))  # every rank's file is written: the checkpoint is complete
+    dist.all_gather_object(every, mine)  # every rank's files are written: the checkpoint is complete
     if first_here:  # the files of this machine's ranks (each machine writes its own run directory)
-        files = {n: d for n, d in sorted(every) if os.path.exists(os.path.join(path, n))}
-        info = {"step": step + 1, "files": files}
+        files = {n: d for n, d in sorted(f for files in every for f in files) if os.path.exists(os.path.join(path, n))}
+        info = {"step": step + 1, "world": dist.get_world_size(), "layout": LAYOUT, "reshard": RESHARD,
+                "files": files}
         replace_atomically(os.path.join(path, "COMPLETE"), lambda tmp: write_json(tmp, info))
         rotate_checkpoints(root, step + 1)
+
+
+def save_by_name(path, rank, model, modules, optimizers):
+    """Save this rank's tensors by the model's names with torch.distributed.checkpoint (DCP, a
+    collective): `model.NAME` and `optim.NAME.KEY` (a tied parameter under each of its names),
+    DTensor shards as themselves, replicas once. [(file, its size and sha256)] of the files this
+    rank wrote (DCP writes them through its own streams: read back to hash them)."""
+    import torch.distributed.checkpoint as dcp
+
+    with uncounted():  # its planning collectives are not training traffic
+        dcp.save(state_by_name(model, modules, optimizers), checkpoint_id=path)
+    mine = [n for n in os.listdir(path) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
+    return [(f"dcp/{n}", {"bytes": os.path.getsize(os.path.join(path, n)),
+                          "sha256": file_sha256(os.path.join(path, n))}) for n in sorted(mine)]
+
+
+def tensors_by_name(model, modules):
+    """{name in the whole model: tensor} of the parameters and persistent buffers this rank's
+    modules hold (DDP's and FSDP2's wrappers hold the model's own modules and tensors)."""
+    held = {id(t) for m in modules for t in [*m.parameters(), *m.buffers()]}
+    out = {}
+    for path, sub in model.named_modules(remove_duplicate=False):
+        for key, t in [*sub._parameters.items(), *sub._buffers.items()]:
+            if t is not None and id(t) in held and key not in sub._non_persistent_buffers_set:
+                out[f"{path}.{key}" if path else key] = t
+    return out
+
+
+def state_by_name(model, modules, optimizers):
+    """What save_by_name saves: the tensors by name, and each optimizer state tensor under its
+    parameter's first name."""
+    named = tensors_by_name(model, modules)
+    first = {}
+    for name, t in named.items():
+        first.setdefault(id(t), name)
+    state = {f"model.{name}": t.detach() for name, t in named.items()}
+    for opt in optimizers:
+        for p, entry in opt.state.items():
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    state[f"optim.{first[id(p)]}.{key}"] = value
+    return state
+
+
+def load_by_name(path, model, modules, optimizers):
+    """Read a checkpoint that save_by_name wrote under another placement into this rank's
+    tensors: DCP's planner reads each piece this rank holds (its shard, or the whole) from
+    whichever files hold it. Optimizer state this rank lacks yet is made first, in the
+    checkpoint's shape (a parameter's, or a scalar: Adam's step)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    named = tensors_by_name(model, modules)
+    first = {}
+    for name, t in named.items():
+        first.setdefault(id(t), name)
+    state = {f"model.{name}": t.detach() for name, t in named.items()}
+    made = []
+    for opt in optimizers:
+        for p in [p for group in opt.param_groups for p in group["params"]]:
+            prefix = f"optim.{first[id(p)]}."
+            for key, meta in stored.items():
+                if key.startswith(prefix):
+                    whole = tuple(meta.size) == tuple(p.shape)
+                    value = torch.zeros_like(p, dtype=meta.properties.dtype) if whole else \
+                        torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+                    state[key] = value
+                    made.append((opt, p, key[len(prefix):], value))
+    with uncounted():
+        dcp.load(state, checkpoint_id=path)
+    for opt, p, key, value in made:
+        opt.state[p][key] = value
 
 
 class HashedFile:
@@ -124,21 +200,77 @@ def read_checkpoint(root, step, rank, world):
     path = os.path.join(root, f"step_{step}")
     name = f"rank{rank}.pt"
     try:
-        with open(os.path.join(path, "COMPLETE")) as f:
-            entry = json.load(f).get("files", {}).get(name)
-        if isinstance(entry, int):  # written by an earlier placer: sizes only
-            entry = {"bytes": entry}
-        size = os.path.getsize(os.path.join(path, name))
-        if entry is not None and size != entry.get("bytes", size):
-            return None, f"{name} is {size} bytes, not {entry['bytes']}"
-        if entry is not None and "sha256" in entry and file_sha256(os.path.join(path, name)) != entry["sha256"]:
-            return None, f"{name} is damaged: its sha256 is not the one COMPLETE records"
+        why = verify_file(path, name, complete_info(root, step).get("files", {}).get(name))
+        if why:
+            return None, why
         state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
     except Exception as e:  # missing, truncated or garbled: the checkpoint is not usable
         return None, f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if state.get("step") != step or state.get("rank") != rank or state.get("world") != world:
         return None, f"{name} holds step {state.get('step')} of rank {state.get('rank')} of {state.get('world')}"
     return state, None
+
+
+def complete_info(root, step):
+    """What step_N/COMPLETE records ({} if it cannot be read)."""
+    try:
+        with open(os.path.join(root, f"step_{step}", "COMPLETE")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def verify_file(path, name, entry):
+    """None if the file has the size and sha256 that COMPLETE records (entry), else why not."""
+    if isinstance(entry, int):  # written by an earlier placer: sizes only
+        entry = {"bytes": entry}
+    size = os.path.getsize(os.path.join(path, name))
+    if entry is not None and size != entry.get("bytes", size):
+        return f"{name} is {size} bytes, not {entry['bytes']}"
+    if entry is not None and "sha256" in entry and file_sha256(os.path.join(path, name)) != entry["sha256"]:
+        return f"{name} is damaged: its sha256 is not the one COMPLETE records"
+    return None
+
+
+def read_resharded(root, step, rank, world, info):
+    """(rank 0's state, None) of a checkpoint written under another layout, or (None, why):
+    this rank verifies its share of the files that a reshard reads (rank0.pt and DCP's; the
+    verdict is all-reduced before any is loaded) and reads rank 0's file for what is not
+    sharded (losses, lr schedule, optimizer settings, random state)."""
+    path = os.path.join(root, f"step_{step}")
+    files = info.get("files", {})
+    needed = ["rank0.pt"] + sorted(n for n in files if n.startswith("dcp/"))
+    try:
+        for name in needed[rank::world]:
+            why = verify_file(path, name, files.get(name))
+            if why:
+                return None, why
+        state = torch.load(os.path.join(path, "rank0.pt"), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if state.get("step") != step:
+        return None, f"rank0.pt holds step {state.get('step')}"
+    return state, None
+
+
+def load_resharded(path, state, model, modules, optimizers, schedulers):
+    """Load a checkpoint of another layout (read_resharded's rank 0 state, step_N/dcp's
+    tensors) into this rank; what does not fit, in words (None when it all loaded)."""
+    saved = state["optimizers"][0] if state["optimizers"] else None
+    for opt in optimizers:
+        if saved is not None and saved.get("kind") != type(opt).__name__:
+            return f"its optimizer is {saved.get('kind')}, this rank's {type(opt).__name__}"
+    try:
+        load_by_name(os.path.join(path, "dcp"), model, modules, optimizers)
+    except Exception as e:  # DCP raises on every rank alike: a name or shape the checkpoint lacks
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    for opt in optimizers:  # the settings the lr schedule changed (lr, initial_lr)
+        for group in opt.param_groups:
+            group.update({k: v for k, v in saved["param_groups"][0].items() if k != "params"})
+    for scheduler in schedulers:
+        scheduler.load_state_dict(state["schedulers"][0])
+    torch.set_rng_state(state["rng"])  # rank 0's: a reshard has no rank-for-rank match
+    return None
 
 
 def fits(state, modules, optimizers, schedulers=()):
@@ -192,7 +324,10 @@ def load_checkpoint(state, modules, optimizers, schedulers=()):
         torch.cuda.set_rng_state(state["cuda_rng"])
 
 
-def resume_checkpoint(args, rank, modules, optimizers, schedulers=()):
+RESHARDED_FROM = []  # the world size of the checkpoint this run resumed from, when resharded
+
+
+def resume_checkpoint(args, rank, modules, optimizers, schedulers=(), model=None):
     """(first step, losses of the steps before it). A run started with --resume, or restarted
     by the launcher after a failure, continues from the newest checkpoint that is complete
     and readable on every rank (step 0 without one); otherwise it starts at step 0. Every rank
@@ -201,16 +336,19 @@ def resume_checkpoint(args, rank, modules, optimizers, schedulers=()):
     if not resuming(args):
         return 0, []
     with uncounted():  # reading a checkpoint, not training: left out of the bytes sent
-        first, losses, passed = choose_checkpoint(args, rank, modules, optimizers, schedulers)
+        first, losses, passed = choose_checkpoint(args, rank, modules, optimizers, schedulers, model)
     RESUMED_FROM = first
     if rank == 0:
-        print(f"resuming from the checkpoint at step {first}" if first else
+        resharded = f" (written on {RESHARDED_FROM[0]} ranks under another placement: resharded)" \
+            if RESHARDED_FROM else ""
+        print(f"resuming from the checkpoint at step {first}{resharded}" if first else
               "no usable checkpoint: starting at step 0", flush=True)
-        report_event(args.out, {"resumed_from": first, "steps": args.steps, "passed_over": passed})
+        report_event(args.out, {"resumed_from": first, "steps": args.steps, "passed_over": passed,
+                                **({"resharded_from": RESHARDED_FROM[0]} if RESHARDED_FROM else {})})
     return first, losses
 
 
-def choose_checkpoint(args, rank, modules, optimizers, schedulers):
+def choose_checkpoint(args, rank, modules, optimizers, schedulers, model=None):
     """Load the newest checkpoint that is complete and readable on every rank: (its step, the
     losses before it, the newer ones passed over as {"step", "dir", "why"}), or (0, [], ...)
     without one. One that does not fit this program stops the run."""
@@ -221,17 +359,33 @@ def choose_checkpoint(args, rank, modules, optimizers, schedulers):
     dist.all_gather_object(every, mine)  # several machines: a step complete on all of them
     passed = []
     for step in [s for s in mine if all(s in other for other in every)]:
-        state, why = read_checkpoint(root, step, rank, world)
-        misfit = fits(state, modules, optimizers, schedulers) if state is not None else None
-        verdict = torch.tensor([2 if misfit else 0 if state is not None else 1])
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # 0: usable on every rank
-        if verdict.item() == 2:
-            where = os.path.join(root, f"step_{step}")
-            detail = f": rank {rank}: {misfit}" if misfit else ""
-            raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} does not fit this program{detail}")
-        if verdict.item() == 0:
-            load_checkpoint(state, modules, optimizers, schedulers)
-            return step, state["losses"], passed
+        info, where = complete_info(root, step), os.path.join(root, f"step_{step}")
+        if info.get("layout", LAYOUT) != LAYOUT:  # written under another placement: resharded by name
+            blocker = info.get("reshard", "it was written by an earlier placer") or RESHARD
+            if blocker:
+                raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} was written under another "
+                              f"placement ({info.get('world')} ranks) and cannot be resharded: {blocker}")
+            state, why = read_resharded(root, step, rank, world, info)
+            verdict = torch.tensor([0 if state is not None else 1])
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+            if verdict.item() == 0:
+                misfit = load_resharded(where, state, model, modules, optimizers, schedulers)
+                if misfit:
+                    raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} does not fit this "
+                                  f"program: rank {rank}: {misfit}")
+                RESHARDED_FROM.append(info.get("world"))
+                return step, state["losses"], passed
+        else:
+            state, why = read_checkpoint(root, step, rank, world)
+            misfit = fits(state, modules, optimizers, schedulers) if state is not None else None
+            verdict = torch.tensor([2 if misfit else 0 if state is not None else 1])
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # 0: usable on every rank
+            if verdict.item() == 2:
+                detail = f": rank {rank}: {misfit}" if misfit else ""
+                raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} does not fit this program{detail}")
+            if verdict.item() == 0:
+                load_checkpoint(state, modules, optimizers, schedulers)
+                return step, state["losses"], passed
         if why:
             print(f"rank {rank}: the checkpoint at step {step} is not usable ({why}); trying an older one",
                   file=sys.stderr, flush=True)
