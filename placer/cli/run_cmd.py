@@ -361,7 +361,10 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
                                       "or choose a --run-dir on another disk"))
         if result.hang:  # the ranks that failed timed out waiting for one that stopped answering
             raise RunError(hang_report(spec, program.devices, run_dir, result.hang))
-        raise RunError(failure_report(spec, program.devices, run_dir, result.failures))
+        from placer.launch.hang import read_statuses
+
+        raise RunError(failure_report(spec, program.devices, run_dir, result.failures, read_statuses(run_dir),
+                                      program.planned_memory))
     if resume and on_resumed:  # again: a node other than 0 sees no progress records
         on_resumed()
     if not result.metrics:  # ranks of node 0 write the results
