@@ -36,9 +36,9 @@ from placer.plan.ir import OpKind
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
-STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "hashlib", "importlib", "importlib.util",
+STDLIB = ["argparse", "collections", "contextlib", "ctypes", "errno", "functools", "hashlib", "importlib", "importlib.util",
           "json", "mmap", "os", "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
-CHECKPOINT_ONLY = ("hashlib", "shutil")  # imported by programs that save checkpoints
+CHECKPOINT_ONLY = ("errno", "hashlib", "shutil")  # imported by programs that save checkpoints
 
 
 @dataclass(frozen=True)

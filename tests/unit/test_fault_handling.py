@@ -221,6 +221,49 @@ def test_a_full_disk_is_R028_not_a_traceback(tmp_path, monkeypatch):
     assert f"error[R028]: the disk is full: writing {tmp_path}/run/program.py: No space left on device" in r.stderr
 
 
+def test_a_checkpoint_write_that_fails_on_a_full_disk_says_so(tmp_path, monkeypatch):
+    """torch's writers fail as "enforce fail at inline_container.cc", DCP's as a CheckpointException
+    (a BaseException) with the errno lost: the program raises ENOSPC naming the checkpoint (R028)."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    ns = template_namespace()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10, 10, 0))
+
+    class CheckpointException(BaseException):
+        pass
+    with pytest.raises(OSError) as e, ns["disk_full_said"](str(tmp_path)):
+        raise CheckpointException("RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos")
+    assert e.value.errno == errno.ENOSPC and str(e.value).endswith(f"writing the checkpoint {tmp_path}")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 0, 10 << 30))
+    with pytest.raises(ValueError), ns["disk_full_said"](str(tmp_path)):  # room enough: another error
+        raise ValueError("not the disk")
+    with pytest.raises(OSError) as e, ns["disk_full_said"](str(tmp_path)):  # the errno in the context
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+    assert e.value.errno == errno.ENOSPC
+
+
+def test_metrics_that_cannot_be_written_stop_without_a_traceback(tmp_path):
+    import errno
+
+    from placer.launch.metrics import MetricsWriter
+
+    plots = MetricsWriter(tmp_path, 8)
+
+    class Full:
+        def writerow(self, row):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    plots.csv = Full()
+    plots.add({"step": 1, "loss": 1.0})  # the follower thread goes on showing progress
+    assert plots.stopped and plots.note.startswith("metrics.csv and TensorBoard's files stopped at step 1: ")
+    plots.close()
+
+
 def test_a_checkpoint_counts_when_complete_and_every_file_is_whole(tmp_path):
     """What a resume may load: a step with COMPLETE, whose files have the sizes it records and load."""
     import torch

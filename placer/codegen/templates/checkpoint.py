@@ -31,9 +31,10 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=(),
         "losses": list(losses),
     }
     name, entry = f"rank{rank}.pt", {}
-    replace_atomically(os.path.join(path, name), lambda tmp: entry.update(save_hashed(state, tmp)))
-    mine = [(name, entry)] + (save_by_name(os.path.join(path, "dcp"), rank, model, modules, optimizers)
-                              if RESHARD is None and model is not None else [])
+    with disk_full_said(path):
+        replace_atomically(os.path.join(path, name), lambda tmp: entry.update(save_hashed(state, tmp)))
+        mine = [(name, entry)] + (save_by_name(os.path.join(path, "dcp"), rank, model, modules, optimizers)
+                                  if RESHARD is None and model is not None else [])
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # every rank's files are written: the checkpoint is complete
     if first_here:  # the files of this machine's ranks (each machine writes its own run directory)
@@ -42,6 +43,27 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=(),
                 "files": files}
         replace_atomically(os.path.join(path, "COMPLETE"), lambda tmp: write_json(tmp, info))
         rotate_checkpoints(root, step + 1)
+
+
+@contextlib.contextmanager
+def disk_full_said(path):
+    """A write that fails on a full disk raises OSError ENOSPC naming the checkpoint (placer run's
+    R028): torch's writers say "enforce fail at inline_container.cc" instead, the errno lost
+    (DCP's) or left in the context."""
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        cause, full = e, False
+        while cause is not None and not full:
+            full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+            cause = cause.__cause__ or cause.__context__
+        with contextlib.suppress(OSError):
+            full = full or shutil.disk_usage(path).free < 1 << 20
+        if not full:
+            raise
+        raise OSError(errno.ENOSPC, f"No space left on device: writing the checkpoint {path}") from None
 
 
 def save_by_name(path, rank, model, modules, optimizers):
@@ -262,7 +284,9 @@ def load_resharded(path, state, model, modules, optimizers, schedulers):
             return f"its optimizer is {saved.get('kind')}, this rank's {type(opt).__name__}"
     try:
         load_by_name(os.path.join(path, "dcp"), model, modules, optimizers)
-    except Exception as e:  # DCP raises on every rank alike: a name or shape the checkpoint lacks
+    except BaseException as e:  # DCP's CheckpointException, on every rank alike: a name or shape it lacks
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     for opt in optimizers:  # the settings the lr schedule changed (lr, initial_lr)
         for group in opt.param_groups:
