@@ -253,6 +253,8 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
     data, text = effective_spec(spec.doc, Path(spec_path).read_bytes(), overrides, steps)
     if resume:
         run_dir = launcher.resumable_run_dir(Path(resume), spec)
+        if node_rank == 0:  # (each machine writes its own run directory; on a shared disk node 0 claims)
+            launcher.claim_checkpoint_dir(run_dir, spec, resume=True)
         console.append = True
         console.say(f"resuming the run in {run_dir}")
         program = generate(spec, filename="program.py", out_dir=str(run_dir))
@@ -268,6 +270,8 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
                                          overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None)
         (run_dir / "program.py").write_text(program.text)
         record_fingerprint(run_dir, data, program.reshard)
+        if node_rank == 0:
+            launcher.claim_checkpoint_dir(run_dir, spec)
 
     def trains_on() -> None:  # a resume's checkpoint loaded: the run trains with this spec from here
         launcher.write_atomically(run_dir / "spec.yaml", text)

@@ -264,6 +264,33 @@ def test_metrics_that_cannot_be_written_stop_without_a_traceback(tmp_path):
     plots.close()
 
 
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_a_checkpoint_dir_outside_the_run_dir_belongs_to_one_run(tmp_path, where):
+    """training.checkpoint.dir absolute or ../: every run of the spec would save into it. The first
+    run claims it (RUN names its run directory), a second is R029, a resume of the first goes on."""
+    from placer.launch.run import claim_checkpoint_dir
+
+    shared = tmp_path / "shared"
+    spec = tiny(tmp_path, extra=f"  checkpoint: {{every: 1, dir: {shared if where == 'absolute' else '../shared'}}}\n")
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    claim_checkpoint_dir(first, spec)
+    assert (shared / "RUN").read_text() == f"{first.resolve()}\n"
+    claim_checkpoint_dir(first, spec, resume=True)
+    with pytest.raises(PlacerError) as e:
+        claim_checkpoint_dir(second, spec)
+    d = e.value.diagnostics[0]
+    assert d.code == "R029" and d.message == (f"training.checkpoint.dir {shared.resolve()} holds the checkpoints of "
+                                              f"{first.resolve()}: two runs would write into one directory")
+    (shared / "RUN").unlink()  # checkpoints no run claimed (an earlier placer's): a new run is refused too
+    (shared / "step_1").mkdir()
+    assert "holds the checkpoints of a run that did not claim it" in first_error(lambda: claim_checkpoint_dir(second, spec))
+    claim_checkpoint_dir(first, spec, resume=True)  # a resume claims them
+    inside = tiny(tmp_path, extra="  checkpoint: {every: 1, dir: ckpt}\n")
+    claim_checkpoint_dir(second, inside)
+    assert not (second / "ckpt").exists()  # the default: nothing to claim
+
+
 def test_a_checkpoint_counts_when_complete_and_every_file_is_whole(tmp_path):
     """What a resume may load: a step with COMPLETE, whose files have the sizes it records and load."""
     import torch
