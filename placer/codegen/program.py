@@ -152,7 +152,7 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
         header(spec, program, segs, filename),
         *imports(piece_imports + (["import torch.utils.checkpoint"] if any(s.recompute for s in segs) else []),
                  ckpt, cut, then=[constants(spec, devices, out_dir, layout_id(segs, devices, spec.pipeline),
-                                            reshard_blocker(segs, cut, bool(ls))), (TEMPLATES / "launch.py").read_text()]),
+                                            reshard_blocker(segs, cut, bool(ls), len(per_node))), (TEMPLATES / "launch.py").read_text()]),
         model_source(spec, graph), data_source(spec),
         stages_source(spec, segs, cut, lockstep_source(plan, graph, segs, devices) if ls else None),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied, spec.training) if pl else
@@ -171,15 +171,17 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
               'if __name__ == "__main__":\n    main()']
     text = formatted("\n\n\n".join(p.strip("\n") + "\n" for p in parts), spec)
     return Program(text, devices, nproc, len(per_node), planned, tuple(crossings.multi_tensor_boundaries(plan)),
-                   reshard_blocker(segs, cut, bool(ls)))
+                   reshard_blocker(segs, cut, bool(ls), len(per_node)))
 
 
-def reshard_blocker(segs: list[Seg], cut: bool, lockstep: bool) -> str | None:
+def reshard_blocker(segs: list[Seg], cut: bool, lockstep: bool, nodes: int = 1) -> str | None:
     """Why a checkpoint of these segments cannot be resharded, or None: every rank then holds
     whole tensors of the model (one device, DDP replicas, pipeline stages) or DTensor shards of
     them (FSDP2), which torch.distributed.checkpoint saves under the model's names and loads
     into any other such layout. The modes that keep pieces of their own (slices, a server's
     copies, ZeRO-1's partitions) have no name for them it could reshard."""
+    if nodes > 1:  # DCP reads every rank's files from one place; each machine writes its own run directory
+        return f"its ranks span {nodes} machines, each of which keeps its own ranks' files"
     if cut:
         return "its pipeline stages are cut by torch.distributed.pipelining, whose stage modules are not the model's"
     if lockstep:

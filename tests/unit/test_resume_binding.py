@@ -141,3 +141,19 @@ def test_resume_refuses_another_batch_size_before_any_worker_starts(tmp_path):
     assert not (run / "program.py").exists() and "batch_size: 16" in (run / "spec.yaml").read_text()
     r = CliRunner().invoke(main, ["run", spec, "--resume-anyway"])
     assert r.exit_code == 2 and "--resume-anyway goes with --resume RUN_DIR" in r.output
+
+
+def test_which_placements_save_checkpoints_that_reshard():
+    """Whole tensors and DTensor shards of the model reshard; pieces of a program's own do not."""
+    from placer.codegen.program import reshard_blocker
+    from placer.codegen.segments import Seg
+
+    def seg(mode="data", **kw):
+        return Seg(k=0, name="s0", layers=("fc1",), ranks=(0, 1), mode=mode, **kw)
+    assert reshard_blocker([seg("none"), seg(sync="allreduce"), seg(sync="allreduce", shard="full")], False, False) is None
+    assert reshard_blocker([seg("tensor")], False, False) == ("segment 0 (s0) is tensor parallel, whose slices are "
+                                                              "this program's own")
+    assert "syncs by parameter_server" in reshard_blocker([seg(sync="parameter_server")], False, False)
+    assert "ZeroRedundancyOptimizer" in reshard_blocker([seg(sync="allreduce", shard="optimizer")], False, False)
+    assert "torch.distributed.pipelining" in reshard_blocker([seg("none")], True, False)
+    assert "span 2 machines" in reshard_blocker([seg("none")], False, False, nodes=2)

@@ -1,13 +1,14 @@
 def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=(), model=None):
-    """Every rank saves what it holds, as plain tensors, to CHECKPOINT_DIR/step_N/rankR.pt:
-    its modules' state (parameters and buffers; DTensor shards of FSDP and tensor parallel as
-    their local pieces, so no device mesh is pickled), its optimizers' state (ZeRO: its own
-    shard's) and their lr schedulers', its random number generator and the losses so far.
-    Rank R's file is read back by rank R of the same LAYOUT. Where the layout can be resharded
-    (RESHARD None), the model's and optimizers' tensors also go by the model's names to
-    step_N/dcp (torch.distributed.checkpoint), which another placement loads. A step directory
-    counts only once it holds COMPLETE (every file's size and sha256, and the layout), written
-    after every rank's files; then old checkpoints are rotated (CHECKPOINT_KEEP)."""
+    """Every rank saves what it holds to CHECKPOINT_DIR/step_N. Where the layout can be resharded
+    (RESHARD None: whole tensors and DTensor shards of the model), its model and optimizer
+    tensors go by the model's names to step_N/dcp (torch.distributed.checkpoint, a replica
+    once), which any such layout loads, and rankR.pt holds the rest: its optimizers' settings
+    and other state, lr schedulers', random number generator and the losses so far. Otherwise
+    rankR.pt holds everything as plain tensors (sharded state as this rank's pieces: no device
+    mesh is pickled; ZeRO's optimizer state as its shard), read back by rank R of the same
+    LAYOUT. A step directory counts only once it holds COMPLETE (every file's size and sha256,
+    and the layout), written after every rank's files; then old checkpoints are rotated
+    (CHECKPOINT_KEEP)."""
     root = os.path.join(out or ".", CHECKPOINT_DIR)
     path = os.path.join(root, f"step_{step + 1}")
     STATUS.at(step, "checkpoint")
@@ -19,12 +20,13 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=(),
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
     dist.barrier()
+    by_name = RESHARD is None and model is not None
     state = {
         "step": step + 1,
         "rank": rank,
         "world": dist.get_world_size(),
-        "modules": [local_tensors(m.state_dict()) for m in modules],
-        "optimizers": [optimizer_state(opt) for opt in optimizers],
+        "modules": [] if by_name else [local_tensors(m.state_dict()) for m in modules],
+        "optimizers": [optimizer_rest(opt, model, modules) if by_name else optimizer_state(opt) for opt in optimizers],
         "schedulers": [scheduler.state_dict() for scheduler in schedulers],
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
@@ -34,7 +36,7 @@ def save_checkpoint(out, step, rank, modules, optimizers, losses, schedulers=(),
     with disk_full_said(path):
         replace_atomically(os.path.join(path, name), lambda tmp: entry.update(save_hashed(state, tmp)))
         mine = [(name, entry)] + (save_by_name(os.path.join(path, "dcp"), rank, model, modules, optimizers)
-                                  if RESHARD is None and model is not None else [])
+                                  if by_name else [])
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # every rank's files are written: the checkpoint is complete
     if first_here:  # the files of this machine's ranks (each machine writes its own run directory)
@@ -96,9 +98,7 @@ def state_by_name(model, modules, optimizers):
     """What save_by_name saves: the tensors by name, and each optimizer state tensor under its
     parameter's first name."""
     named = tensors_by_name(model, modules)
-    first = {}
-    for name, t in named.items():
-        first.setdefault(id(t), name)
+    first = first_names(named)
     state = {f"model.{name}": t.detach() for name, t in named.items()}
     for opt in optimizers:
         for p, entry in opt.state.items():
@@ -106,6 +106,24 @@ def state_by_name(model, modules, optimizers):
                 if torch.is_tensor(value):
                     state[f"optim.{first[id(p)]}.{key}"] = value
     return state
+
+
+def optimizer_rest(opt, model, modules):
+    """What save_by_name leaves out of an optimizer: its kind, its settings (the lr schedule changes
+    them) and any state that is not a tensor (by its parameter's name)."""
+    first = first_names(tensors_by_name(model, modules))
+    other = {first[id(p)]: {k: v for k, v in entry.items() if not torch.is_tensor(v)} for p, entry in opt.state.items()}
+    return {"kind": type(opt).__name__, "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                         for g in opt.param_groups],
+            "other": {name: entry for name, entry in other.items() if entry}}
+
+
+def first_names(named):
+    """id(tensor) -> its first name in `named` (a tied parameter has several)."""
+    first = {}
+    for name, t in named.items():
+        first.setdefault(id(t), name)
+    return first
 
 
 def load_by_name(path, model, modules, optimizers):
@@ -117,9 +135,7 @@ def load_by_name(path, model, modules, optimizers):
 
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     named = tensors_by_name(model, modules)
-    first = {}
-    for name, t in named.items():
-        first.setdefault(id(t), name)
+    first = first_names(named)
     state = {f"model.{name}": t.detach() for name, t in named.items()}
     made = []
     for opt in optimizers:
@@ -254,46 +270,56 @@ def verify_file(path, name, entry):
     return None
 
 
-def read_resharded(root, step, rank, world, info):
-    """(rank 0's state, None) of a checkpoint written under another layout, or (None, why):
-    this rank verifies its share of the files that a reshard reads (rank0.pt and DCP's; the
-    verdict is all-reduced before any is loaded) and reads rank 0's file for what is not
-    sharded (losses, lr schedule, optimizer settings, random state)."""
+def read_by_name(root, step, rank, world, info, same):
+    """(the rank file to load the rest from, None) of a checkpoint saved by name, or (None, why):
+    this rank verifies its share of the files DCP reads (the verdict is all-reduced before any is
+    loaded) and its rank file: its own under the same layout (`same`), else rank 0's (a reshard
+    has no rank-for-rank match), which every rank reads."""
     path = os.path.join(root, f"step_{step}")
     files = info.get("files", {})
-    needed = ["rank0.pt"] + sorted(n for n in files if n.startswith("dcp/"))
+    name = f"rank{rank}.pt" if same else "rank0.pt"
+    shared = sorted(n for n in files if n.startswith("dcp/")) + ([] if same else ["rank0.pt"])
     try:
-        for name in needed[rank::world]:
-            why = verify_file(path, name, files.get(name))
+        for checked in shared[rank::world] + ([name] if same else []):
+            why = verify_file(path, checked, files.get(checked))
             if why:
                 return None, why
-        state = torch.load(os.path.join(path, "rank0.pt"), map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
     except Exception as e:
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if state.get("step") != step:
-        return None, f"rank0.pt holds step {state.get('step')}"
+        return None, f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if state.get("step") != step or same and (state.get("rank"), state.get("world")) != (rank, world):
+        return None, f"{name} holds step {state.get('step')} of rank {state.get('rank')} of {state.get('world')}"
     return state, None
 
 
-def load_resharded(path, state, model, modules, optimizers, schedulers):
-    """Load a checkpoint of another layout (read_resharded's rank 0 state, step_N/dcp's
-    tensors) into this rank; what does not fit, in words (None when it all loaded)."""
-    saved = state["optimizers"][0] if state["optimizers"] else None
-    for opt in optimizers:
-        if saved is not None and saved.get("kind") != type(opt).__name__:
-            return f"its optimizer is {saved.get('kind')}, this rank's {type(opt).__name__}"
+def load_saved_by_name(path, state, model, modules, optimizers, schedulers, same):
+    """Load a checkpoint saved by name into this rank: DCP's tensors, and from `state` (read_by_name's
+    rank file) the optimizers' settings and other state, the lr schedulers', the random state.
+    Under another layout every optimizer and scheduler takes the first one's (they step alike).
+    What does not fit, in words (None when it all loaded)."""
+    saved = state["optimizers"] if same else state["optimizers"][:1] * len(optimizers)
+    if len(saved) != len(optimizers):
+        return f"it holds {len(state['optimizers'])} optimizer(s), this rank {len(optimizers)}"
+    for opt, mine in zip(optimizers, saved):
+        if mine.get("kind") != type(opt).__name__:
+            return f"its optimizer is {mine.get('kind')}, this rank's {type(opt).__name__}"
     try:
         load_by_name(os.path.join(path, "dcp"), model, modules, optimizers)
     except BaseException as e:  # DCP's CheckpointException, on every rank alike: a name or shape it lacks
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-    for opt in optimizers:  # the settings the lr schedule changed (lr, initial_lr)
-        for group in opt.param_groups:
-            group.update({k: v for k, v in saved["param_groups"][0].items() if k != "params"})
-    for scheduler in schedulers:
-        scheduler.load_state_dict(state["schedulers"][0])
-    torch.set_rng_state(state["rng"])  # rank 0's: a reshard has no rank-for-rank match
+    names = first_names(tensors_by_name(model, modules))
+    for opt, mine in zip(optimizers, saved):
+        for group, settings in zip(opt.param_groups, mine["param_groups"]):  # what the lr schedule changed
+            group.update(settings)
+        for p in [p for group in opt.param_groups for p in group["params"]]:
+            opt.state[p].update(mine.get("other", {}).get(names[id(p)], {}))
+    for scheduler, mine in zip(schedulers, state["schedulers"] if same else state["schedulers"][:1] * len(schedulers)):
+        scheduler.load_state_dict(mine)
+    torch.set_rng_state(state["rng"])
+    if same and state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
     return None
 
 
@@ -384,20 +410,22 @@ def choose_checkpoint(args, rank, modules, optimizers, schedulers, model=None):
     passed = []
     for step in [s for s in mine if all(s in other for other in every)]:
         info, where = complete_info(root, step), os.path.join(root, f"step_{step}")
-        if info.get("layout", LAYOUT) != LAYOUT:  # written under another placement: resharded by name
-            blocker = info.get("reshard", "it was written by an earlier placer") or RESHARD
-            if blocker:
-                raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} was written under another "
-                              f"placement ({info.get('world')} ranks) and cannot be resharded: {blocker}")
-            state, why = read_resharded(root, step, rank, world, info)
+        same = info.get("layout", LAYOUT) == LAYOUT
+        blocker = None if same else info.get("reshard", "it was written by an earlier placer") or RESHARD
+        if blocker:
+            raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} was written under another "
+                          f"placement ({info.get('world')} ranks) and cannot be resharded: {blocker}")
+        if any(n.startswith("dcp/") for n in info.get("files", {})):  # saved by the model's names
+            state, why = read_by_name(root, step, rank, world, info, same)
             verdict = torch.tensor([0 if state is not None else 1])
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # 0: usable on every rank
             if verdict.item() == 0:
-                misfit = load_resharded(where, state, model, modules, optimizers, schedulers)
+                misfit = load_saved_by_name(where, state, model, modules, optimizers, schedulers, same)
                 if misfit:
                     raise StopRun("checkpoint mismatch", step, f"the checkpoint {where} does not fit this "
                                   f"program: rank {rank}: {misfit}")
-                RESHARDED_FROM.append(info.get("world"))
+                if not same:
+                    RESHARDED_FROM.append(info.get("world"))
                 return step, state["losses"], passed
         else:
             state, why = read_checkpoint(root, step, rank, world)
