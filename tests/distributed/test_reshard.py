@@ -1,8 +1,9 @@
 """`placer run --resume` under another placement: a checkpoint of 2 data-parallel ranks resumes on 4
 (and that one on 2 again), DDP's resumes under FSDP2, one pipeline cut's under another, and each
 continues exactly (`--check`: every loss, the checkpoint's and the new ones, and every final
-parameter against the one-device reference). What cannot be resharded, or changes the
-computation, is R033 before any worker starts, and the checkpoints are left as they were.
+parameter against the one-device reference). A damaged file of DCP's passes over its checkpoint.
+What cannot be resharded, or changes the computation, is R033 before any worker starts, and the
+checkpoints are left as they were.
 A tiny 4-layer MLP, 4 steps, a checkpoint every 2, SGD with momentum (state to carry over)."""
 from __future__ import annotations
 
@@ -115,18 +116,24 @@ def test_a_checkpoint_resumes_under_another_placement_and_continues_exactly(new,
         assert_continued_exactly(r, 4, 6, 4)
 
 
-def test_a_damaged_file_of_a_reshard_passes_over_its_checkpoint(runs, tmp_path):
+@pytest.mark.parametrize("damage", ["bit", "truncated"])
+def test_a_damaged_file_of_a_checkpoint_by_name_passes_over_it(damage, runs, tmp_path):
+    """A low bit flipped in one of DCP's files, resumed on 4 ranks; or the file cut short, resumed
+    under the same placement (which loads DCP's files too): the checkpoint before it is used."""
     spec, whole = runs("data")
     run = interrupted(whole, tmp_path / "run", keep_upto=4)
     damaged = run / "ckpt" / "step_4" / "dcp" / "__1_0.distcp"
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 1
-    damaged.write_bytes(bytes(data))
-    r = placer_run(str(spec), *FOUR, "--steps", "6", "--resume", str(run), cwd=tmp_path)
+    damaged.write_bytes(bytes(data) if damage == "bit" else bytes(data[:len(data) // 2]))
+    r = placer_run(str(spec), *(FOUR if damage == "bit" else []), "--steps", "6", "--resume", str(run), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert (f"the checkpoint at step 4 is not usable: {run / 'ckpt' / 'step_4'}/dcp/__1_0.distcp is damaged: its "
-            "sha256 is not the one COMPLETE records; resuming from the checkpoint at step 2 instead") in r.stderr
-    assert "resumed from the checkpoint at step 2 of 6, resharded from 2 ranks" in r.stdout
+    why = "is damaged: its sha256 is not the one COMPLETE records" if damage == "bit" else \
+        f"is {len(data) // 2} bytes, not {len(data)}"
+    assert (f"the checkpoint at step 4 is not usable: {run / 'ckpt' / 'step_4'}/dcp/__1_0.distcp {why}; "
+            "resuming from the checkpoint at step 2 instead") in r.stderr
+    resharded = ", resharded from 2 ranks" if damage == "bit" else ""
+    assert f"resumed from the checkpoint at step 2 of 6{resharded}\n" in r.stdout
 
 
 @pytest.mark.parametrize("change, says", [
