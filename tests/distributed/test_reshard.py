@@ -1,5 +1,6 @@
 """`placer run --resume` under another placement: a checkpoint of 2 data-parallel ranks resumes on 4
-(and that one on 2 again), DDP's resumes under FSDP2, one pipeline cut's under another, and each
+(and that one on 2 again), DDP's resumes under FSDP2 and under tensor parallelism, one pipeline
+cut's under another, and each
 continues exactly (`--check`: every loss, the checkpoint's and the new ones, and every final
 parameter against the one-device reference). A damaged file of DCP's passes over its checkpoint.
 What cannot be resharded, or changes the computation, is R033 before any worker starts, and the
@@ -52,7 +53,9 @@ NEW = {  # another placement of each original run: (the original, its --set's)
     "more_data_ranks": ("data", FOUR),
     "fsdp2": ("data", ["--set", "placement.0.parallel={mode: data, shard: full}"]),
     "pipeline_cut": ("pipeline", ["--set", 'placement=[{layers: fc1..fc2, device: cpu}, {layers: head, device: "cpu:1"}]']),
+    "tensor": ("pair", ["--set", "placement.0.parallel=tensor"]),  # fc1 column-split, head row-split: DTensors
 }
+PAIR = "    - {name: fc2, op: Linear, args: [8, 8]}\n"  # left out of the "pair" model: fc1, act, head
 
 
 def placer_run(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -74,7 +77,8 @@ def runs(tmp_path_factory):
         if name not in made:
             folder = tmp_path_factory.mktemp(name)
             spec = folder / "spec.yaml"
-            spec.write_text(SPEC.replace("PLACEMENT", DATA if name == "data" else PIPELINE))
+            text = SPEC.replace("PLACEMENT", PIPELINE if name == "pipeline" else DATA)
+            spec.write_text(text.replace(PAIR, "") if name == "pair" else text)
             r = placer_run(str(spec), "--run-dir", str(folder / "whole"), cwd=folder)
             assert r.returncode == 0, r.stderr
             made[name] = spec, folder / "whole"

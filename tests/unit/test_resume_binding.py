@@ -151,8 +151,11 @@ def test_which_placements_save_checkpoints_that_reshard():
     def seg(mode="data", **kw):
         return Seg(k=0, name="s0", layers=("fc1",), ranks=(0, 1), mode=mode, **kw)
     assert reshard_blocker([seg("none"), seg(sync="allreduce"), seg(sync="allreduce", shard="full")], False, False) is None
-    assert reshard_blocker([seg("tensor")], False, False) == ("segment 0 (s0) is tensor parallel, whose slices are "
-                                                              "this program's own")
+    assert reshard_blocker([seg("tensor")], False, False) is None  # DTensor shards of the model's Linears
+    assert reshard_blocker([seg("tensor", replicas=2)], False, False) == (
+        "segment 0 (s0) is tensor parallel over data replicas or a module's blocks")
+    assert reshard_blocker([seg("channel")], False, False) == ("segment 0 (s0) is channel parallel, whose slices are "
+                                                               "this program's own")
     assert "syncs by parameter_server" in reshard_blocker([seg(sync="parameter_server")], False, False)
     assert "ZeroRedundancyOptimizer" in reshard_blocker([seg(sync="allreduce", shard="optimizer")], False, False)
     assert "torch.distributed.pipelining" in reshard_blocker([seg("none")], True, False)
