@@ -127,31 +127,33 @@ def first_names(named):
 
 
 def load_by_name(path, model, modules, optimizers):
-    """Read a checkpoint that save_by_name wrote under another placement into this rank's
-    tensors: DCP's planner reads each piece this rank holds (its shard, or the whole) from
-    whichever files hold it. Optimizer state this rank lacks yet is made first, in the
+    """Read the tensors that save_by_name wrote, under this placement or another, into this
+    rank's: DCP's planner reads each piece this rank holds (its shard, or the whole) from
+    whichever files hold it. Optimizer state, which a new optimizer lacks, is made first in the
     checkpoint's shape (a parameter's, or a scalar: Adam's step)."""
     import torch.distributed.checkpoint as dcp
 
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = collections.defaultdict(list)  # parameter name -> [(state key, its metadata)]
+    for key, meta in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items():
+        if key.startswith("optim."):
+            name, _, entry = key[len("optim."):].rpartition(".")  # an optimizer's keys have no dot
+            stored[name].append((entry, meta))
     named = tensors_by_name(model, modules)
     first = first_names(named)
     state = {f"model.{name}": t.detach() for name, t in named.items()}
     made = []
     for opt in optimizers:
         for p in [p for group in opt.param_groups for p in group["params"]]:
-            prefix = f"optim.{first[id(p)]}."
-            for key, meta in stored.items():
-                if key.startswith(prefix):
-                    whole = tuple(meta.size) == tuple(p.shape)
-                    value = torch.zeros_like(p, dtype=meta.properties.dtype) if whole else \
-                        torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
-                    state[key] = value
-                    made.append((opt, p, key[len(prefix):], value))
+            for entry, meta in stored[first[id(p)]]:
+                whole = tuple(meta.size) == tuple(p.shape)
+                value = torch.zeros_like(p, dtype=meta.properties.dtype) if whole else \
+                    torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+                state[f"optim.{first[id(p)]}.{entry}"] = value
+                made.append((opt, p, entry, value))
     with uncounted():
         dcp.load(state, checkpoint_id=path)
-    for opt, p, key, value in made:
-        opt.state[p][key] = value
+    for opt, p, entry, value in made:
+        opt.state[p][entry] = value
 
 
 class HashedFile:
