@@ -110,7 +110,8 @@ class RunConsole:
                 instead = f"the checkpoint at step {first}" if first else "step 0"
                 self.say(f"the checkpoint at step {bad['step']} is not usable: {bad['dir']}/{bad['why']}; "
                          f"resuming from {instead} instead", err=True)
-            self.say(f"resumed from the checkpoint at step {first} of {record.get('steps')}" if first else
+            resharded = f", resharded from {record['resharded_from']} ranks" if record.get("resharded_from") else ""
+            self.say(f"resumed from the checkpoint at step {first} of {record.get('steps')}{resharded}" if first else
                      "no usable checkpoint: starting at step 0")
             return
         step, steps = record.get("step", 0), record.get("steps", 0)

@@ -286,11 +286,15 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
     data, text = effective_spec(spec.doc, Path(spec_path).read_bytes(), overrides, steps)
     if resume:
         run_dir = launcher.resumable_run_dir(Path(resume), spec)
+        if node_rank == 0:  # (each machine writes its own run directory; on a shared disk node 0 claims)
+            launcher.claim_checkpoint_dir(run_dir, spec, resume=True)
         console.append = True
         console.say(f"resuming the run in {run_dir}")
-        for change in resume_changes(run_dir, spec.doc, data, anyway=resume_anyway):
-            console.say(f"--resume-anyway: continuing with {change}", err=True)
         program = generate(spec, filename="program.py", out_dir=str(run_dir))
+        changed, moved = resume_changes(run_dir, spec.doc, data, anyway=resume_anyway, reshard=program.reshard)
+        for change in changed:
+            console.say(f"resharding the checkpoint: {change}" if change in moved else
+                        f"--resume-anyway: continuing with {change}", err=True)
         launcher.write_atomically(run_dir / "program.py", program.text)
     elif job and job.joins():  # a cluster job's node: --launcher slurm or node 0 made the run directory
         run_dir = job.run_dir
@@ -300,10 +304,12 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
         program, run_dir = launcher.new_run_dir(spec, run_dir, overwrite, node_rank, data, text, job is not None)
         if job:
             job.save_program(program)
+        if node_rank == 0:
+            launcher.claim_checkpoint_dir(run_dir, spec)
 
     def trains_on() -> None:  # a resume's checkpoint loaded: the run trains with this spec from here
         launcher.write_atomically(run_dir / "spec.yaml", text)
-        record_fingerprint(run_dir, data)
+        record_fingerprint(run_dir, data, program.reshard)
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
                "backend": binding.backend, "world_size": program.world_size}
     try:
@@ -393,7 +399,10 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
                                       "or choose a --run-dir on another disk"))
         if result.hang:  # the ranks that failed timed out waiting for one that stopped answering
             raise RunError(hang_report(spec, program.devices, run_dir, result.hang))
-        raise RunError(failure_report(spec, program.devices, run_dir, result.failures))
+        from placer.launch.hang import read_statuses
+
+        raise RunError(failure_report(spec, program.devices, run_dir, result.failures, read_statuses(run_dir),
+                                      program.planned_memory))
     if resume and on_resumed:  # again: a node other than 0 sees no progress records
         on_resumed()
     if not result.metrics:  # ranks of node 0 write the results

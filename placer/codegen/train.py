@@ -153,7 +153,8 @@ class TrainWriter(TrainingOptions):
         head.indent()('"""One worker (rank) of the placed training run; torchrun starts one per device."""')
         self.setup()
         c("")
-        c(f"first, losses = resume_checkpoint(args, rank, modules, optimizers{self.sched_arg})  # step 0 unless resuming"
+        c(f"first, losses = resume_checkpoint(args, rank, modules, optimizers{self.sched_arg}, model=model)"
+          "  # step 0 unless resuming"
           if self.checkpoint else "first, losses = 0, []  # no checkpoints: a restart starts at step 0")
         c("data = batches(args.steps, first)", "start = time.perf_counter()",
           "batch_losses = BatchLosses(losses, args, rank, start)  # summed off the critical path")
@@ -450,7 +451,7 @@ class TrainWriter(TrainingOptions):
         c(f"batch_losses.add(step, total{norm})  # summed off the critical path, a window of steps at a time; NaN/inf: stop")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:", "    batch_losses.settle()",
-              f"    save_checkpoint(args.out, step, rank, modules, optimizers, losses{self.sched_arg})")
+              f"    save_checkpoint(args.out, step, rank, modules, optimizers, losses{self.sched_arg}, model=model)")
 
     def gpipe_step(self) -> None:
         """GPipe on placer's own copies: every micro-batch forward, then every one backward. Each

@@ -150,7 +150,7 @@ def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str,
     run_dir = claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(), overwrite=overwrite,
                             checkpoint_dir=ckpt.dir if ckpt else None, ignore=("job",) if in_job else ())
     (run_dir / "program.py").write_text(program.text)
-    record_fingerprint(run_dir, data)
+    record_fingerprint(run_dir, data, program.reshard)
     return program, run_dir
 
 
@@ -166,6 +166,41 @@ def resumable_run_dir(path: Path, spec: Spec) -> Path:
                                   "add training.checkpoint (for example --set training.checkpoint.every=10) "
                                   "to the runs you mean to resume"))
     return path
+
+
+CLAIM = "RUN"
+"""In a checkpoint directory outside the run directory: the run directory whose checkpoints it holds."""
+
+
+def claim_checkpoint_dir(run_dir: Path, spec: Spec, resume: bool = False) -> None:
+    """A training.checkpoint.dir outside the run directory (absolute, or `../`) is the same for
+    every run of the spec: the run claims it by creating its RUN file exclusively (as claim_run_dir
+    claims spec.yaml), and one that another run claimed, or that holds checkpoints no run claimed
+    (a new run would save over them), is R029. A resume claims an unclaimed one: its own, from an
+    earlier placer. Inside the run directory (the default, `ckpt`) there is nothing to claim."""
+    ckpt = spec.training.checkpoint
+    if ckpt is None or (run_dir / ckpt.dir).resolve().is_relative_to(run_dir.resolve()):
+        return
+    target, owner = (run_dir / ckpt.dir).resolve(), str(run_dir.resolve())
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        if not resume and any(p.name.startswith("step_") for p in target.iterdir()) and \
+                not (target / CLAIM).exists():
+            claimed = "a run that did not claim it"
+        else:
+            with open(target / CLAIM, "x") as f:
+                f.write(owner + "\n")
+            return
+    except FileExistsError:
+        claimed = (target / CLAIM).read_text().strip()
+    except OSError as e:
+        raise disk_error(e, f"cannot create the checkpoint directory {target}") from None
+    if claimed != owner:
+        raise RunError(Diagnostic(
+            "R029", f"training.checkpoint.dir {target} holds the checkpoints of {claimed}: two runs would write "
+            "into one directory", ckpt.loc,
+            "give each run its own (--set training.checkpoint.dir=...), or a relative dir, which is inside each "
+            "run's directory (the default, ckpt)"))
 
 
 def write_atomically(path: Path, text: str) -> None:

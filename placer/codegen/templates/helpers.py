@@ -223,10 +223,12 @@ def timer(kind):
 class RankStatus:
     """What this rank is doing: its step, its phase (data, forward, backward, sync, checkpoint)
     and the communication call it is in, kept in OUT/status/rankR for `placer run` (which
-    passes PLACER_LAUNCHER_PID) as one line: pid, rank, step, count of updates, time, phase,
-    call, tab-separated. The file is memory-mapped: an update is a store to memory, not a
-    system call. When a rank times out waiting for a peer, `placer run` reads every rank's
-    line to name the rank that stopped answering and what it was doing."""
+    passes PLACER_LAUNCHER_PID) as one line: pid, rank, step, count of updates, time, peak
+    memory (peak_memory's, taken as each step starts), phase, call, tab-separated. The file is
+    memory-mapped: an update is a store to memory, not a system call. When a rank times out
+    waiting for a peer, `placer run` reads every rank's line to name the rank that stopped
+    answering and what it was doing; when one is killed (the out-of-memory killer's SIGKILL),
+    its peak so far."""
 
     SIZE = 512
     # blocking calls; the asynchronous ones keep their text until the phase changes, as the
@@ -238,6 +240,7 @@ class RankStatus:
     def __init__(self):
         self.map, self.groups = None, {}
         self.pid, self.rank, self.step, self.seq, self.phase, self.op = os.getpid(), 0, 0, 0, "setup", ""
+        self.peak = 0
 
     def open(self, out, rank):
         """Start keeping the status (a no-op object otherwise) and announce every torch.distributed call."""
@@ -260,6 +263,8 @@ class RankStatus:
     def at(self, step, phase):
         """Step `step` (counted from 0) enters `phase`."""
         self.step, self.phase, self.op = step + 1, phase, ""
+        if phase == "data" and self.map is not None:  # once a step: a read of /proc/self/status
+            self.peak = peak_memory()[0]
         self.write()
 
     def calling(self, op):
@@ -269,7 +274,7 @@ class RankStatus:
     def write(self):
         if self.map is not None:
             self.seq += 1
-            fields = (self.pid, self.rank, self.step, self.seq, time.time(), self.phase, self.op)
+            fields = (self.pid, self.rank, self.step, self.seq, time.time(), self.peak, self.phase, self.op)
             data = ("\t".join(map(str, fields)) + "\n").encode()[: self.SIZE]
             self.map[: len(data)] = data
 
