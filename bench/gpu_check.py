@@ -20,8 +20,8 @@ bench/targets.py's targets for the reader (memory 0.90-1.10, step time 0.75-1.25
 a figure off its target is a finding, not a failed case:
 
 - memory: per device, the plan's `total_bytes` (`placer plan --format json`) over metrics.json's
-  `peak_memory`: on a GPU `torch.cuda.max_memory_allocated`; a CPU worker's figure (peak RSS above
-  the import) holds far more than tensors and is recorded without a ratio (docs/run.md).
+  `peak_memory`: on a GPU `torch.cuda.max_memory_allocated`, on a CPU worker the most bytes torch's
+  CPU allocator held for tensors in the first two steps (`tensor_peak_bytes`, docs/run.md).
 - step time: the plan's predicted step (`--hardware`, default h200: the data sheet's figures times
   0.6, placer/estimate/hardware.py) over the measured one: two runs of the spec, the difference of
   their `wall_s` over the difference of their steps (start-up, the first steps' CUDA warm-up and
@@ -65,10 +65,13 @@ from typing import Callable
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 from targets import COST, MEMORY, PARITY  # noqa: E402  (bench/ is a folder of scripts, not a package)
 from vs_torch import per_step  # noqa: E402
+
+from placer.cli.run_cmd import measured_peak  # noqa: E402
 
 PLACER = [sys.executable, "-c", "from placer.cli.main import main; main()"]
 ENV = {"NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -205,19 +208,20 @@ def _check_summary(path: Path) -> dict | None:
 
 
 def memory(plan: dict, metrics: dict) -> list[dict]:
-    """Per device: the plan's estimate, the run's measured peak, and their ratio where comparable."""
+    """Per device: the plan's estimate, the run's measured peak (the CUDA allocator's on a GPU, the
+    CPU allocator's tensor bytes on a CPU worker: placer run's own figure), and their ratio."""
     peaks = metrics.get("peak_memory") or {}
     rows = []
     for d in plan["devices"]:
-        peak = peaks.get(d["device"]) or {}
-        row = {"device": d["device"], "planned_bytes": d["total_bytes"], "measured_bytes": peak.get("peak_bytes"),
-               "measure": peak.get("measure")}
-        if peak.get("measure") == "cuda_max_memory_allocated" and peak.get("peak_bytes"):
-            row["ratio"] = d["total_bytes"] / peak["peak_bytes"]
+        measured, measure = measured_peak(peaks.get(d["device"]) or {})
+        row = {"device": d["device"], "planned_bytes": d["total_bytes"], "measured_bytes": measured,
+               "measure": measure}
+        if measured:
+            row["ratio"] = d["total_bytes"] / measured
             row["target"], row["met"] = list(MEMORY), MEMORY[0] <= row["ratio"] <= MEMORY[1]
         else:
             row["ratio"] = None
-            row["note"] = "a CPU worker's peak RSS holds more than tensors: not compared (docs/run.md)"
+            row["note"] = "no tensor peak measured (a run of fewer than one step, or an older program)"
         rows.append(row)
     return rows
 

@@ -92,6 +92,7 @@ class RunConsole:
         self.first = 0  # the step this attempt started from (resumed runs)
         self.said_interrupted = False
         self.append = False  # a resumed run adds to the run.log it finds
+        self.log_name = "run.log"  # a cluster job's node K > 0: job/node-K.log (node 0 writes run.log)
         self.bar: Any = None  # rich.progress.Progress while a bar is shown
         self.task: Any = None
 
@@ -109,7 +110,8 @@ class RunConsole:
                 instead = f"the checkpoint at step {first}" if first else "step 0"
                 self.say(f"the checkpoint at step {bad['step']} is not usable: {bad['dir']}/{bad['why']}; "
                          f"resuming from {instead} instead", err=True)
-            self.say(f"resumed from the checkpoint at step {first} of {record.get('steps')}" if first else
+            resharded = f", resharded from {record['resharded_from']} ranks" if record.get("resharded_from") else ""
+            self.say(f"resumed from the checkpoint at step {first} of {record.get('steps')}{resharded}" if first else
                      "no usable checkpoint: starting at step 0")
             return
         step, steps = record.get("step", 0), record.get("steps", 0)
@@ -159,7 +161,7 @@ class RunConsole:
 
     def save(self, run_dir: Path) -> None:
         try:
-            with open(run_dir / "run.log", "a" if self.append else "w") as f:
+            with open(run_dir / self.log_name, "a" if self.append else "w") as f:
                 f.write("\n".join(self.log) + "\n")
         except OSError:  # a full disk: the error being reported already says so
             pass

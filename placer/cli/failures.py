@@ -16,6 +16,9 @@ _LOG_LINE = re.compile(r"^\[?[WEIF]\d{4} |^Traceback \(most recent call last\)")
 _PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|DistBackendError|"
                    r"NCCL communicator was aborted|ProcessGroupGloo.*(closed|reset)|Socket closed|"
                    r"Got the following error when running the callback")
+# what the program prints of its own (templates: train's simulation notice, report_step, resume_checkpoint)
+_OWN = re.compile(r"simulating \d+ devices as CPU workers|step \d+/\d+  loss|resuming from the checkpoint|"
+                  r"no usable checkpoint|rank \d+: the checkpoint at step")
 MOST = 200
 """Lines of a message shown at most (a module's repr is whole well inside it)."""
 
@@ -36,11 +39,17 @@ def exception_of(tail: str) -> list[str]:
     return [line for line in lines[i:end] if line.strip()]
 
 
+def last_lines(tail: str, most: int = 8) -> list[str]:
+    """The output's last `most` lines, leaving out the program's own notices (the simulation
+    line, steps, resuming): before an os._exit they would read as its exception."""
+    return [line for line in tail.splitlines() if line.strip() and not _OWN.match(line)][-most:]
+
+
 def excerpt(tail: str, most: int = 8) -> list[str]:
     """Why a rank failed: its exception (cut to `most` lines), else its last `most` lines."""
     shown = exception_of(tail)
     if not shown:
-        return [line for line in tail.splitlines() if line.strip()][-most:]
+        return last_lines(tail, most)
     if len(shown) > most > 1:
         shown = shown[:most - 1] + [f"... ({len(shown) - most + 1} more lines)"]
     return shown[:most]
@@ -72,10 +81,15 @@ def _how(code: int | None) -> str:
     return f"was stopped by {signal_name(-code)}" if code is not None and code < 0 else f"exited with code {code}"
 
 
-def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int | None, str]]) -> Diagnostic:
+def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int | None, str]],
+                   statuses: dict[int, dict] | None = None, planned: dict[str, int] | None = None) -> Diagnostic:
     """R020: the first failing rank's exception once, whole, with every rank that raised the same
     (`ranks 0 (cpu:0) and 1 (cpu:1) exited with code 1: ...`); then ranks that failed by
-    themselves with another exception, and the ranks it took down (lost a peer, or stopped)."""
+    themselves with another exception, and the ranks it took down (lost a peer, or stopped).
+    `statuses` (hang.read_statuses): where a rank that left no exception was, and the peak
+    memory of one SIGKILL took; `planned`: device -> the plan's estimate beside it."""
+    from placer import units
+    from placer.launch.hang import doing
     from placer.launch.logs import log_name
 
     def device(rank: int) -> str:
@@ -87,11 +101,14 @@ def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int |
     rest = [(r, ct) for r, ct in rest if r not in same]
     if len(error) > MOST:
         error = error[:MOST] + [f"... ({len(error) - MOST} more lines in the log)"]
-    shown = error or [line for line in tail.splitlines() if line.strip()][-8:]
     who = [f"{r} ({device(r)})" for r in [first, *same]]
+    status = (statuses or {}).get(first)
     text = (f"rank {who[0]}" if not same else f"ranks {', '.join(who[:-1])} and {who[-1]}") + f" {_how(code)}"
+    shown = error or last_lines(tail)
     if shown and not (code == -signal.SIGTERM and not error):
         text += f": {shown[0]}" + "".join(f"\n    {line}" for line in shown[1:])
+    elif code is not None and code > 0:  # os._exit: nothing said
+        text += f"{' ' + doing(status) if status else ''} without a word (no exception: os._exit, or native code)"
 
     def other(rank: int, code: int | None, tail: str) -> str:
         if _kind(code, tail) == 2:  # one short line: the collective lost the rank that failed
@@ -101,7 +118,11 @@ def failure_report(spec, devices, run_dir: Path, failures: dict[int, tuple[int |
         how = _how(code).removeprefix("was ")
         return f"rank {rank} ({device(rank)}), {how}" + (f" ({why[0].strip()})" if why else "")
     if code == -signal.SIGKILL:
-        text += "\n  (SIGKILL is what the out-of-memory killer sends: see the plan's memory for this device)"
+        peak = f"; its peak memory by step {status['step']} was {units.size(status['peak'])}" \
+            if status and status.get("peak") else ""
+        estimate = (planned or {}).get(device(first))
+        plan = f" (the plan's estimate: {units.size(estimate)})" if peak and estimate is not None else ""
+        text += f"\n  (SIGKILL is what the out-of-memory killer sends{peak}{plan}: see the plan's memory for this device)"
     own = [(r, ct) for r, ct in rest if _kind(*ct) in (0, 1)]  # an error or signal of its own, not a lost peer
     if own:
         text += "\n  also failed by itself: " + "; ".join(other(r, c, t) for r, (c, t) in own)

@@ -9,32 +9,36 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from placer import units
 from placer.cli.console import DETAIL, INFO, RESULT, RunConsole, verbosity, verbosity_options
-from placer.cli.failures import failure_report, failures_in_order, hang_report, restart_lines
+from placer.cli.failures import failure_report, failures_in_order, hang_report, restart_lines, signal_name
 from placer.cli.options import set_option
+from placer.cli.run_slurm import slurm_options
 from placer.device import Device
 from placer.diagnostics import Diagnostic, Loc, PlacerError, RunError
-
-
-def default_run_dir(name: str, node_rank: int) -> str:
-    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
-    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
-
+from placer.launch.slurm import JobNode
 
 MEASURES = {"cuda_max_memory_allocated": "the CUDA allocator's peak (torch.cuda.max_memory_allocated)",
-            "peak_rss_above_import": "the worker's peak RSS above its RSS right after importing torch (CPU "
-                                     "workers: it also holds gloo's buffers, the data and the allocator's slack)"}
+            "tensor_peak": "the most bytes torch's CPU allocator held for tensors in the first two steps"}
+
+
+def measured_peak(m: dict) -> tuple[int | None, str | None]:
+    """(bytes, measure) of a device's peak that the plan estimates: the CUDA allocator's on a GPU,
+    the CPU allocator's tensor bytes on a CPU worker (its RSS, in metrics.json, holds far more)."""
+    if m.get("measure") == "cuda_max_memory_allocated":
+        return m["peak_bytes"], "cuda_max_memory_allocated"
+    if "tensor_peak_bytes" in m:
+        return m["tensor_peak_bytes"], "tensor_peak"
+    return None, None
 
 
 def summary_lines(metrics: dict, wall_s: float, attempts: int = 1, planned: dict | None = None) -> list[str]:
     """The run's speed, then per device: bytes sent, time by kind, measured peak memory beside
-    the plan's estimate (`planned`: device -> bytes)."""
+    the plan's estimate (`planned`: device -> bytes) and their ratio."""
     steps, sps = metrics.get("steps", 0), metrics.get("steps_per_s") or 0.0
     first = metrics.get("resumed_from") or 0
     what = f"trained {steps} steps" if not first else \
@@ -44,20 +48,25 @@ def summary_lines(metrics: dict, wall_s: float, attempts: int = 1, planned: dict
              f"({metrics.get('wall_s', 0):.2f} s training{' in the last attempt' if attempts > 1 else ''}, "
              f"{wall_s:.1f} s with start-up{tries})",
              f"{'device':<16} {'bytes sent':>12} {'compute s':>10} {'comm s':>8} {'data s':>8} "
-             f"{'peak memory':>12} {'planned':>10}"]
+             f"{'peak memory':>12} {'planned':>10} {'ratio':>6}"]
     times, memory, planned = metrics.get("time_s", {}), metrics.get("peak_memory", {}), planned or {}
+    measures = set()
     for device in metrics.get("devices", []):
-        t, m = times.get(device, {}), memory.get(device, {})
-        peak = units.size(m["peak_bytes"]) if "peak_bytes" in m else "-"
-        plan = units.size(planned[device]) if device in planned else "-"
+        t = times.get(device, {})
+        peak, measure = measured_peak(memory.get(device, {}))
+        measures.add(measure)
+        plan = planned.get(device)
+        ratio = f"{peak / plan:.2f}" if peak is not None and plan else "-"
         lines.append(f"{device:<16} {units.size(metrics.get('bytes_sent', {}).get(device, 0)):>12} "
                      f"{t.get('compute', 0):>10.3f} {t.get('comm', 0):>8.3f} {t.get('data', 0):>8.3f} "
-                     f"{peak:>12} {plan:>10}")
+                     f"{units.size(peak) if peak is not None else '-':>12} "
+                     f"{units.size(plan) if plan is not None else '-':>10} {ratio:>6}")
     lines.append("(bytes: payload this rank handed to send / collectives; comm: time waiting in copies and "
                  "gradient syncs, plus DDP's all-reduce from each bucket's launch to its completion while backward "
                  "runs, which compute holds too; a pipeline schedule's sends count as compute)")
-    for measure in sorted({m.get("measure") for m in memory.values()} & set(MEASURES)):
-        lines.append(f"(peak memory: {MEASURES[measure]}; planned: placer plan's estimate for one step)")
+    for measure in sorted(m for m in measures if m):
+        lines.append(f"(peak memory: {MEASURES[measure]}; planned: placer plan's estimate for one step; "
+                     "ratio: peak / planned; each worker's RSS is in metrics.json)")
     return lines
 
 
@@ -163,10 +172,11 @@ def check_failure(report) -> str:
               help="With --resume: continue from the checkpoint although the spec changes what a step computes "
                    "(batch size, optimizer, model, data, precision, schedule, placement), which R033 refuses "
                    "otherwise. The run is then no longer the continuation of the one it resumes.")
+@slurm_options
 @set_option
 @verbosity_options
 def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, node_rank, rdzv_endpoint, fmt,
-            max_restarts, resume_dir, resume_anyway, overrides):
+            max_restarts, resume_dir, resume_anyway, overrides, launcher, slurm, detach, in_job):
     """Generate SPEC's program into a run directory and launch it, one worker per device.
 
     Devices this machine lacks run as CPU workers on gloo when runtime.simulate is auto
@@ -189,11 +199,22 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
       placer run spec.yaml --resume runs/a
       placer run spec.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node 0
       placer run spec.yaml --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node 1
+      placer run spec.yaml --launcher slurm --partition gpu --time 1:00:00   # one Slurm job (docs/cluster.md)
     """
     from placer.cli.main import fail
     from placer.deps import require_torch
 
     require_torch("placer run")
+    if launcher == "slurm" and (resume_dir or in_job or nnodes > 1 or node_rank or rdzv_endpoint):
+        raise click.UsageError("--launcher slurm starts every node itself: leave out --resume, --in-job, "
+                               "--nnodes, --node-rank and --rdzv-endpoint")
+    if launcher != "slurm" and (detach or any(vars(slurm).values())):
+        raise click.UsageError("--detach, --partition, --time, --account and --sbatch-option go with "
+                               "--launcher slurm")
+    if in_job and node_rank == 0 and os.environ.get("SLURM_NODEID", "").isdigit():
+        node_rank = int(os.environ["SLURM_NODEID"])  # one task per node: its node rank is Slurm's
+    if in_job and not run_dir:
+        raise click.UsageError("--in-job runs in the job's run directory: pass --run-dir RUN_DIR")
     if nnodes > 1 and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if node_rank >= nnodes:
@@ -207,12 +228,20 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
     from placer.launch.run import Interrupted, interruptible
 
     console = RunConsole(quiet=fmt == "json", level=verbosity())
+    if launcher == "slurm":
+        from placer.cli.run_slurm import submit_and_follow
+
+        submit_and_follow(spec_path, console, fmt, slurm=slurm, detach=detach, run_dir=run_dir, overwrite=overwrite,
+                          steps=steps, overrides=overrides, check=check, tolerance=(rtol, atol))
+    job = JobNode(Path(run_dir), node_rank) if in_job else None
     try:
         with interruptible():
             outcome = run(spec_path, console, check=check, run_dir=run_dir, overwrite=overwrite, steps=steps,
                           nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, overrides=overrides,
-                          resume=resume_dir, resume_anyway=resume_anyway, tolerance=(rtol, atol))
+                          resume=resume_dir, resume_anyway=resume_anyway, tolerance=(rtol, atol), job=job)
     except Interrupted as e:  # run() said where; exit as a shell does for a process the signal ended
+        if job:
+            job.report({"ok": False, "interrupted": signal_name(e.signum)})
         if not console.said_interrupted:
             console.say("interrupted before the run started", err=True)
         # everything is said and saved: leave without interpreter shutdown, where a second Ctrl-C
@@ -221,6 +250,8 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         sys.stderr.flush()
         os._exit(128 + e.signum)
     except PlacerError as e:
+        if job:
+            job.report({"ok": False, "diagnostics": [d.as_dict() for d in e.diagnostics]})
         fail(e, fmt)
     except OSError as e:  # writing the run's own files (a full disk); the workers' are reported as R028 too
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -232,13 +263,16 @@ def command(spec_path, check, rtol, atol, run_dir, overwrite, steps, nnodes, nod
         # The run is over: the interpreter's last garbage collection, of torch's objects, took
         # 5 s before placer could exit on a loaded 2-core machine; frozen objects are not collected
         gc.freeze()
+    if job:
+        job.report(outcome)
     if fmt == "json":
         click.echo(json.dumps(outcome, indent=2, default=str))
     sys.exit(0 if outcome["ok"] else 1)
 
 
 def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, steps, nnodes, node_rank,
-        rdzv_endpoint, overrides=(), resume=None, resume_anyway=False, tolerance=(None, None)) -> dict:
+        rdzv_endpoint, overrides=(), resume=None, resume_anyway=False, tolerance=(None, None),
+        job: JobNode | None = None) -> dict:
     from placer.cli.main import load_and_warn
     from placer.codegen.program import generate
     from placer.launch import run as launcher
@@ -250,29 +284,35 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
     if overrides:  # run.log says how the run's spec.yaml came from SPEC
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))
     binding = launcher.bind(spec, nnodes)
-    ckpt = spec.training.checkpoint
     # RUN_DIR/spec.yaml is the spec as trained, and fingerprint.json what a later --resume must keep
     data, text = (effective_spec(spec.doc, Path(spec_path).read_bytes(), overrides, steps) if chosen is None
                   else effective_spec(spec.doc, chosen.encode(), (), steps))  # auto: with the placement chosen
     if resume:
         run_dir = launcher.resumable_run_dir(Path(resume), spec)
+        if node_rank == 0:  # (each machine writes its own run directory; on a shared disk node 0 claims)
+            launcher.claim_checkpoint_dir(run_dir, spec, resume=True)
         console.append = True
         console.say(f"resuming the run in {run_dir}")
-        for change in resume_changes(run_dir, spec.doc, data, anyway=resume_anyway):
-            console.say(f"--resume-anyway: continuing with {change}", err=True)
         program = generate(spec, filename="program.py", out_dir=str(run_dir))
+        changed, moved = resume_changes(run_dir, spec.doc, data, anyway=resume_anyway, reshard=program.reshard)
+        for change in changed:
+            console.say(f"resharding the checkpoint: {change}" if change in moved else
+                        f"--resume-anyway: continuing with {change}", err=True)
         launcher.write_atomically(run_dir / "program.py", program.text)
+    elif job and job.joins():  # a cluster job's node: --launcher slurm or node 0 made the run directory
+        run_dir = job.run_dir
+        console.log_name = job.log_name
+        program = job.program(spec)
     else:
-        wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
-        program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
-        run_dir = launcher.claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(),
-                                         overwrite=overwrite, checkpoint_dir=ckpt.dir if ckpt else None)
-        (run_dir / "program.py").write_text(program.text)
-        record_fingerprint(run_dir, data)
+        program, run_dir = launcher.new_run_dir(spec, run_dir, overwrite, node_rank, data, text, job is not None)
+        if job:
+            job.save_program(program)
+        if node_rank == 0:
+            launcher.claim_checkpoint_dir(run_dir, spec)
 
     def trains_on() -> None:  # a resume's checkpoint loaded: the run trains with this spec from here
         launcher.write_atomically(run_dir / "spec.yaml", text)
-        record_fingerprint(run_dir, data)
+        record_fingerprint(run_dir, data, program.reshard)
     outcome = {"ok": False, "run_dir": str(run_dir), "simulated": binding.simulate, "notice": binding.reason,
                "backend": binding.backend, "world_size": program.world_size}
     try:
@@ -362,7 +402,10 @@ def _launch_and_check(spec, program, binding, run_dir: Path, console: RunConsole
                                       "or choose a --run-dir on another disk"))
         if result.hang:  # the ranks that failed timed out waiting for one that stopped answering
             raise RunError(hang_report(spec, program.devices, run_dir, result.hang))
-        raise RunError(failure_report(spec, program.devices, run_dir, result.failures))
+        from placer.launch.hang import read_statuses
+
+        raise RunError(failure_report(spec, program.devices, run_dir, result.failures, read_statuses(run_dir),
+                                      program.planned_memory))
     if resume and on_resumed:  # again: a node other than 0 sees no progress records
         on_resumed()
     if not result.metrics:  # ranks of node 0 write the results

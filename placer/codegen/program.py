@@ -36,9 +36,10 @@ from placer.plan.ir import OpKind
 from placer.spec.types import Spec
 
 TEMPLATES = Path(__file__).parent / "templates"
-STDLIB = ["argparse", "collections", "contextlib", "ctypes", "functools", "hashlib", "importlib", "importlib.util",
-          "json", "mmap", "os", "queue", "shutil", "signal", "subprocess", "sys", "threading", "time"]
-CHECKPOINT_ONLY = ("hashlib", "shutil")  # imported by programs that save checkpoints
+STDLIB = ["argparse", "collections", "contextlib", "ctypes", "errno", "functools", "hashlib", "importlib",
+          "importlib.util", "json", "mmap", "os", "queue", "shutil", "signal", "subprocess", "sys", "tempfile",
+          "threading", "time"]
+CHECKPOINT_ONLY = ("errno", "hashlib", "shutil")  # imported by programs that save checkpoints
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Program:
     `placer run` prints beside what each device measured."""
     boundaries: tuple[str, ...] = ()
     """Where several tensors cross between two devices, in words (`run --check`'s hint names them)."""
+    reshard: str | None = None
+    """Why this program's checkpoints cannot be loaded under another placement (None: they can,
+    by the model's names through torch.distributed.checkpoint)."""
 
     @property
     def world_size(self) -> int:
@@ -148,7 +152,8 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     parts = [
         header(spec, program, segs, filename),
         *imports(piece_imports + (["import torch.utils.checkpoint"] if any(s.recompute for s in segs) else []),
-                 ckpt, cut, then=[constants(spec, devices, out_dir), (TEMPLATES / "launch.py").read_text()]),
+                 ckpt, cut, then=[constants(spec, devices, out_dir, layout_id(segs, devices, spec.pipeline),
+                                            reshard_blocker(segs, cut, bool(ls), len(per_node))), (TEMPLATES / "launch.py").read_text()]),
         model_source(spec, graph), data_source(spec),
         stages_source(spec, segs, cut, lockstep_source(plan, graph, segs, devices) if ls else None),
         pipeline_train_source(segs, devices, cut, ckpt, pl.schedule, pl.microbatches, tied, spec.training) if pl else
@@ -166,7 +171,39 @@ def generate(spec: Spec, filename: str = "program.py", out_dir: str | None = Non
     parts += ["# " + "-" * 76 + " communication pieces\n\n" + piece_text, (TEMPLATES / "main.py").read_text(),
               'if __name__ == "__main__":\n    main()']
     text = formatted("\n\n\n".join(p.strip("\n") + "\n" for p in parts), spec)
-    return Program(text, devices, nproc, len(per_node), planned, tuple(crossings.multi_tensor_boundaries(plan)))
+    return Program(text, devices, nproc, len(per_node), planned, tuple(crossings.multi_tensor_boundaries(plan)),
+                   reshard_blocker(segs, cut, bool(ls), len(per_node)))
+
+
+def reshard_blocker(segs: list[Seg], cut: bool, lockstep: bool, nodes: int = 1) -> str | None:
+    """Why a checkpoint of these segments cannot be resharded, or None: every rank then holds
+    whole tensors of the model (one device, DDP replicas, pipeline stages) or DTensor shards of
+    them (FSDP2), which torch.distributed.checkpoint saves under the model's names and loads
+    into any other such layout. The modes that keep pieces of their own (slices, a server's
+    copies, ZeRO-1's partitions) have no name for them it could reshard."""
+    if nodes > 1:  # DCP reads every rank's files from one place; each machine writes its own run directory
+        return f"its ranks span {nodes} machines, each of which keeps its own ranks' files"
+    if cut:
+        return "its pipeline stages are cut by torch.distributed.pipelining, whose stage modules are not the model's"
+    if lockstep:
+        return "its data segments run in lockstep inside the model's forward"
+    for s in segs:
+        if s.mode == "tensor" and (s.replicas > 1 or s.blocks or s.shard != "none"):
+            return f"segment {s.k} ({s.name}) is tensor parallel over data replicas or a module's blocks"
+        if s.mode not in ("none", "data", "tensor"):  # tensor: DTensor's Shard(0) / Shard(1) of the model's Linears
+            return f"segment {s.k} ({s.name}) is {s.mode} parallel, whose slices are this program's own"
+        if s.mode == "data" and s.sync != "allreduce":
+            return f"segment {s.k} ({s.name}) syncs by {s.sync}, whose copies are this program's own"
+        if s.shard == "optimizer":
+            return f"segment {s.k} ({s.name}) partitions its optimizer state by ZeroRedundancyOptimizer (shard: optimizer)"
+    return None
+
+
+def layout_id(segs: list[Seg], devices, pipeline) -> str:
+    """What placement made of the state each rank holds; a checkpoint of another is resharded."""
+    what = [list(devices), [(s.layers, s.ranks, s.mode, s.sync, s.shard, s.server) for s in segs],
+            (pipeline.schedule, pipeline.microbatches) if pipeline else None]
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
 SYNC_BATCHNORM = '''
@@ -269,7 +306,7 @@ def formatted(text: str, spec: Spec) -> str:
     return proc.stdout
 
 
-def constants(spec: Spec, devices, out_dir: str | None) -> str:
+def constants(spec: Spec, devices, out_dir: str | None, layout: str = "", reshard: str | None = None) -> str:
     t, rt = spec.training, spec.runtime
     c = Code()
     c("# " + "-" * 76 + " the spec",
@@ -291,7 +328,9 @@ def constants(spec: Spec, devices, out_dir: str | None) -> str:
     if t.checkpoint:
         c(f"CHECKPOINT_DIR = {t.checkpoint.dir!r}  # relative to --out",
           f"CHECKPOINT_EVERY = {t.checkpoint.every!r}",
-          f"CHECKPOINT_KEEP = {t.checkpoint.keep!r}")
+          f"CHECKPOINT_KEEP = {t.checkpoint.keep!r}",
+          f"LAYOUT = {layout!r}  # the placement's state on each rank: a checkpoint of another layout is resharded",
+          f"RESHARD = {reshard!r}  # why this layout's checkpoints cannot be resharded (None: they can)")
     return c.text()
 
 

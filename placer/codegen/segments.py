@@ -82,6 +82,8 @@ class Seg:
     split (runtime/lockstep.py run_as_chain)."""
     replicas: int = 1
     """A 2-D segment's data replicas (its `data` option): runs of consecutive ranks, each split by the mode."""
+    experts: tuple = ()
+    """expert: the experts modules' names in the model, each cut over the group."""
     rows_in: tuple = ()
     """A 2-D tensor group in lockstep: (layer, leaf) of what it receives with the batch's rows, which
     each rank cuts to its replica's rows (runtime bands.py replica_rows_around); the first
@@ -106,7 +108,7 @@ class Seg:
     def sharded_params(self) -> bool:
         """Whether the parameters are DTensors (tensor parallel, FSDP) or channel shards, so the
         whole values are gathered (a collective over the group) before they are saved."""
-        return self.replicated or self.shard == "full"
+        return self.replicated or self.shard == "full" or MODES[self.mode].splits_params
 
     @property
     def slice_server(self) -> bool:
@@ -234,6 +236,7 @@ def program_segments(plan: Plan, spec: Spec, graph: ModelGraph, loops: bool = Fa
             moved_in=k in moved, loss_gather=k in gathered,
             pairs=tuple(tensor.planned_pairs(plan, k) if opts.get("blocks") else  # () but in tensor
                         tensor.emit_pairs(placed.layers, tensor.planned_pairs(plan, k))),
+            experts=MODES[mode].held_modules(placed.layers, [graph.layer(n) for n in placed.layers]),
             recompute=placed.recompute, blocks=bool(opts.get("blocks")), replicas=opts.get("data", 1),
             chained=MODES[mode].chain and len(ranks) > 1 and crossings.lockstep(spec, plan.segments),
             rows_in=(tuple((layer, leaf) for layer, leaf, _ in crossings.rows_entering(

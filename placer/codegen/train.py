@@ -153,7 +153,8 @@ class TrainWriter(TrainingOptions):
         head.indent()('"""One worker (rank) of the placed training run; torchrun starts one per device."""')
         self.setup()
         c("")
-        c(f"first, losses = resume_checkpoint(args, rank, modules, optimizers{self.sched_arg})  # step 0 unless resuming"
+        c(f"first, losses = resume_checkpoint(args, rank, modules, optimizers{self.sched_arg}, model=model)"
+          "  # step 0 unless resuming"
           if self.checkpoint else "first, losses = 0, []  # no checkpoints: a restart starts at step 0")
         c("data = batches(args.steps, first)", "start = time.perf_counter()",
           "batch_losses = BatchLosses(losses, args, rank, start)  # summed off the critical path")
@@ -183,8 +184,10 @@ class TrainWriter(TrainingOptions):
           '    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))',
           "keep_freed_memory()  # each step's new tensors reuse freed pages instead of faulting in new ones",
           "dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))",
-          "if args.measure:  # placer run asks for the bytes each rank sends",
+          "if args.measure:  # placer run asks for the bytes each rank sends and its tensors' peak",
           "    count_sent_bytes()",
+          '    if device.type == "cpu":',
+          "        TENSOR_PEAK.count()",
           "if rank == 0 and why:",
           '    print(f"simulating {world} devices as CPU workers on gloo: {why}", flush=True)',
           "if rank == 0 and args.out and not resuming(args):  # a resumed or restarted run appends",
@@ -408,17 +411,19 @@ class TrainWriter(TrainingOptions):
           *self.autocast(f"out = {self.call_model('x.to(device)')}"),
           "", "# loss: the last segment's rank, a share rows / BATCH_SIZE of the global mean", "loss = None")
         self.when(last.ranks, *self.autocast(f"loss = compute_loss(out, y.to(device)) * ({self.rows('out', 'y')} / BATCH_SIZE)"))
+        c("out = None  # the loss's graph keeps what its backward needs (elsewhere: a stand-in's zeros)")
         if m:
             c("saved.append((loss, crossing.take()))").dedent()
             c("mb_losses = []", "for loss, crossed in saved:").indent()
             c('with timer("comm"):', "    crossing.backward(loss, crossed)", "mb_losses.append(loss)").dedent()
-            c("loss = None if mb_losses[0] is None else sum(mb_losses)  # this rank's share of the batch's loss")
-            if self.beside and len(last.ranks) > 1:
-                c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
-                  "    loss = None  # it counts once, on the first")
-            return
-        c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
-          'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
+            c("loss = None if mb_losses[0] is None else sum(mb_losses).detach()  # this rank's share of the batch's "
+              "loss", "# the graphs were kept for glue that segments share (retain_graph): let them go before the next "
+              "forward", "saved = crossed = mb_losses = None")
+        else:
+            c("", "# backward, segments in reverse: the gradient of every tensor that crossed goes back to its maker",
+              'with timer("comm"):', "    crossing.backward(loss, crossing.take())")
+            c("loss = None if loss is None else loss.detach()  # the graph was kept for glue that segments share "
+              "(retain_graph): let it go before the next forward")
         if self.beside and len(last.ranks) > 1:
             c(f"if rank in {tuple(last.ranks[1:])}:  # every rank of the last group backpropagated the whole loss;",
               "    loss = None  # it counts once, on the first")
@@ -446,7 +451,7 @@ class TrainWriter(TrainingOptions):
         c(f"batch_losses.add(step, total{norm})  # summed off the critical path, a window of steps at a time; NaN/inf: stop")
         if self.checkpoint:
             c("if (step + 1) % CHECKPOINT_EVERY == 0:", "    batch_losses.settle()",
-              f"    save_checkpoint(args.out, step, rank, modules, optimizers, losses{self.sched_arg})")
+              f"    save_checkpoint(args.out, step, rank, modules, optimizers, losses{self.sched_arg}, model=model)")
 
     def gpipe_step(self) -> None:
         """GPipe on placer's own copies: every micro-batch forward, then every one backward. Each

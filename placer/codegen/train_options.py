@@ -27,7 +27,7 @@ class TrainingOptions:
     def norm_share(self, seg: Seg) -> None:
         """Segment k's part of `norm_params`: its slices on every rank, its whole parameters on one."""
         if self.clip is not None and seg.has_params:
-            line = f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})"
+            line = MODES[seg.mode].emit_norm_share(seg)
             leaders = tuple(seg.ranks[::len(seg.ranks) // seg.replicas])
             if seg.replicas > 1 and seg.shard == "full":  # FSDP2 over the replicas: each piece once
                 self.c(MODES[seg.mode].emit_norm_share_sharded(seg, leaders))

@@ -45,7 +45,8 @@ def _ring(devices, fraction: Fraction, nbytes: int) -> list[Move]:
 def op_sent(op: Op) -> dict[str, int]:
     """Device -> the payload it hands to torch.distributed for one op (see the module doc)."""
     k, devs = op.kind, op.devices
-    if k in (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER):
+    if k in (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL):  # (all-to-all: its
+        # whole send buffer, the rows it keeps included)
         return {d: op.bytes for d in devs}
     if k == OpKind.BROADCAST:
         return {op.attrs.get("root", devs[0]): op.bytes}
@@ -80,6 +81,8 @@ def op_moves(op: Op) -> list[Move]:
         return [(a, b, op.bytes) for a, b in pairs]
     elif k == OpKind.HALO:
         return _halo(op)
+    elif k == OpKind.ALL_TO_ALL:  # uniform routing: 1/n of each device's rows to each device (itself too)
+        return [(a, b, op.bytes // n) for a in devs for b in devs if a != b]
     else:
         return []
     return [hop for a, b, m in raw if m for hop in route_hops(a, b, m, op.route)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from placer.estimate.comm import Communication, communication
 from placer.estimate.memory import DeviceMemory, memory, state_slots
 from placer.model.graph import ModelGraph
+from placer.modes import MODES
 from placer.plan.ir import OpKind, Plan
 from placer.spec.types import Optimizer
 
@@ -95,5 +96,6 @@ def estimate(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int 
         notes.append(f"mixture of experts in {len(moe)} layer{'s' * (len(moe) > 1)} ({what}): FLOPs and activations "
                      "count the experts each token visits (top k of them), exact for any routing while a layer's "
                      "experts sit on one device")
+    notes += [note for s in plan.segments if len(s.devices) > 1 and (note := MODES[s.mode].plan_note(s))]
     return Estimate(per_device=per, comm=comm, balance=ratio, busiest=busiest, mean_flops=mean,
                     optimizer=optimizer.op, optimizer_slots=slots, optimizer_known=known, notes=tuple(notes))

@@ -38,14 +38,15 @@ class Hang:
 
 
 def read_statuses(run_dir: Path) -> dict[int, dict]:
-    """rank -> its last status (pid, rank, step, seq, time, phase, op); unreadable files are left out."""
+    """rank -> its last status (pid, rank, step, seq, time, peak, phase, op; peak: its peak memory
+    in bytes as its last step started); unreadable files are left out."""
     found = {}
     for path in (run_dir / STATUS_DIR).glob("rank*"):
         with contextlib.suppress(OSError, ValueError):
             line = path.read_bytes().split(b"\n", 1)[0].decode()
-            pid, rank, step, seq, when, phase, op = line.split("\t")
+            pid, rank, step, seq, when, peak, phase, op = line.split("\t")
             found[int(rank)] = {"pid": int(pid), "rank": int(rank), "step": int(step), "seq": int(seq),
-                                "time": float(when), "phase": phase, "op": op}
+                                "time": float(when), "peak": int(peak), "phase": phase, "op": op}
     return found
 
 

@@ -91,16 +91,18 @@ def bind(spec: Spec, nnodes: int = 1) -> Binding:
 
 OUTPUTS = ("program.py", "spec.yaml", "run.log", "logs", PROGRESS, METRICS, "final_params.pt", "first_grads.pt",
            "stopped.json", "metrics.csv", "tensorboard", STATUS_DIR,
-           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json", "fingerprint.json")
+           "reference", "reference.log", "reference_nudged", "reference_nudged.log", "check.json", "fingerprint.json",
+           "job", "job.sbatch")
 """What a run writes into its directory (--overwrite removes these, and the checkpoint directory)."""
 
 
 def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, overwrite: bool = False,
-                  checkpoint_dir: str | None = None) -> Path:
+                  checkpoint_dir: str | None = None, ignore: tuple[str, ...] = ()) -> Path:
     """A run directory that this run alone writes to, claimed by creating its spec.yaml
     exclusively (two runs started together never share one). `path` None: `stem`, `stem-2`, ...,
     the first that os.mkdir creates. A given `path` is created if missing; if it holds files it
-    is refused (R027) unless `overwrite`, which removes a previous run's outputs first."""
+    is refused (R027) unless `overwrite`, which removes a previous run's outputs first; entries
+    named in `ignore` do not count (a Slurm job's job/ folder, which its script makes first)."""
     try:
         if path is None:
             path, n = Path(stem), 2
@@ -109,7 +111,7 @@ def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, over
         elif not _made(path):
             if not path.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
-            if any(path.iterdir()) and not overwrite:
+            if any(p.name not in ignore for p in path.iterdir()) and not overwrite:
                 raise RunError(Diagnostic("R027", f"run directory {path} already holds files", Loc(str(path)),
                                           "choose a new --run-dir, or pass --overwrite to replace a previous "
                                           "run's outputs there"))
@@ -130,6 +132,28 @@ def claim_run_dir(path: Path | None, stem: str | Path, spec_text: bytes, *, over
     return path
 
 
+def default_run_dir(name: str, node_rank: int) -> str:
+    """The default run directory's name (launcher.claim_run_dir adds -2, -3, ... if it is taken)."""
+    return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-node{node_rank}" if node_rank else "")
+
+
+def new_run_dir(spec, run_dir, overwrite: bool, node_rank: int, data, text: str, in_job: bool = False):
+    """Claim a run directory (`run_dir`, or a new runs/<name>-<time>) and write the program,
+    the spec as trained and its fingerprint into it: (program, run dir). `in_job`: the job's
+    script made RUN_DIR/job/ already (its nodes' output goes there)."""
+    from placer.codegen.program import generate
+    from placer.launch.resume import record_fingerprint
+
+    ckpt = spec.training.checkpoint
+    wanted = Path(run_dir) if run_dir else default_run_dir(spec.name, node_rank)
+    program = generate(spec, filename="program.py", out_dir=str(wanted))  # a claimed name differs by a suffix only
+    run_dir = claim_run_dir(Path(run_dir) if run_dir else None, wanted, text.encode(), overwrite=overwrite,
+                            checkpoint_dir=ckpt.dir if ckpt else None, ignore=("job",) if in_job else ())
+    (run_dir / "program.py").write_text(program.text)
+    record_fingerprint(run_dir, data, program.reshard)
+    return program, run_dir
+
+
 def resumable_run_dir(path: Path, spec: Spec) -> Path:
     """`placer run --resume RUN_DIR`: RUN_DIR must be a run's directory (its spec.yaml) and the
     spec must save checkpoints to resume from (R032). Which checkpoint is the program's choice:
@@ -142,6 +166,41 @@ def resumable_run_dir(path: Path, spec: Spec) -> Path:
                                   "add training.checkpoint (for example --set training.checkpoint.every=10) "
                                   "to the runs you mean to resume"))
     return path
+
+
+CLAIM = "RUN"
+"""In a checkpoint directory outside the run directory: the run directory whose checkpoints it holds."""
+
+
+def claim_checkpoint_dir(run_dir: Path, spec: Spec, resume: bool = False) -> None:
+    """A training.checkpoint.dir outside the run directory (absolute, or `../`) is the same for
+    every run of the spec: the run claims it by creating its RUN file exclusively (as claim_run_dir
+    claims spec.yaml), and one that another run claimed, or that holds checkpoints no run claimed
+    (a new run would save over them), is R029. A resume claims an unclaimed one: its own, from an
+    earlier placer. Inside the run directory (the default, `ckpt`) there is nothing to claim."""
+    ckpt = spec.training.checkpoint
+    if ckpt is None or (run_dir / ckpt.dir).resolve().is_relative_to(run_dir.resolve()):
+        return
+    target, owner = (run_dir / ckpt.dir).resolve(), str(run_dir.resolve())
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        if not resume and any(p.name.startswith("step_") for p in target.iterdir()) and \
+                not (target / CLAIM).exists():
+            claimed = "a run that did not claim it"
+        else:
+            with open(target / CLAIM, "x") as f:
+                f.write(owner + "\n")
+            return
+    except FileExistsError:
+        claimed = (target / CLAIM).read_text().strip()
+    except OSError as e:
+        raise disk_error(e, f"cannot create the checkpoint directory {target}") from None
+    if claimed != owner:
+        raise RunError(Diagnostic(
+            "R029", f"training.checkpoint.dir {target} holds the checkpoints of {claimed}: two runs would write "
+            "into one directory", ckpt.loc,
+            "give each run its own (--set training.checkpoint.dir=...), or a relative dir, which is inside each "
+            "run's directory (the default, ckpt)"))
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -320,6 +321,9 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             glue_before=name in tr.glue_before, read_outside=t.read_outside, **({} if spec.model.inline else _projections(m)),
             window=() if spec.model.inline else _window(m), linear_reads=tr.linear_reads.get(name, ()),
             experts=() if spec.model.inline else _experts(m),
+            expert_weights=() if spec.model.inline else _expert_weights(m),
+            param_rows=tuple((p.shape[0] if p.dim() else 1, _bytes(p) // max(p.shape[0] if p.dim() else 1, 1))
+                             for p in trainable),
             norms=() if spec.model.inline else tuple(x.num_features for x in m.modules() if isinstance(
                 x, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))),
         ))
@@ -372,6 +376,22 @@ def _experts(layer: nn.Module) -> tuple:
         k = next((v for x in near if x is not None for a in _TOP_K
                   if isinstance(v := getattr(x, a, None), int) and not isinstance(v, bool)), 0)
         out.append((path, n if stacked else len(m), k))
+    return tuple(out)
+
+
+def _expert_weights(layer: nn.Module) -> tuple:
+    """LayerInfo's `expert_weights`, one entry per mixture of experts of `_experts`: what expert
+    parallelism cuts and sends (modes/expert.py)."""
+    out = []
+    for path, e, _ in _experts(layer):
+        m = layer.get_submodule(path)
+        # Hugging Face's experts: 3-D weights, called as experts(hidden, top_k_index, top_k_weights)
+        stacked = not isinstance(m, nn.ModuleList) and len(inspect.signature(m.forward).parameters) == 3
+        cut = [p for p in m.parameters(recurse=isinstance(m, nn.ModuleList))
+               if p.requires_grad and (isinstance(m, nn.ModuleList) or p.shape[0] == e)]
+        parent = layer.get_submodule(path.rpartition(".")[0]) if "." in path else layer
+        noise = getattr(parent, "jitter_noise", 0) or getattr(getattr(parent, "config", None), "router_jitter_noise", 0)
+        out.append((path, getattr(m, "hidden_dim", 0), sum(p.numel() for p in cut), stacked, float(noise or 0)))
     return tuple(out)
 
 

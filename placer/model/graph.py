@@ -85,6 +85,14 @@ class LayerInfo:
     """Module models: (path inside the layer, experts, top k) of each mixture of experts in it. The
     trace runs top k of the experts per token (the grouped matmul's rows): FLOPs and activations
     count what each token visits, whatever the routing, while its experts sit on one device."""
+    param_rows: tuple = ()
+    """(dim-0 length, bytes per dim-0 row) of each trainable parameter the layer owns: what FSDP2
+    pads to a multiple of its group's size (`expert` with `shard: full`)."""
+    expert_weights: tuple = ()
+    """Module models: (path, hidden size or 0, trainable elements of the experts' weights, stacked,
+    router noise) of each mixture of experts of `experts`: stacked, Hugging Face's 3-D weights
+    whose dim 0 is the expert (what `expert` parallelism cuts); router noise, a random jitter of
+    the router's input in training (Mixtral's `router_jitter_noise`), which differs per rank."""
     head_tensors: tuple = ()
     """Module models: (module path, name, shape) of a parameter or buffer that a module holding a
     head count holds itself with a dim of that size (ALiBi's slopes): `tensor` cannot split it."""

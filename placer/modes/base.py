@@ -55,6 +55,9 @@ class Mode:
     """Whether a 2-D segment's devices hold slices of its parameters (tensor, channel), so that a
     `sync: parameter_server` keeps a copy of every position's (SliceServer); spatial's hold the
     whole weights, which its server keeps whole, as data's does."""
+    splits_params = False
+    """Whether the group's devices hold parts of some parameters while each runs its rows of the
+    batch (expert: its experts), so the whole values are gathered before they are saved."""
     rows_around = False
     """Whether a module model's 2-D group in lockstep cuts its replica's rows where tensors enter
     it and gathers them after its last layer (replica_rows_around: tensor), not inside a chain
@@ -140,7 +143,21 @@ class Mode:
         """Per layer (LayerInfo), the dim of its output each device holds a slice of (None: whole)."""
         return [self.layout_dim(seg)] * len(info)
 
+    def held_modules(self, layers, info) -> tuple[str, ...]:
+        """Names in the model of the modules whose parameters the program cuts over the group
+        while the rows are cut too (expert: each mixture's experts); () for other modes."""
+        return ()
+
+    def device_notes(self, seg) -> list[str]:
+        """What each device of the plan's segment holds, for the diagram's header (expert: its
+        experts); [] when every device holds the same layers."""
+        return []
+
     # -- estimate -----------------------------------------------------------------------------------
+    def plan_note(self, seg) -> str | None:
+        """A note for the plan about an assumption the mode's numbers make (expert: uniform routing)."""
+        return None
+
     def held(self, seg, info, d: int, r: int, share) -> list[tuple[int, int]]:
         """(parameter elements, buffer bytes) of each layer that rank r of the d devices holds
         (`share(n, d, r)`: its part of n split d ways)."""
@@ -180,6 +197,11 @@ class Mode:
     def emit_sync(self, seg) -> tuple[tuple[int, ...], list[str]]:
         """(ranks that run them, lines): the gradient sync and optimizer step after backward."""
         return seg.ranks, [f"opt{seg.k}.step()"]
+
+    def emit_norm_share(self, seg) -> str:
+        """Under `clip_grad_norm`, the line adding the segment's gradients to `norm_params`: its
+        slices on every rank, its whole parameters on its owner."""
+        return f"norm_params += norm_share(seg{seg.k}, owner=rank == {seg.owner})"
 
     def emit_norm_share_sharded(self, seg, leaders: tuple[int, ...]) -> str:
         """Under `clip_grad_norm`, the line adding a 2-D segment's `shard: full` gradients (FSDP2

@@ -30,6 +30,7 @@ class OpKind(enum.Enum):
     REDUCE = "reduce"  # to attrs root: gradients to one device (parameter server, broadcast sync)
     SEND = "send"  # pipeline stage boundary, one micro-batch; listed on the sender
     RECV = "recv"  # its matching half, listed on the receiver
+    ALL_TO_ALL = "all_to_all"  # each device sends rows to each (expert parallelism's dispatch / combine)
     HALO = "halo"  # spatial halo rows exchanged with neighbours along `dim`
     STEP = "step"  # optimizer step of a segment's parameters (or this device's shard of them)
 
@@ -38,7 +39,7 @@ TRANSFERS = frozenset({OpKind.COPY, OpKind.SPLIT, OpKind.MERGE, OpKind.RESPLIT})
 """Ops that move a segment-boundary activation (tensor `act`) or its gradient (`grad`)."""
 P2P = frozenset({OpKind.SEND, OpKind.RECV})
 COLLECTIVES = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.BROADCAST,
-                         OpKind.REDUCE, OpKind.HALO})
+                         OpKind.REDUCE, OpKind.HALO, OpKind.ALL_TO_ALL})
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
 """bwd_input / bwd_weight: the two halves of a backward in zero-bubble pipeline schedules."""
 

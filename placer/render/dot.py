@@ -23,7 +23,7 @@ from placer.plan.ir import COLLECTIVES, P2P, TRANSFERS, Op, OpKind, Plan
 TRANSITIONS = TRANSFERS | P2P  # drawn on the edge between two segments
 _NAMES = {OpKind.ALL_REDUCE: "all-reduce", OpKind.REDUCE_SCATTER: "reduce-scatter",
           OpKind.ALL_GATHER: "all-gather", OpKind.BROADCAST: "broadcast", OpKind.REDUCE: "reduce",
-          OpKind.HALO: "halo exchange", OpKind.COPY: "copy", OpKind.SPLIT: "split",
+          OpKind.HALO: "halo exchange", OpKind.ALL_TO_ALL: "all-to-all", OpKind.COPY: "copy", OpKind.SPLIT: "split",
           OpKind.MERGE: "merge", OpKind.RESPLIT: "re-split", OpKind.SEND: "send", OpKind.RECV: "send"}
 _SHAPES = {OpKind.COPY: "cds", OpKind.SEND: "cds", OpKind.RECV: "cds", OpKind.SPLIT: "trapezium",
            OpKind.MERGE: "invtrapezium", OpKind.RESPLIT: "parallelogram"}
@@ -80,6 +80,7 @@ def _mode_line(seg) -> str | None:
         t = len(seg.devices) // reps
         runs = " | ".join(", ".join(seg.devices[i:i + t]) for i in range(0, len(seg.devices), t))
         extra.append(f"data x{reps}: {runs}")
+    extra += MODES[seg.mode].device_notes(seg)  # what each device holds, where devices differ (expert)
     return f"{seg.mode} x{len(seg.devices) // reps}" + (f" ({', '.join(extra)})" if extra else "")
 
 

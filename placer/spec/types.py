@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from placer.diagnostics import Loc
 from placer.spec.load import Document
 
-MODES = ("none", "data", "channel", "tensor", "spatial")
+MODES = ("none", "data", "channel", "tensor", "spatial", "expert")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -528,7 +528,8 @@ def assert_sends_what_the_plan_says(name: str, spec: Path, metrics: dict, sets=(
     """Each device's bytes per step in the run equal the plan's `payload_bytes`: one definition of
     bytes (the payload handed to torch.distributed, docs/plan-json.md), on groups of any size.
     `sets`: the run's `--set` overrides; `slack`: the share of its bytes a device may be off by
-    (default: `name`'s SENT_TOLERANCE, else none)."""
+    (default: `name`'s SENT_TOLERANCE, else none). An `expert` group's devices send what their
+    routing makes them (the plan's is uniform): their sum equals the plan's (docs/spec.md)."""
     import json
 
     from click.testing import CliRunner
@@ -541,8 +542,15 @@ def assert_sends_what_the_plan_says(name: str, spec: Path, metrics: dict, sets=(
     steps, doc = len(metrics["losses"]), json.loads(planned.stdout)
     # torch's pipeline stages also exchange two 4-byte handshakes per stage, once, at the first step
     handshakes = 8 * len(doc["segments"]) if doc["pipeline"] else 0
-    for d in doc["devices"]:
-        sent = metrics["bytes_sent"][d["device"]]  # over the run, in whole bytes
-        want = d["payload_bytes"] * steps  # (the loss's all-reduce is the progress line's: not counted)
-        allowed = max(handshakes, (SENT_TOLERANCE.get(name, 0) if slack is None else slack) * want)
-        assert abs(sent - want) <= allowed, (name, d["device"], sent / steps, d["payload_bytes"])
+    # each device alone, or an expert group's devices together (a device in several: the union)
+    parts: list[set] = [{d["device"]} for d in doc["devices"]]
+    for s in doc["segments"]:
+        if s["mode"] == "expert":
+            joined = set(s["devices"]).union(*(p for p in parts if p & set(s["devices"])))
+            parts = [p for p in parts if not p & joined] + [joined]
+    planned_bytes = {d["device"]: d["payload_bytes"] * steps for d in doc["devices"]}
+    for part in parts:
+        sent = sum(metrics["bytes_sent"][d] for d in part)  # over the run, in whole bytes
+        want = sum(planned_bytes[d] for d in part)  # (the loss's all-reduce is the progress line's: not counted)
+        allowed = max(handshakes * len(part), (SENT_TOLERANCE.get(name, 0) if slack is None else slack) * want)
+        assert abs(sent - want) <= allowed, (name, sorted(part), sent / steps, want / steps)

@@ -146,9 +146,9 @@ HANG_MODES = {  # relu=True: fc1, act, head
 }
 
 
-def hung_run(tmp_path: Path, spec: Path, stop_rank: int | None) -> tuple[int, str, float]:
-    """`placer run spec`; once step 2 is done, SIGSTOP rank `stop_rank` (None: none). (exit code,
-    stderr, seconds from the stop, or from step 2, to the exit)."""
+def hung_run(tmp_path: Path, spec: Path, stop_rank: int | None, sig=signal.SIGSTOP) -> tuple[int, str, float]:
+    """`placer run spec`; once step 2 is done, send `sig` to rank `stop_rank` (None: none). (exit
+    code, stderr, seconds from the signal, or from step 2, to the exit)."""
     run_dir = tmp_path / "run"
     proc = h.placer_run_popen(str(spec), "--run-dir", str(run_dir),
                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -159,7 +159,7 @@ def hung_run(tmp_path: Path, spec: Path, stop_rank: int | None) -> tuple[int, st
         if stop_rank is not None:
             pid = h.worker(run_dir / "program.py", stop_rank)
             assert pid, f"rank {stop_rank} is not running"
-            os.kill(pid, signal.SIGSTOP)
+            os.kill(pid, sig)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=120)
         return proc.returncode, err, time.monotonic() - t0
@@ -201,3 +201,44 @@ def test_a_rank_hung_in_its_own_code_is_named_by_its_status(tmp_path, two_cpu_sp
     assert "error[R034]: rank 1 (cpu:1) stopped answering at step 4 in data; rank 0 (cpu) waited at step 4 in " \
            f"loss and backward (all_reduce over ranks 0, 1) and timed out after {TIMEOUT_S} s" in err, err
     assert "its status did not advance" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sigkilled_rank_is_named_first_with_its_measured_peak_memory(tmp_path, two_cpu_spec):
+    """What the out-of-memory killer does: SIGKILL rank 1 of a DDP run. Rank 1 is the failure (not
+    rank 0, whose all-reduce lost it), with the peak memory it had reached and the plan's estimate."""
+    spec = two_cpu_spec("kill", SLOW_DATA, steps=100000, timeout_s=30, relu=True, placement=HANG_MODES["data"],
+                        training="  prefetch: 0\n")
+    code, err, _ = hung_run(tmp_path, spec, stop_rank=1, sig=signal.SIGKILL)
+    assert code == 1, err
+    lines = err[err.index("error[R020]"):].splitlines()
+    assert lines[0] == "error[R020]: rank 1 (cpu:1) was stopped by SIGKILL", err
+    assert re.fullmatch(r"  \(SIGKILL is what the out-of-memory killer sends; its peak memory by step \d+ was "
+                        r"[\d.]+ [KMG]iB \(the plan's estimate: [\d.]+ [KMG]?i?B\): see the plan's memory for this "
+                        r"device\)", lines[1]), err
+    assert lines[2].startswith("  it took down: rank 0 (cpu), lost a peer")
+
+
+EXIT_DATA = '''
+import os
+
+import torch
+
+
+def make_batches(exit_step=2):
+    g = torch.Generator().manual_seed(0)
+    for step in range(10**9):
+        if step == exit_step and os.environ.get("RANK") == "1":
+            os._exit(3)  # no exception, no word: what a native crash or a stray os._exit leaves
+        yield torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+'''
+
+
+def test_a_rank_that_exits_without_a_word_is_not_shown_a_log_line_as_its_exception(tmp_path, two_cpu_spec):
+    spec = two_cpu_spec("exit", EXIT_DATA, steps=6, timeout_s=30, placement=HANG_MODES["data"],
+                        training="  prefetch: 0\n")
+    r = CliRunner().invoke(main, ["run", str(spec), "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 1, r.output
+    assert ("error[R020]: rank 1 (cpu:1) exited with code 3 at step 3 in data without a word (no exception: "
+            "os._exit, or native code)\n") in r.stderr, r.stderr
+    assert "simulating" not in r.stderr.split("error[R020]")[1]

@@ -294,8 +294,8 @@ training:
   checkpoint: {every: 2}
 runtime: {timeout_s: 60}
 """
-"""4.3 M parameters and Adam's two moments: each rank writes about 52 MB per checkpoint, long
-enough for the test to see the file being written and kill the run then."""
+"""4.3 M parameters and Adam's two moments: about 52 MB per checkpoint (to step_N/dcp, half by each
+rank), long enough for the test to see the files being written and kill the run then."""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
@@ -312,9 +312,12 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_one_before(tmp
     saving = run / "ckpt" / "step_4"
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None and not any(saving.glob("rank*.pt.tmp-*")):
+        def writing():  # a rank file under its temporary name, or DCP's files (its tensors) before COMPLETE
+            return any(saving.glob("rank*.pt.tmp-*")) or any(saving.glob("dcp/*.distcp")) and \
+                not (saving / "COMPLETE").exists()
+        while time.monotonic() < deadline and proc.poll() is None and not writing():
             time.sleep(0.002)
-        assert any(saving.glob("rank*.pt.tmp-*")), "never saw step 4's checkpoint being written"
+        assert writing(), "never saw step 4's checkpoint being written"
         proc.kill()  # the whole run, mid-write: its workers die with it (PR_SET_PDEATHSIG)
         proc.wait(timeout=30)
     finally:

@@ -132,12 +132,16 @@ def assert_plottable_and_measured(spec: str, run_dir: Path, metrics: dict, stdou
     assert all(float(r["lr"]) == lr for r in rows if lr is not None)
     assert all(float(r["step_s"]) > 0 and float(r["samples_per_s"]) > 0 and int(r["memory_bytes"]) > 0 for r in rows)
     assert set(metrics["peak_memory"]) == set(metrics["devices"])
-    assert all(m["peak_bytes"] > 0 and m["measure"] == "peak_rss_above_import" for m in metrics["peak_memory"].values())
+    # the RSS in metrics.json; the CPU allocator's tensor peak printed beside the plan, with their ratio
+    assert all(m["peak_bytes"] > 0 and m["measure"] == "peak_rss_above_import" and m["tensor_peak_bytes"] > 0
+               for m in metrics["peak_memory"].values())
     planned = json.loads(CliRunner().invoke(main, ["plan", "-q", str(ROOT / "specs" / f"{spec}.yaml"), "--format",
                                                    "json", "--deep"]).stdout)
     for d in planned["devices"]:
         line = next(line for line in stdout.splitlines() if line.startswith(f"{d['device']} "))
-        assert line.endswith(units.size(d["total_bytes"])), (line, d["total_bytes"])
+        peak = metrics["peak_memory"][d["device"]]["tensor_peak_bytes"]
+        assert line.endswith(f"{units.size(peak)} {units.size(d['total_bytes']):>10} "
+                             f"{peak / d['total_bytes']:>6.2f}"), (line, d["total_bytes"])
     if spec == "mlp_data_allreduce":  # DDP's all-reduce, overlapped with backward, is measured as comm
         assert all(metrics["time_s"][d]["overlapped"] > 0 and metrics["time_s"][d]["comm"] > 0
                    for d in metrics["devices"]), metrics["time_s"]
@@ -167,6 +171,14 @@ def test_tensor_pairs_are_the_plans(tmp_path):
         assert metrics["bytes_sent"][d["device"]] / STEPS == d["payload_bytes"], d
 
 
+def by_name(dcp_dir: Path, tmp_path: Path) -> dict:
+    """A checkpoint's step_N/dcp as {name: whole tensor}, read in this one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(dcp_dir, tmp_path / "by_name.pt")
+    return torch.load(tmp_path / "by_name.pt", weights_only=True)
+
+
 def test_checkpoints_keep_the_newest(tmp_path):
     """training.checkpoint {every: 2, keep: 2}: after 6 steps, step_2 is gone, step_6 holds every rank."""
     run_dir = tmp_path / "run"
@@ -176,17 +188,16 @@ def test_checkpoints_keep_the_newest(tmp_path):
     kept = sorted(p.name for p in (run_dir / "ckpt").iterdir())
     assert kept == ["step_4", "step_6"]
     # each step directory complete (its marker written last), every file renamed into place
-    assert sorted(p.name for p in (run_dir / "ckpt" / "step_6").iterdir()) == ["COMPLETE", "rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in (run_dir / "ckpt" / "step_6").iterdir()) == ["COMPLETE", "dcp", "rank0.pt", "rank1.pt"]
     assert not list(run_dir.rglob("*.tmp-*"))
-    state = torch.load(run_dir / "ckpt" / "step_6" / "rank1.pt", weights_only=True)  # plain tensors only
-    final = torch.load(run_dir / "final_params.pt")
-    # rank 1 holds fc3..head: its stage's state (the stage's own names) is the final values
-    held = state["modules"][0]
-    assert state["step"] == 6 and len(state["losses"]) == 6 and sorted(held) == ["0.bias", "0.weight", "2.bias",
-                                                                                   "2.weight"]
-    for mine, name in (("0.weight", "fc3.weight"), ("0.bias", "fc3.bias"), ("2.weight", "head.weight")):
-        torch.testing.assert_close(held[mine], final[name], rtol=0, atol=0)
-    assert state["optimizers"][0]["state"]  # SGD momentum buffers
+    state = torch.load(run_dir / "ckpt" / "step_6" / "rank1.pt", weights_only=True)  # plain values only
+    assert state["step"] == 6 and len(state["losses"]) == 6 and state["modules"] == []
+    assert state["optimizers"][0]["kind"] == "SGD" and state["optimizers"][0]["param_groups"][0]["momentum"] == 0.9
+    # the tensors by the model's names (layer-wise: rank 1 wrote fc3..head), the final values
+    final, saved = torch.load(run_dir / "final_params.pt"), by_name(run_dir / "ckpt" / "step_6" / "dcp", tmp_path)
+    for name in final:
+        torch.testing.assert_close(saved[f"model.{name}"], final[name], rtol=0, atol=0)
+    assert saved["optim.fc3.weight.momentum_buffer"].shape == final["fc3.weight"].shape  # SGD momentum buffers
 
 
 def test_spatial_bands_of_w_then_h(tmp_path):
@@ -201,10 +212,12 @@ def test_spatial_bands_of_w_then_h(tmp_path):
 
 
 def test_checkpoints_of_sharded_segments_hold_each_ranks_piece(tmp_path):
-    """A tensor-parallel segment's checkpoint holds each rank's own slice of a split weight as a
-    plain tensor (no device mesh pickled): the slices put together are the final whole weight;
-    a ZeRO optimizer's state is each rank's own shard (tests/distributed/test_resume.py resumes
-    from both, bit for bit)."""
+    """A tensor-parallel segment's checkpoint holds each rank's slice of a split weight (DCP's
+    chunks, by the model's name): put together, the final whole weight. A ZeRO optimizer's state
+    is each rank's own shard in its rank file, plain tensors (tests/distributed/test_resume.py
+    resumes from both, bit for bit)."""
+    import torch.distributed.checkpoint as dcp
+
     for name in ("mlp_tensor", "mlp_data_shard_optimizer"):
         spec = tmp_path / f"{name}.yaml"
         spec.write_text((ROOT / "specs" / f"{name}.yaml").read_text().replace(
@@ -215,9 +228,13 @@ def test_checkpoints_of_sharded_segments_hold_each_ranks_piece(tmp_path):
         states = [torch.load(run_dir / "ckpt" / "step_2" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
         final = torch.load(run_dir / "final_params.pt")
         assert all(s["step"] == 2 and s["optimizers"][0]["param_groups"] for s in states)
-        if name == "mlp_tensor":  # up1 is split by output features: rank 0 holds the first half
-            whole = torch.cat([s["modules"][0]["0.weight"] for s in states])
-            torch.testing.assert_close(whole, final["up1.weight"], rtol=0, atol=0)
+        if name == "mlp_tensor":  # up1 is split by output features: one chunk per rank
+            folder = run_dir / "ckpt" / "step_2" / "dcp"
+            chunks = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata["model.up1.weight"].chunks
+            assert [list(c.offsets) for c in chunks] == [[0, 0], [final["up1.weight"].shape[0] // 2, 0]]
+            torch.testing.assert_close(by_name(folder, tmp_path)["model.up1.weight"], final["up1.weight"], rtol=0, atol=0)
+        else:
+            assert all(s["optimizers"][0]["state"] for s in states)  # each rank's shard of the state
 
 
 EXAMPLES = sorted(p.parent.name for p in (ROOT / "examples").glob("*/spec.yaml"))

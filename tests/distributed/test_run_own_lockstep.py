@@ -7,7 +7,8 @@ the parent's glue; the layers of other segments stay on meta (stand-ins run in t
 - Hugging Face GPT-2 with lm_head tied to wte across the two ranks: each holds its own copy;
 - Hugging Face Llama cut by torch.distributed.pipelining (a data-parallel head beside a
   one-device body: not lockstep): the cut is traced on the meta device and each rank fills only
-  its own stage (materialize_cut); final_params.pt is written as each tensor arrives.
+  its own stage (materialize_cut); final_params.pt is written as each tensor arrives;
+- the shipped TinyGPT layer-wise over three ranks.
 
 Each `placer run --check` matches the one-device reference exactly as before, and each rank holds
 (`held_bytes` in metrics.json: its parameters and buffers not on meta) exactly the weights and
@@ -29,6 +30,7 @@ RUNS = {
     "llama-layerwise": ROOT / "tests/models/hf_llama_layerwise.yaml",
     "gpt2-tied-layerwise": ROOT / "tests/cases/valid/hf_gpt2_tied/spec.yaml",
     "llama-cut": ROOT / "tests/models/hf_llama_cut.yaml",
+    "tinygpt-layerwise": ROOT / "specs/tinygpt.yaml",
 }
 
 
@@ -45,7 +47,9 @@ def test_a_lockstep_rank_holds_what_its_plan_counts(name, tmp_path):
     planned = CliRunner().invoke(main, ["plan", str(spec), "--format", "json", "--deep"])
     assert planned.exit_code == 0, planned.output
     plan = json.loads(planned.stdout)
-    held = {d: m["held_bytes"] for d, m in json.loads((run_dir / "metrics.json").read_text())["peak_memory"].items()}
+    memory = json.loads((run_dir / "metrics.json").read_text())["peak_memory"]
+    held = {d: m["held_bytes"] for d, m in memory.items()}
+
     whole = sum(d["param_bytes"] for d in plan["devices"])
     for d in plan["devices"]:
         if name.endswith("-cut"):  # a cut stage keeps the buffers its forward reads (not original_inv_freq)
@@ -53,3 +57,6 @@ def test_a_lockstep_rank_holds_what_its_plan_counts(name, tmp_path):
         else:
             assert held[d["device"]] == d["param_bytes"] + d["buffer_bytes"], d["device"]
         assert held[d["device"]] < 0.75 * whole  # not the whole model: other segments' layers stay on meta
+        # the step's graph is let go after its backward: a second step's forward does not run beside the first's
+        # saved activations (TinyGPT's last rank was at 1.64 x the plan; the rest of the gap is the estimate's)
+        assert memory[d["device"]]["tensor_peak_bytes"] < 1.5 * d["total_bytes"], d["device"]

@@ -154,10 +154,11 @@ def make_bert(vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: in
 
 
 def make_moe(family: str = "mixtral", vocab: int = 64, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
-             experts: int = 4, top_k: int = 2):
+             experts: int = 4, top_k: int = 2, jitter: float = 0.0):
     """A mixture-of-experts causal LM: Mixtral (every layer sparse), Qwen2-MoE (a shared expert
     beside the routed ones) or DeepSeek-V3 (multi-head latent attention, a dense first layer,
-    a shared expert); its experts stacked in 3-D weights, run by a grouped matmul."""
+    a shared expert); its experts stacked in 3-D weights, run by a grouped matmul. `jitter`:
+    Mixtral's router noise in training."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
@@ -165,7 +166,7 @@ def make_moe(family: str = "mixtral", vocab: int = 64, d_model: int = 32, n_laye
                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_key_value_heads=n_heads // 2,
-                                                      num_local_experts=experts))
+                                                      num_local_experts=experts, router_jitter_noise=jitter))
     if family == "qwen2_moe":
         return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**common, num_key_value_heads=n_heads // 2,
                                                         num_experts=experts, moe_intermediate_size=d_model,

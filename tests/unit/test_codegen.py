@@ -52,10 +52,10 @@ def test_every_example_spec_generates_a_program(path):
     assert not long, long[:3]
     imported = _imported_modules(tree)
     assert not any(m == "placer" or m.startswith("placer.") for m in imported), imported
-    assert {m.split(".")[0] for m in imported} <= {"torch", "argparse", "collections", "contextlib", "functools", "hashlib",
+    assert {m.split(".")[0] for m in imported} <= {"torch", "argparse", "collections", "contextlib", "errno", "functools", "hashlib",
                                                    "importlib", "json", "os", "queue", "shutil", "subprocess",
                                                    "sys", "threading", "time", "datetime", "typing", "ctypes", "mmap",
-                                                   "signal", "resource", "tempfile", "uuid"}
+                                                   "signal", "resource", "tempfile", "uuid", "warnings"}
     tops = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
     assert len(tops) == len(set(tops)), "a name is defined twice"
     # one function per segment, and the entry points

@@ -221,6 +221,76 @@ def test_a_full_disk_is_R028_not_a_traceback(tmp_path, monkeypatch):
     assert f"error[R028]: the disk is full: writing {tmp_path}/run/program.py: No space left on device" in r.stderr
 
 
+def test_a_checkpoint_write_that_fails_on_a_full_disk_says_so(tmp_path, monkeypatch):
+    """torch's writers fail as "enforce fail at inline_container.cc", DCP's as a CheckpointException
+    (a BaseException) with the errno lost: the program raises ENOSPC naming the checkpoint (R028)."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    ns = template_namespace()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10, 10, 0))
+
+    class CheckpointException(BaseException):
+        pass
+    with pytest.raises(OSError) as e, ns["disk_full_said"](str(tmp_path)):
+        raise CheckpointException("RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos")
+    assert e.value.errno == errno.ENOSPC and str(e.value).endswith(f"writing the checkpoint {tmp_path}")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 0, 10 << 30))
+    with pytest.raises(ValueError), ns["disk_full_said"](str(tmp_path)):  # room enough: another error
+        raise ValueError("not the disk")
+    with pytest.raises(OSError) as e, ns["disk_full_said"](str(tmp_path)):  # the errno in the context
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+    assert e.value.errno == errno.ENOSPC
+
+
+def test_metrics_that_cannot_be_written_stop_without_a_traceback(tmp_path):
+    import errno
+
+    from placer.launch.metrics import MetricsWriter
+
+    plots = MetricsWriter(tmp_path, 8)
+
+    class Full:
+        def writerow(self, row):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    plots.csv = Full()
+    plots.add({"step": 1, "loss": 1.0})  # the follower thread goes on showing progress
+    assert plots.stopped and plots.note.startswith("metrics.csv and TensorBoard's files stopped at step 1: ")
+    plots.close()
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_a_checkpoint_dir_outside_the_run_dir_belongs_to_one_run(tmp_path, where):
+    """training.checkpoint.dir absolute or ../: every run of the spec would save into it. The first
+    run claims it (RUN names its run directory), a second is R029, a resume of the first goes on."""
+    from placer.launch.run import claim_checkpoint_dir
+
+    shared = tmp_path / "shared"
+    spec = tiny(tmp_path, extra=f"  checkpoint: {{every: 1, dir: {shared if where == 'absolute' else '../shared'}}}\n")
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    claim_checkpoint_dir(first, spec)
+    assert (shared / "RUN").read_text() == f"{first.resolve()}\n"
+    claim_checkpoint_dir(first, spec, resume=True)
+    with pytest.raises(PlacerError) as e:
+        claim_checkpoint_dir(second, spec)
+    d = e.value.diagnostics[0]
+    assert d.code == "R029" and d.message == (f"training.checkpoint.dir {shared.resolve()} holds the checkpoints of "
+                                              f"{first.resolve()}: two runs would write into one directory")
+    (shared / "RUN").unlink()  # checkpoints no run claimed (an earlier placer's): a new run is refused too
+    (shared / "step_1").mkdir()
+    assert "holds the checkpoints of a run that did not claim it" in first_error(lambda: claim_checkpoint_dir(second, spec))
+    claim_checkpoint_dir(first, spec, resume=True)  # a resume claims them
+    inside = tiny(tmp_path, extra="  checkpoint: {every: 1, dir: ckpt}\n")
+    claim_checkpoint_dir(second, inside)
+    assert not (second / "ckpt").exists()  # the default: nothing to claim
+
+
 def test_a_checkpoint_counts_when_complete_and_every_file_is_whole(tmp_path):
     """What a resume may load: a step with COMPLETE, whose files have the sizes it records and load."""
     import torch

@@ -41,14 +41,18 @@ def test_the_cpu_half_runs_and_says_what_it_skipped(tmp_path):
     mixed = cases["cpu-check-mixed"]
     assert mixed["check"]["ok"] and mixed["run"]["simulated"] and mixed["run"]["backend"] == "gloo"
     assert [m["device"] for m in mixed["memory"]] == ["cpu", "cuda:0"]
-    assert all(m["planned_bytes"] > 0 and m["measured_bytes"] > 0 and m["ratio"] is None for m in mixed["memory"])
+    # a CPU worker's tensor peak (placer run measures it) beside the plan
+    assert all(m["measure"] == "tensor_peak" and m["ratio"] == pytest.approx(m["planned_bytes"] / m["measured_bytes"])
+               for m in mixed["memory"])
     assert mixed["step_time"]["measured_s"] > 0 and mixed["step_time"]["ratio"] is None  # CPU workers are no h200
     measure = cases["cpu-measure-single"]["step_time"]  # the difference of a 10- and a 4-step run
     # (its sign too is the machine's: a loaded one can take longer for the 4 steps' start-up)
     assert measure["method"].startswith("(wall_s of 10 steps - wall_s of 4)") and isinstance(measure["measured_s"], float)
     parity = cases["cpu-parity-data"]["parity"]["data"]
     assert parity["generated_median_s"] > 0 and parity["torch_median_s"] > 0
-    assert [f["case"] for f in doc["figures"]] == ["cpu-parity-data"]
+    figures = {(f["case"], f["figure"].split()[0]) for f in doc["figures"]}
+    assert {("cpu-parity-data", "parity"), ("cpu-check-mixed", "memory")} <= figures
+    assert not any(f["figure"].startswith("step") for f in doc["figures"])  # CPU workers are no h200
     assert doc["machine"]["env"] == {"NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
@@ -98,6 +102,8 @@ def test_figures_compare_the_cuda_peak_and_the_step(gc, tmp_path):
                                "cuda:0": {"peak_bytes": 1050, "measure": "cuda_max_memory_allocated"}}}
     cpu, cuda = gc.memory(plan, metrics)
     assert cpu["ratio"] is None and cuda["ratio"] == pytest.approx(1000 / 1050) and cuda["met"]
+    metrics["peak_memory"]["cpu"]["tensor_peak_bytes"] = 200  # a CPU worker's tensors, not its RSS
+    assert gc.memory(plan, metrics)[0]["ratio"] == pytest.approx(0.5) and not gc.memory(plan, metrics)[0]["met"]
     (tmp_path / "progress.jsonl").write_text("".join(json.dumps({"step": i + 1, "elapsed_s": 0.5 + 0.01 * i}) + "\n"
                                                      for i in range(20)))
     one = gc.step_time(plan, metrics, tmp_path, "h200")  # a GPU's: the host's intervals are not its step

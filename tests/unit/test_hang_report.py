@@ -15,14 +15,14 @@ from placer.launch.hang import Watchdog, doing, hang_of, read_statuses
 TIMED_OUT = "RuntimeError: [unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
 
 
-def record(rank, pid, step, phase, op="", t=0.0):
-    return {"pid": pid, "rank": rank, "step": step, "phase": phase, "op": op, "seq": 1, "time": t}
+def record(rank, pid, step, phase, op="", t=0.0, peak=0):
+    return {"pid": pid, "rank": rank, "step": step, "phase": phase, "op": op, "seq": 1, "time": t, "peak": peak}
 
 
 def write_status(run_dir: Path, rec: dict) -> None:
     """As the program's RankStatus writes it: one tab-separated line in a 512-byte file."""
     (run_dir / "status").mkdir(parents=True, exist_ok=True)
-    line = "\t".join(str(rec[k]) for k in ("pid", "rank", "step", "seq", "time", "phase", "op")) + "\n"
+    line = "\t".join(str(rec[k]) for k in ("pid", "rank", "step", "seq", "time", "peak", "phase", "op")) + "\n"
     (run_dir / "status" / f"rank{rec['rank']}").write_bytes(line.encode().ljust(512, b"\0"))
 
 
@@ -130,7 +130,8 @@ def test_what_the_program_writes_is_what_placer_reads(tmp_path):
     from placer.codegen.program import TEMPLATES
 
     text = (TEMPLATES / "helpers.py").read_text()
-    namespace = {"os": os, "mmap": mmap, "time": time, "functools": functools, "dist": dist}
+    namespace = {"os": os, "mmap": mmap, "time": time, "functools": functools, "dist": dist,
+                 "peak_memory": lambda: (12345, "peak_rss_above_import")}
     exec(text[text.index("class RankStatus:"):text.index("STATUS = RankStatus()")], namespace)
     status = namespace["RankStatus"]()
     (tmp_path / "status").mkdir()
@@ -144,3 +145,4 @@ def test_what_the_program_writes_is_what_placer_reads(tmp_path):
     status.calling("recv from rank 1")
     read = read_statuses(tmp_path)[2]
     assert (read["pid"], read["seq"], doing(read)) == (os.getpid(), 4, "at step 8 in data (recv from rank 1)")
+    assert read["peak"] == 12345  # taken as the step started (data), for the report of a SIGKILL

@@ -49,10 +49,10 @@ def run_dir(tmp_path: Path, *overrides: str) -> Path:
     return out
 
 
-def changes(tmp_path: Path, run: Path, *overrides: str, anyway: bool = False) -> list[str]:
+def changes(tmp_path: Path, run: Path, *overrides: str, anyway: bool = False, reshard: str | None = None) -> list[str]:
     doc = load.load_file(str(spec_file(tmp_path)), overrides)
     data, _ = effective_spec(doc, SPEC.encode(), overrides)
-    return resume_changes(run, doc, data, anyway=anyway)
+    return resume_changes(run, doc, data, anyway=anyway, reshard=reshard)[0]
 
 
 def test_the_run_directory_keeps_the_spec_as_trained(tmp_path):
@@ -87,6 +87,43 @@ def test_a_resume_may_change_steps_checkpoints_and_runtime_but_not_the_computati
         "training.batch_size: 32 -> 16", "training.optimizer.op: SGD -> Adam"]
 
 
+FOUR = ('devices=[cpu, "cpu:1", "cpu:2", "cpu:3"]', 'placement.0.devices=[cpu, "cpu:1", "cpu:2", "cpu:3"]')
+
+
+def test_a_resume_may_change_the_placement_where_its_checkpoints_reshard(tmp_path):
+    """2 -> 4 data-parallel ranks, or DDP -> FSDP2 (`parallel: data` and `{mode: data}` are one
+    thing): the program reshards; the computation's keys are still held to."""
+    run = run_dir(tmp_path)
+    assert changes(tmp_path, run, *FOUR) == ["devices: [cpu, cpu:1] -> [cpu, cpu:1, cpu:2, cpu:3]",
+                                             "placement.0.devices: [cpu, cpu:1] -> [cpu, cpu:1, cpu:2, cpu:3]"]
+    assert changes(tmp_path, run, "placement.0.parallel={mode: data}") == []
+    assert changes(tmp_path, run, "placement.0.parallel={mode: data, shard: full}") == [
+        "placement.0.parallel.shard: (not set) -> full"]
+    with pytest.raises(RunError) as e:
+        changes(tmp_path, run, *FOUR, "training.batch_size=32")
+    assert e.value.diagnostics[0].message.endswith("in what changes the computation: training.batch_size: 16 -> 32")
+
+
+@pytest.mark.parametrize("side", ["trained", "new", "earlier"])
+def test_a_placement_whose_checkpoints_cannot_reshard_is_R033_saying_why(tmp_path, side):
+    run = run_dir(tmp_path)
+    if side == "trained":
+        record_fingerprint(run, load.load_file(str(spec_file(tmp_path))).data, "segment 0 (s0) is tensor parallel")
+    elif side == "earlier":  # a fingerprint without the reshard entry
+        text = (run / "fingerprint.json").read_text()
+        (run / "fingerprint.json").write_text(text.replace('"reshard": null', '"old": null'))
+    with pytest.raises(RunError) as e:
+        changes(tmp_path, run, *FOUR, reshard="segment 0 (s0) syncs by parameter_server" if side == "new" else None)
+    d = e.value.diagnostics[0]
+    why = {"trained": "as trained, segment 0 (s0) is tensor parallel",
+           "new": "under the new placement, segment 0 (s0) syncs by parameter_server",
+           "earlier": "as trained, they were written by an earlier placer, as each rank's pieces only"}[side]
+    assert d.code == "R033" and d.message == (
+        f"the placement differs from the one the run in {run} trained with (devices: [cpu, cpu:1] -> "
+        "[cpu, cpu:1, cpu:2, cpu:3]; placement.0.devices: [cpu, cpu:1] -> [cpu, cpu:1, cpu:2, cpu:3]) and its "
+        f"checkpoints cannot be resharded: {why}")
+
+
 def test_a_run_directory_from_an_earlier_placer_has_no_fingerprint_to_hold_to(tmp_path):
     run = run_dir(tmp_path)
     (run / "fingerprint.json").unlink()
@@ -104,3 +141,22 @@ def test_resume_refuses_another_batch_size_before_any_worker_starts(tmp_path):
     assert not (run / "program.py").exists() and "batch_size: 16" in (run / "spec.yaml").read_text()
     r = CliRunner().invoke(main, ["run", spec, "--resume-anyway"])
     assert r.exit_code == 2 and "--resume-anyway goes with --resume RUN_DIR" in r.output
+
+
+def test_which_placements_save_checkpoints_that_reshard():
+    """Whole tensors and DTensor shards of the model reshard; pieces of a program's own do not."""
+    from placer.codegen.program import reshard_blocker
+    from placer.codegen.segments import Seg
+
+    def seg(mode="data", **kw):
+        return Seg(k=0, name="s0", layers=("fc1",), ranks=(0, 1), mode=mode, **kw)
+    assert reshard_blocker([seg("none"), seg(sync="allreduce"), seg(sync="allreduce", shard="full")], False, False) is None
+    assert reshard_blocker([seg("tensor")], False, False) is None  # DTensor shards of the model's Linears
+    assert reshard_blocker([seg("tensor", replicas=2)], False, False) == (
+        "segment 0 (s0) is tensor parallel over data replicas or a module's blocks")
+    assert reshard_blocker([seg("channel")], False, False) == ("segment 0 (s0) is channel parallel, whose slices are "
+                                                               "this program's own")
+    assert "syncs by parameter_server" in reshard_blocker([seg(sync="parameter_server")], False, False)
+    assert "ZeroRedundancyOptimizer" in reshard_blocker([seg(sync="allreduce", shard="optimizer")], False, False)
+    assert "torch.distributed.pipelining" in reshard_blocker([seg("none")], True, False)
+    assert "span 2 machines" in reshard_blocker([seg("none")], False, False, nodes=2)

@@ -112,3 +112,22 @@ def test_a_rank_killed_by_a_signal_is_named_before_the_peers_its_death_failed():
     assert lines[0] == "rank 1 (cuda:1) was stopped by SIGKILL"
     assert "out-of-memory killer" in lines[1]
     assert lines[2] == "  it took down: rank 0 (cuda:0), lost a peer (Connection closed by peer)"
+
+
+def test_a_sigkilled_rank_is_reported_with_its_measured_peak_memory():
+    statuses = {1: {"step": 3, "phase": "forward", "op": "", "peak": 3 * 2**30}}
+    d = failure_report(SPEC, DEVICES, Path("run"), {0: (1, PEER_TAIL), 1: (-signal.SIGKILL, "")}, statuses,
+                       {"cuda:1": 2**30})
+    assert d.message.splitlines()[1] == ("  (SIGKILL is what the out-of-memory killer sends; its peak memory by step 3 "
+                                         "was 3.0 GiB (the plan's estimate: 1.0 GiB): see the plan's memory for this "
+                                         "device)")
+
+
+def test_a_log_line_is_never_shown_as_the_exception_of_a_rank_that_said_nothing():
+    """os._exit(3) in forward: the log holds only the program's notices, none of them its error."""
+    tail = "simulating 2 devices as CPU workers on gloo: --simulate\nstep 1/4  loss 1.386294  60 samples/s"
+    d = failure_report(SPEC, DEVICES, Path("run"), {1: (3, tail), 0: (1, PEER_TAIL)},
+                       {1: {"step": 2, "phase": "forward", "op": "", "peak": 0}})
+    assert d.message.splitlines()[0] == ("rank 1 (cuda:1) exited with code 3 at step 2 in forward without a word "
+                                         "(no exception: os._exit, or native code)")
+    assert restart_lines(SPEC, DEVICES, 1, 2, {1: (3, tail)}, 1)[1] == "  rank 1 (cuda:1) exited with code 3"

@@ -119,12 +119,17 @@ def test_ddp_comm_time_counts_each_bucket_from_launch_to_completion_once():
     assert 0.14 <= timing["overlapped"] < 0.2
 
 
-def test_the_summary_prints_measured_memory_beside_the_plan():
-    metrics = {"steps": 2, "devices": ["cpu", "cpu:1"], "time_s": {"cpu": {"comm": 0.5}},
-               "peak_memory": {"cpu": {"peak_bytes": 3 << 20, "measure": "peak_rss_above_import"},
-                               "cpu:1": {"peak_bytes": 1 << 20, "measure": "peak_rss_above_import"}}}
-    lines = summary_lines(metrics, 1.0, planned={"cpu": 2 << 20, "cpu:1": 512 << 10})
-    assert lines[1].split()[-4:] == ["s", "peak", "memory", "planned"]
-    assert lines[2].startswith("cpu ") and lines[2].endswith("3.0 MiB    2.0 MiB")
-    assert lines[3].endswith("1.0 MiB  512.0 KiB")
-    assert any("peak RSS above its RSS right after importing torch" in line for line in lines)
+def test_the_summary_prints_measured_memory_beside_the_plan_with_their_ratio():
+    metrics = {"steps": 2, "devices": ["cpu", "cpu:1", "cuda:0"], "time_s": {"cpu": {"comm": 0.5}},
+               "peak_memory": {"cpu": {"peak_bytes": 90 << 20, "measure": "peak_rss_above_import",
+                                       "tensor_peak_bytes": 3 << 20},
+                               "cpu:1": {"peak_bytes": 80 << 20, "measure": "peak_rss_above_import"},
+                               "cuda:0": {"peak_bytes": 1 << 20, "measure": "cuda_max_memory_allocated"}}}
+    lines = summary_lines(metrics, 1.0, planned={"cpu": 2 << 20, "cpu:1": 512 << 10, "cuda:0": 1 << 20})
+    assert lines[1].split()[-4:] == ["peak", "memory", "planned", "ratio"]
+    assert lines[2].startswith("cpu ") and lines[2].endswith("3.0 MiB    2.0 MiB   1.50")  # tensors, not the RSS
+    assert lines[3].endswith("-  512.0 KiB      -")  # no tensor peak: the RSS is not set beside the plan
+    assert lines[4].endswith("1.0 MiB    1.0 MiB   1.00")
+    notes = "\n".join(lines)
+    assert "CPU allocator held for tensors" in notes and "torch.cuda.max_memory_allocated" in notes
+    assert "RSS is in metrics.json" in notes

@@ -62,16 +62,18 @@ def _has_params(module):
     return any(True for _ in module.parameters())
 
 
-def fully_shard_segment(module, group, device_type="cpu", reshard_after_forward=True):
+def fully_shard_segment(module, group, device_type="cpu", reshard_after_forward=True, ignored=None):
     """FSDP2 over group, in place: one FSDP unit per block and per other child that has
     parameters (fsdp_units), then the segment itself; gradients SUMMED over group. Returns
     module (now an FSDPModule); make its optimizer afterwards, from module.parameters().
     `group` may be a DeviceMesh: a 2-D one's dp dim, over tensor-parallel DTensors (FSDP2 x TP).
-    Every rank of the group calls it."""
+    Every rank of the group calls it. `ignored`: parameters FSDP2 leaves alone (each rank's own
+    experts under expert parallelism)."""
     mesh = group if isinstance(group, DeviceMesh) else DeviceMesh.from_group(group, device_type)
+    ignored = set(ignored) if ignored else None
     for _, unit in fsdp_units(module):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     for m in module.modules():
         if isinstance(m, FSDPModule):  # the factor is per FSDP unit, not inherited
             m.set_gradient_divide_factor(1.0)

@@ -49,6 +49,50 @@ def peak_memory():
     return max(0, rss()[1] - RSS_AT_START), "peak_rss_above_import"
 
 
+class TensorPeak:
+    """placer run on a CPU worker: the most bytes torch's CPU allocator held for tensors over the
+    first STEPS steps (the first makes the optimizer's state), what torch.cuda.max_memory_allocated
+    is on a GPU and what the plan estimates. c10's flag caffe2_report_cpu_memory_usage (set through
+    ctypes: torch has no Python call for it) keeps the total of every thread's tensors, gloo's
+    included, from set-up on; torch's profiler reads it at each allocation of the profiled steps,
+    as bench/tensor_peak.py does."""
+
+    STEPS = 2
+
+    def __init__(self):
+        self.on, self.profiler, self.steps, self.bytes = False, None, 0, None
+
+    def count(self):
+        """Set-up, before the model is built, so that its tensors are in the total."""
+        libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # not the profiler's start and stop lines
+        self.on = True
+
+    def begin(self):
+        if self.on:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self.profiler.__enter__()
+
+    def after_step(self, last):
+        if self.profiler is None:
+            return
+        self.steps += 1
+        if self.steps < self.STEPS and not last:
+            return
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as folder:
+            profiler.export_chrome_trace(os.path.join(folder, "trace.json"))
+            with open(os.path.join(folder, "trace.json")) as f:
+                events = json.load(f)["traceEvents"]
+        self.bytes = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=None)
+
+
+TENSOR_PEAK = TensorPeak()
+
+
 HELD = {}  # "bytes": what this rank holds of the model after set-up (note_held), in metrics.json
 
 
@@ -114,7 +158,8 @@ TIME = collections.Counter()  # seconds this rank spends per kind of work: data,
 # What each counted call sends: (position, keyword) of the tensor it hands over
 SENT_ARG = {"send": (0, "tensor"), "isend": (0, "tensor"), "all_reduce": (0, "tensor"),
             "reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),
-            "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input")}
+            "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input"),
+            "all_to_all_single": (1, "input")}
 # DTensor (tensor parallel) talks through the functional collectives: the input comes first
 SENT_ARG_FUNCTIONAL = {"all_reduce": (0, "self"), "all_gather_single": (0, "self"),
                        "reduce_scatter_single": (0, "self")}
@@ -178,10 +223,12 @@ def timer(kind):
 class RankStatus:
     """What this rank is doing: its step, its phase (data, forward, backward, sync, checkpoint)
     and the communication call it is in, kept in OUT/status/rankR for `placer run` (which
-    passes PLACER_LAUNCHER_PID) as one line: pid, rank, step, count of updates, time, phase,
-    call, tab-separated. The file is memory-mapped: an update is a store to memory, not a
-    system call. When a rank times out waiting for a peer, `placer run` reads every rank's
-    line to name the rank that stopped answering and what it was doing."""
+    passes PLACER_LAUNCHER_PID) as one line: pid, rank, step, count of updates, time, peak
+    memory (peak_memory's, taken as each step starts), phase, call, tab-separated. The file is
+    memory-mapped: an update is a store to memory, not a system call. When a rank times out
+    waiting for a peer, `placer run` reads every rank's line to name the rank that stopped
+    answering and what it was doing; when one is killed (the out-of-memory killer's SIGKILL),
+    its peak so far."""
 
     SIZE = 512
     # blocking calls; the asynchronous ones keep their text until the phase changes, as the
@@ -193,6 +240,7 @@ class RankStatus:
     def __init__(self):
         self.map, self.groups = None, {}
         self.pid, self.rank, self.step, self.seq, self.phase, self.op = os.getpid(), 0, 0, 0, "setup", ""
+        self.peak = 0
 
     def open(self, out, rank):
         """Start keeping the status (a no-op object otherwise) and announce every torch.distributed call."""
@@ -215,6 +263,8 @@ class RankStatus:
     def at(self, step, phase):
         """Step `step` (counted from 0) enters `phase`."""
         self.step, self.phase, self.op = step + 1, phase, ""
+        if phase == "data" and self.map is not None:  # once a step: a read of /proc/self/status
+            self.peak = peak_memory()[0]
         self.write()
 
     def calling(self, op):
@@ -224,7 +274,7 @@ class RankStatus:
     def write(self):
         if self.map is not None:
             self.seq += 1
-            fields = (self.pid, self.rank, self.step, self.seq, time.time(), self.phase, self.op)
+            fields = (self.pid, self.rank, self.step, self.seq, time.time(), self.peak, self.phase, self.op)
             data = ("\t".join(map(str, fields)) + "\n").encode()[: self.SIZE]
             self.map[: len(data)] = data
 
@@ -295,6 +345,7 @@ class BatchLosses:
         self.every = 1  # steps per window: the first is sent at once, then rank 0's proposal
         self.pending = None  # (the window's records, their summed shares, the all-reduce's work)
         self.ended = start  # when the last step ended
+        TENSOR_PEAK.begin()
 
     def add(self, step, total, grad_norm=None):
         now, facts = time.perf_counter(), {}
@@ -304,6 +355,7 @@ class BatchLosses:
         if grad_norm is not None:  # training.clip_grad_norm: the global norm before clipping
             facts["grad_norm"] = grad_norm
         self.ended = now
+        TENSOR_PEAK.after_step(step == self.args.steps - 1)
         self.unsent.append((step, total, facts))
         if len(self.unsent) >= self.every:
             self._send()
@@ -500,7 +552,8 @@ def finish(args, rank, world, losses, own, seconds, **facts):
              "time_s": {"compute": max(0.0, seconds - TIME["comm"] - TIME["data"]),
                         "comm": TIME["comm"] + TIME["overlapped"], "overlapped": TIME["overlapped"],
                         "data": TIME["data"]},
-             "memory": {"peak_bytes": peak, "measure": measure, **({"held_bytes": HELD["bytes"]} if HELD else {})},
+             "memory": {"peak_bytes": peak, "measure": measure, **({"held_bytes": HELD["bytes"]} if HELD else {}),
+                        **({"tensor_peak_bytes": TENSOR_PEAK.bytes} if TENSOR_PEAK.bytes is not None else {})},
              "grads": bool(args.grads and not resuming(args))}
     every = [None] * world
     dist.all_gather_object(every, stats)

@@ -90,6 +90,11 @@ def main():
             # placer run reads stopped.json; exiting 0 keeps torch elastic from restarting a
             # run that would stop at the same step again
             code = 0 if os.environ.get("PLACER_LAUNCHER_PID") and args.out else 1
+        except SystemExit as e:  # a message (the wrong world size): a traceback like any error's, so that
+            # placer run tells it from the log lines before it
+            if not isinstance(e.code, (int, type(None))):
+                sys.excepthook(*sys.exc_info())
+            code = e.code if isinstance(e.code, int) else 1
         except Exception:  # its traceback as Python prints it, then out at once (below): in its
             # shutdown gloo would first wait out the operations still pending with a peer that
             # stopped answering, timeout_s more
