@@ -71,6 +71,9 @@ def command(spec_path, output, fmt, overrides, sbatch, k8s, image, slurm):
     t0 = time.perf_counter()
     try:
         spec = load_and_warn(spec_path, overrides)
+        if spec.auto and (sbatch or k8s):  # each node would search on its own machine, and might choose apart
+            raise click.UsageError("--sbatch and --k8s take a written placement: `placer suggest SPEC -o "
+                                   "placed.yaml`, then generate placed.yaml")
         from placer.search import resolve
 
         spec, _ = resolve(spec, lambda msg: echo(f"placer: {msg}", err=True))

@@ -162,3 +162,8 @@ def test_stages_on_a_slower_device_get_fewer_layers():
            if len(c.stages) == 2 and not c.schedule]
     # a layer: 0.22 ms on the H100, 0.41 on the L4 (FP32 data sheets): 5 + 3 (1.10 / 1.24 ms), not 4 + 4
     assert [len(s.layers) for s in two[0].stages] == [5, 3]
+
+
+def test_cluster_outputs_take_a_written_placement(tmp_path):
+    r = invoke("generate", MLP, "--sbatch", tmp_path / "job.sbatch")
+    assert r.exit_code == 2 and "--sbatch and --k8s take a written placement" in r.output
