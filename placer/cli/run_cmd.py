@@ -280,6 +280,12 @@ def run(spec_path, console: RunConsole, *, check, run_dir, overwrite=False, step
     from placer.search import resolve
 
     spec = load_and_warn(spec_path, overrides, say=lambda text: console.say(text, err=True))
+    if spec.auto and nnodes > 1:  # each node would search on its own machine, and might choose apart
+        from placer.diagnostics import Diagnostic, PlanError
+
+        raise PlanError(Diagnostic("A003", f"placement auto with --nnodes {nnodes}: each node would search on its "
+                                   "own", spec.doc.loc(("placement",)), "write the placement first: `placer suggest "
+                                   "SPEC -o placed.yaml`, then run placed.yaml on every node"))
     spec, chosen = resolve(spec, lambda text: console.say(text, err=True))  # `placement: auto`
     if overrides:  # run.log says how the run's spec.yaml came from SPEC
         console.say("overrides: " + " ".join(f"--set {o}" for o in overrides))

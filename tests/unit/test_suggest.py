@@ -167,3 +167,9 @@ def test_stages_on_a_slower_device_get_fewer_layers():
 def test_cluster_outputs_take_a_written_placement(tmp_path):
     r = invoke("generate", MLP, "--sbatch", tmp_path / "job.sbatch")
     assert r.exit_code == 2 and "--sbatch and --k8s take a written placement" in r.output
+
+
+def test_a_multi_node_run_takes_a_written_placement(tmp_path):
+    r = invoke("run", MLP, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "localhost:29500",
+               "--run-dir", tmp_path / "run")
+    assert r.exit_code == 1 and "error[A003]: placement auto with --nnodes 2" in r.output, r.output
