@@ -188,12 +188,9 @@ def reshard_blocker(segs: list[Seg], cut: bool, lockstep: bool, nodes: int = 1) 
     if lockstep:
         return "its data segments run in lockstep inside the model's forward"
     for s in segs:
-        if s.mode == "tensor" and (s.replicas > 1 or s.blocks or s.shard != "none"):
-            return f"segment {s.k} ({s.name}) is tensor parallel over data replicas or a module's blocks"
-        if s.mode not in ("none", "data", "tensor"):  # tensor: DTensor's Shard(0) / Shard(1) of the model's Linears
-            return f"segment {s.k} ({s.name}) is {s.mode} parallel, whose slices are this program's own"
-        if s.mode == "data" and s.sync != "allreduce":
-            return f"segment {s.k} ({s.name}) syncs by {s.sync}, whose copies are this program's own"
+        why = MODES[s.mode].reshard_blocker(s)
+        if why:
+            return f"segment {s.k} ({s.name}) {why}"
         if s.shard == "optimizer":
             return f"segment {s.k} ({s.name}) partitions its optimizer state by ZeroRedundancyOptimizer (shard: optimizer)"
     return None

@@ -103,6 +103,26 @@ class Mode:
         many devices, `whole_on_each`, run as one pipeline per rank: the caller's rule.)"""
         return f"a pipeline stage of mode {self.name!r} beside stages of other modes or sizes"
 
+    def rough_sync_bytes(self, param_bytes: int, out_bytes: int, n: int, options: dict) -> float:
+        """About how many bytes each of the segment's n devices moves over its link a step to keep
+        it in sync (`out_bytes`: its layers' outputs on the global batch): the placement search's
+        quick bound, which orders candidates for the step-time model. One device: none."""
+        return 0.0
+
+    def state_share(self, n: int, options: dict) -> float:
+        """The fraction of the segment's optimizer state each of its n devices keeps."""
+        return 1.0
+
+    dcp_names = True
+    """Whether its ranks hold whole tensors of the model or DTensor shards of them, which
+    torch.distributed.checkpoint saves under the model's names and reshards into any other such
+    layout (not slices or copies of the program's own)."""
+
+    def reshard_blocker(self, seg) -> str | None:
+        """Why a checkpoint of a segment of this mode (`seg`: codegen's Seg) cannot resume under
+        another placement, as words after "segment K (NAME)", or None (`dcp_names`)."""
+        return None if self.dcp_names else f"is {self.name} parallel, whose slices are this program's own"
+
     def replica_blocker(self, p) -> str | None:
         """Why a module model's segment of this mode over several devices cannot be a group of
         replica pipelines in lockstep (plan/crossings.py), as words after "segment NAME is", or

@@ -132,6 +132,7 @@ def chain_check(seg, info, locs) -> list[Diagnostic]:
 
 class Channel(Mode):
     name = "channel"
+    dcp_names = False
     holds_slices = True
     options_keys = ("data", "shard", "sync", "server")
     whole_on_each = True

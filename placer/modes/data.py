@@ -140,6 +140,15 @@ class Data(Mode):
     name = "data"
     options_keys = ("sync", "server", "bucket_mb", "overlap", "shard", "sync_batchnorm")
 
+    def rough_sync_bytes(self, param_bytes, out_bytes, n, options):  # a ring all-reduce (FSDP2: gathers too)
+        return 2 * param_bytes * (n - 1) / n * (1.5 if options.get("shard") == "full" else 1)
+
+    def state_share(self, n, options):
+        return 1 / n if options.get("shard") in ("optimizer", "full") else 1.0
+
+    def reshard_blocker(self, seg):
+        return f"syncs by {seg.sync}, whose copies are this program's own" if seg.sync != "allreduce" else None
+
     def check_options(self, spec, seg):
         # (sync parameter_server without a server, or a server without it: the schema's S002 / S004)
         p, n, diags = seg.parallel, len(seg.devices), []

@@ -87,6 +87,7 @@ def dense_bytes(info, sizes: dict, pad: int = 1) -> list[int]:
 
 class Expert(Mode):
     name = "expert"
+    dcp_names = False
     splits_params = True
     options_keys = ("shard",)
 

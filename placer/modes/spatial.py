@@ -240,6 +240,7 @@ def axis_of(dim, in_shape) -> int:
 
 class Spatial(Mode):
     name = "spatial"
+    dcp_names = False
     options_keys = ("dim", "data", "shard", "sync", "server")
     forward_sends_activations = True
     lockstep_group = True

@@ -528,6 +528,13 @@ class Tensor(Mode):
 
     lockstep_group = True
 
+    def rough_sync_bytes(self, param_bytes, out_bytes, n, options):  # activations' all-reduces, fwd and bwd
+        return 4 * out_bytes / options.get("data", 1) + 2 * param_bytes / n
+
+    def reshard_blocker(self, seg):  # DTensor's Shard(0) / Shard(1) of the model's Linears
+        return ("is tensor parallel over data replicas or a module's blocks"
+                if seg.replicas > 1 or seg.blocks or seg.shard != "none" else None)
+
     def module_model_blocker(self, spec, seg):
         if len(spec.placement) == 1:  # (the whole model: no lockstep)
             return None

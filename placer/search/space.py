@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from placer import units
+from placer.modes import MODES
 from placer.spec.types import Parallel, Pipeline, Segment, Selector, Spec
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -225,7 +226,7 @@ def candidates(spec: Spec, graph, kinds: dict[str, str], hw, caps: dict) -> list
             groups = [devs[i * g:(i + 1) * g] for i in range(p)]
             for split in _splits(graph, groups, hw, caps, slots):
                 for mode, opts in _modes(g):
-                    degree = g if mode == "data" else dict(opts).get("data", 1)
+                    degree = MODES[mode].data_degree(g, dict(opts).get("data", 1))
                     if rows % degree:
                         continue
                     for schedule, m in _pipelines(p, rows, degree):
@@ -238,7 +239,8 @@ def candidates(spec: Spec, graph, kinds: dict[str, str], hw, caps: dict) -> list
 def plan_size(c: Candidate) -> int:
     """About how many ops its plan holds: each device's actions grow with the micro-batches, and a
     tensor-parallel stage's all-reduces with its layers."""
-    return sum(len(s.devices) * (1 + len(s.layers) if s.mode == "tensor" else 1) for s in c.stages) * (c.microbatches or 1)
+    return sum(len(s.devices) * (1 + len(s.layers) if MODES[s.mode].forward_sends_activations else 1)
+               for s in c.stages) * (c.microbatches or 1)
 
 
 def quick_bound(c: Candidate, graph, hw, caps: dict, slots: int) -> tuple[bool, float]:
@@ -257,14 +259,9 @@ def quick_bound(c: Candidate, graph, hw, caps: dict, slots: int) -> tuple[bool, 
         t = sum(secs[i] for i in ids)
         params = sum(graph.layers[i].param_bytes for i in ids)
         opts = dict(s.options)
-        if s.mode == "data":
-            t += 2 * params * (g - 1) / g / h.link_bw * (1.5 if opts.get("shard") == "full" else 1)
-        elif s.mode == "tensor":
-            d = opts.get("data", 1)
-            t += 4 * sum(graph.layers[i].out_bytes for i in ids) / d / h.link_bw + 2 * params / g / h.link_bw
-        held = sum(mem[i] for i in ids)
-        if s.mode == "data" and opts.get("shard") in ("optimizer", "full"):
-            held -= sum(graph.layers[i].param_bytes for i in ids) * slots * (g - 1) / g
+        mode = MODES[s.mode]
+        t += mode.rough_sync_bytes(params, sum(graph.layers[i].out_bytes for i in ids), g, opts) / h.link_bw
+        held = sum(mem[i] for i in ids) - params * slots * (1 - mode.state_share(g, opts))
         over |= any(held > caps[d] for d in s.devices if d in caps)
         times.append(t)
     if c.schedule:
