@@ -72,10 +72,16 @@ def spec_text(spec: Spec, c: Candidate, ranked: list[Candidate], hardware: dict,
 
 def relocate(text: str, spec: Spec, out_dir: str) -> str:
     """The spec text to be written into `out_dir`: its model and data files, relative to the spec's
-    folder, named relative to `out_dir` instead."""
+    folder, named relative to `out_dir` instead (and so is the schema of a yaml-language-server
+    modeline, for the editor)."""
     import os
+    import re
 
     here = os.path.dirname(os.path.abspath(spec.file))
+    line = re.search(r"^# yaml-language-server: \$schema=(\S+)", text, re.M)
+    if line and "://" not in line.group(1) and not os.path.isabs(line.group(1)):
+        moved = os.path.relpath(os.path.join(here, line.group(1)), os.path.abspath(out_dir))
+        text = text.replace(line.group(0), f"# yaml-language-server: $schema={moved}", 1)
     for ref in (spec.model.module, spec.training.data.module):
         if ref and ".py:" in ref and not os.path.isabs(ref.rsplit(":", 1)[0]):
             path, _, attr = ref.rpartition(":")

@@ -17,6 +17,7 @@ from placer import search  # noqa: E402
 from placer.cli.main import main  # noqa: E402
 from placer.spec.check import load_spec, load_spec_text  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).resolve().parents[1] / "cases" / "suggest"
 MLP = CASES / "mlp_capped.yaml"
 
@@ -49,7 +50,9 @@ def test_suggest_writes_a_spec_that_validates_within_every_capacity(tmp_path):
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith(f"wrote {out}: 2 devices, 2 stages")
     text = out.read_text()
-    assert text.startswith("# yaml-language-server: $schema=")  # the modeline stays first
+    assert text.startswith("# yaml-language-server: $schema=")  # the modeline stays first,
+    schema = text.splitlines()[0].split("$schema=")[1]  # the schema named from the output's folder
+    assert (tmp_path / schema).resolve() == (ROOT / "placer" / "schemas" / "placer-spec.schema.json").resolve()
     assert "# placement suggested by `placer suggest` (hardware h100):" in text
     assert "#   predicted step time" in text and "#   next best:" in text
     assert "#     cpu: " in text and " / 3.0 MiB" in text
