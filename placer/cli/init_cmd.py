@@ -81,7 +81,7 @@ def command(output, model_ref, model_kwargs, devices, name, force):
         else:
             model, default = starter.inline_model(), "starter"
         name = starter.spec_name(name or (stem if output != "-" and stem != "spec" else default))
-        text = starter.render(name, model, devices)
+        text = starter.render(name, model, devices, os.path.dirname(output) or "." if output != "-" else None)
     except PlacerError as e:
         fail(e)
     if output == "-":

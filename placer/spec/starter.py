@@ -89,11 +89,18 @@ def inline_model() -> Model:
     return Model(lines, [n for n, *_ in INLINE_LAYERS], [p for *_, p in INLINE_LAYERS])
 
 
-def render(name: str, model: Model, devices: list[str]) -> str:
-    """The starter spec's text: header, model, devices, a balanced placement, training."""
+def render(name: str, model: Model, devices: list[str], folder: str | None = None) -> str:
+    """The starter spec's text: header, model, devices, a balanced placement, training. The
+    modeline names the schema relative to the spec's `folder` (so the spec and its checkout or
+    environment move together, as the shipped specs' `../schemas/...`); printed (None), absolute."""
+    import os
+
     runs = balance(model.params, len(devices))
     used = devices[:len(runs)]
-    out = [f"# yaml-language-server: $schema={schema.schema_path()}",
+    where = str(schema.schema_path())
+    if folder is not None:
+        where = os.path.relpath(where, os.path.abspath(folder))
+    out = [f"# yaml-language-server: $schema={where}",
            "# A placer spec: where every layer of a model runs. Next steps:",
            "#   placer validate SPEC            check it (file:line:col errors)",
            "#   placer plan SPEC                memory, communication and FLOPs per device",

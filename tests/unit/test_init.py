@@ -25,6 +25,9 @@ def test_starter_validates_and_plans(tmp_path, monkeypatch):
     assert r.exit_code == 0 and "wrote spec.yaml" in r.stdout, r.output
     text = (tmp_path / "spec.yaml").read_text()
     assert text.startswith("# yaml-language-server: $schema=") and "\nname: starter " in text
+    # the schema named from the spec's folder, not an absolute path into this install
+    where = text.splitlines()[0].split("$schema=")[1]
+    assert not Path(where).is_absolute() and (tmp_path / where).resolve() == Path(schema.schema_path()).resolve()
     assert cli("validate", "--strict", "spec.yaml").exit_code == 0
     r = cli("plan", "-q", "spec.yaml")
     assert r.exit_code == 0 and r.stdout.startswith("plan starter:"), r.output
