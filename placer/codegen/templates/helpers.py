@@ -64,8 +64,11 @@ class TensorPeak:
 
     def count(self):
         """Set-up, before the model is built, so that its tensors are in the total."""
-        libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-        ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+        try:  # (a build without the library or the flag, macOS's libc10.dylib: no tensor peak, the RSS stays)
+            libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+            ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+        except (OSError, ValueError):
+            return
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # not the profiler's start and stop lines
         self.on = True
 
