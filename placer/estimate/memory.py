@@ -6,7 +6,10 @@
   a gradient buffer (a 2-D segment's: a copy of every slice position's slices).
 - Optimizer state: `state_slots(optimizer)` parameter-sized buffers on every
   device that steps the segment (the server for parameter_server, the first
-  device for broadcast sync), 1/d of it with `shard: optimizer` or `full`.
+  device for broadcast sync), 1/d of it with `shard: full` or a 2-D segment's `shard: optimizer`.
+  A data segment's `shard: optimizer` (ZeroRedundancyOptimizer) steps whole parameters: torch
+  gives them out largest first, each to the rank holding the fewest bytes so far
+  (`zero_partition`), so a rank's state and step temporaries are those of its partition.
 - Activations kept for backward: the `saved_bytes` of the layers a device
   computes, times its share of the batch (1/d in every parallel mode), per
   micro-batch in flight: the peak of a walk through the device's ops where a
@@ -18,8 +21,13 @@
 - Batches (`data_bytes`): every rank makes each step's whole input, `prefetch` ahead (`auto`:
   none on a CPU worker, 2 on a GPU) plus
   the one in use (targets left out).
-- Communication buffers (`comm_bytes`): DDP's gradient buckets (a copy of the gradients);
-  FSDP2 gathers one unit's whole parameters and its whole gradients before reduce-scatter.
+- Communication buffers (`comm_bytes`): DDP's gradient buckets (a copy of the gradients).
+  FSDP2's are in backward only (`Mode.unit_buffers`, in `backward_bytes`): it reshards each unit
+  after its backward, so none is left at the optimizer step. Running a unit's backward it holds
+  that unit's gathered parameters and whole gradients, the unit before it gathered ahead
+  (backward prefetch) and the unit after it's whole gradients (the reduce-scatter's input, waited
+  for at this unit's): the live set at the bench FSDP2 spec's backward peak. The step's
+  temporaries are of a parameter's shard.
 - Activation gradients (`act_grad_bytes`): in backward, while a layer runs, the gradient of its
   output (received from the next device where it is a segment's last) and the one of its input
   that it makes are live beside the activations still kept for the layers before it.
@@ -36,12 +44,18 @@
 - Gradients made in backward (`backward_bytes`): a step starts with none (the program zeroes
   them with `set_to_none=True`); a layer's appear when its backward runs, last layer first, and
   stay through the step. The backward peak (`backward_bytes`) is the most of activations still
-  kept, activation gradients in flight and the gradients made by then, along the device's ops.
+  kept, activation gradients in flight and the gradients made by then, along the device's ops,
+  plus FSDP2's buffers in flight.
 
-The peak (`total_bytes`): parameters, buffers, optimizer state, batches, communication buffers
+Set-up (`setup_bytes`): the first worker of each machine builds the whole model from the seed
+(runtime/seed.py) and saves it for the others, which map the file: its whole parameters and
+buffers are allocated at once. On a CPU worker that is its peak where it holds a small part of
+the model (bench/specs_memory/final_params_big.yaml's rank 0); a GPU worker builds it on the host.
+
+A step's peak (`step_peak_bytes`): parameters, buffers, optimizer state, batches, communication buffers
 and boundary tensors are held throughout; on top of them either the backward peak or every
 gradient and the optimizer step's temporaries, whichever is larger: the step runs after backward
-has freed the activations.
+has freed the activations. The peak (`total_bytes`) is the larger of it and the set-up's.
 """
 from __future__ import annotations
 
@@ -98,19 +112,29 @@ class DeviceMemory:
     data_bytes: int = 0
     """Batches made ahead and the one in use."""
     comm_bytes: int = 0
-    """DDP's gradient buckets, FSDP2's gathered unit."""
+    """DDP's gradient buckets (FSDP2's gathered units are in `backward_bytes`)."""
     act_grad_bytes: int = 0
     """Activation gradients live at the backward peak, beside the activations kept then."""
     boundary_bytes: int = 0
     """The last micro-batch's tensors that crossed devices, referenced until the next step's."""
     backward_bytes: int = 0
     """The backward peak: activations still kept, activation gradients in flight and the
-    parameters' gradients made so far (a step starts with none: `zero_grad(set_to_none=True)`)."""
+    parameters' gradients made so far (a step starts with none: `zero_grad(set_to_none=True)`),
+    and FSDP2's gathered units and whole gradients in flight."""
+
+    setup_bytes: int = 0
+    """The set-up's peak: the whole model, which the first worker of a machine builds from the
+    seed (a CPU worker's; a GPU's is built on the host)."""
 
     @property
     def total_bytes(self) -> int:
-        """The peak: what is held throughout, plus the backward peak or every gradient and the
-        step's temporaries."""
+        """The peak: the training step's (`step_peak_bytes`) or the set-up's, the larger."""
+        return max(self.step_peak_bytes, self.setup_bytes)
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """A step's peak: what is held throughout, plus the backward peak or every gradient and
+        the step's temporaries."""
         held = (self.param_bytes + self.buffer_bytes + self.optimizer_bytes
                 + self.data_bytes + self.comm_bytes + self.boundary_bytes)
         return held + max(self.backward_bytes, self.grad_bytes + self.step_bytes)
@@ -129,7 +153,7 @@ class DeviceMemory:
 
     @property
     def _beyond_model(self) -> int:
-        return (self.total_bytes - self.param_bytes - self.buffer_bytes - self.grad_bytes
+        return (self.step_peak_bytes - self.param_bytes - self.buffer_bytes - self.grad_bytes
                 - self.optimizer_bytes - self.activation_bytes)
 
 
@@ -185,7 +209,8 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
     for n in graph.input_shape:
         batch *= n
     acc = {dev: dict(params=0, param_bytes=0, buffer_bytes=0, grad_bytes=0, optimizer_bytes=0, step_bytes=0,
-                     data_bytes=batch * (batches_ahead(prefetch, Device.parse(dev).is_host) + 1), comm_bytes=0)
+                     data_bytes=batch * (batches_ahead(prefetch, Device.parse(dev).is_host) + 1), comm_bytes=0,
+                     unit_bytes=0)
            for dev in plan.devices}
     temps = STEP_TEMPORARIES.get(optimizer.op, 0)
     made: dict[str, dict[int, list[int]]] = {dev: {} for dev in plan.devices}  # gradient bytes per layer
@@ -211,18 +236,50 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
             made[dev][seg.index] = layer_grads(per_layer, b)
             largest = max(per_layer, default=0)
             a["comm_bytes"] += MODES[seg.mode].comm_buffers(seg, b, largest)
+            reps = seg.options.get("data", len(seg.devices))  # the shards of `shard: full`
+            a["unit_bytes"] += MODES[seg.mode].unit_buffers(seg, per_layer, reps)
+            if shard == "full":  # the step runs on each parameter's shard
+                largest = -(-largest // reps)
             if dev in stepping:
                 r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
                 state = slots * (sum(kb for _, kb in copies) if copies else b)  # (a server steps its copies only)
-                reps = seg.options.get("data", d)  # a 2-D segment shards over its replicas (ZeroSlices)
-                a["optimizer_bytes"] += _share(state, reps, r // (d // reps)) if shard == "optimizer" else state
+                if shard == "optimizer" and reps == d and seg.mode == "data":  # ZeroRedundancyOptimizer's partition
+                    b, largest = zero_partition(param_sizes(seg, graph), d)[r]
+                    state = slots * b
+                elif shard == "optimizer":  # a 2-D segment's over its replicas (ZeroSlices)
+                    state = _share(state, reps, r // (d // reps))
+                a["optimizer_bytes"] += state
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
                 a["step_bytes"] = max(a["step_bytes"], step)
     for dev, glue in lockstep_glue(plan, graph).items():
         acc[dev]["buffer_bytes"] += glue
     act = activations(plan, graph, geometry, made)
-    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1], backward_bytes=act[dev][2],
-                              boundary_bytes=boundary(plan, graph, dev), **acc[dev]) for dev in plan.devices}
+    builders: dict[str, str] = {}  # each machine's first worker (its LOCAL_RANK 0) builds the seed model
+    for dev in plan.devices:
+        builders.setdefault(dev.rpartition("/")[0], dev)
+    whole = (sum(l.param_bytes + l.buffer_bytes for l in graph.layers) + sum(r.bytes for r in graph.root_params))
+    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1],
+                              backward_bytes=act[dev][2] + acc[dev].pop("unit_bytes"),
+                              boundary_bytes=boundary(plan, graph, dev), **acc[dev],
+                              setup_bytes=whole if dev in builders.values() and Device.parse(dev).is_host else 0)
+            for dev in plan.devices}
+
+
+def param_sizes(seg: PlacedSegment, graph: ModelGraph) -> list[int]:
+    """Bytes of each trainable parameter of a segment held whole: its layers' and the root ones it consumes."""
+    return ([rows * row for name in seg.layers for rows, row in graph.layer(name).param_rows]
+            + [r.bytes for r in graph.root_params if r.trainable and r.consumer in seg.layers])
+
+
+def zero_partition(sizes: list[int], d: int) -> list[tuple[int, int]]:
+    """(bytes, the largest parameter's) each of d ranks steps under ZeroRedundancyOptimizer: torch
+    gives the parameters out largest first, each to the rank holding the fewest so far (a tie:
+    the lowest rank)."""
+    held, largest = [0] * d, [0] * d
+    for size in sorted(sizes, reverse=True):
+        r = held.index(min(held))
+        held[r], largest[r] = held[r] + size, max(largest[r], size)
+    return list(zip(held, largest))
 
 
 def lockstep_glue(plan: Plan, graph: ModelGraph) -> dict[str, int]:

@@ -67,9 +67,15 @@ def test_working_memory_follows_the_optimizer_the_device_and_the_sync(tmp_path):
     assert cpu.comm_bytes == cpu1.comm_bytes == 0
     _, sgd = plan_of(tmp_path, cpu_adam)
     assert sgd.per_device["cpu"].step_bytes == 0  # SGD steps in place
-    _, fsdp = plan_of(tmp_path, cpu_adam.replace("overlap: false", "shard: full"))
-    # FSDP2 gathers fc2 whole (272 B) and its whole gradient before reduce-scattering it
-    assert fsdp.per_device["cpu:1"].comm_bytes == 2 * 272
+    _, ddp = plan_of(tmp_path, cpu_adam, optimizer="{op: Adam, lr: 0.001}")
+    _, fsdp = plan_of(tmp_path, cpu_adam.replace("overlap: false", "shard: full"), optimizer="{op: Adam, lr: 0.001}")
+    whole, sharded = ddp.per_device["cpu:1"], fsdp.per_device["cpu:1"]
+    # FSDP2 gathers fc2 whole (272 B) and its whole gradient before reduce-scattering it, in
+    # backward only: nothing held through the step, whose temporaries are of fc2's shard (136 B)
+    assert sharded.comm_bytes == 0 and sharded.step_bytes == 2 * 136
+    # the backward peak, running fc2: its gathered parameters and whole gradients in place of
+    # the gradient shard the walk counts made there (2 * 272 - 136)
+    assert sharded.backward_bytes == whole.backward_bytes - 272 + 2 * 272
 
 
 def test_data_parallel_allreduce(tmp_path):
@@ -234,10 +240,12 @@ BN_HEAD = spec_head(FC1, "{name: bn, op: BatchNorm1d, args: [16]}", "{name: fc2,
 
 
 @pytest.mark.parametrize("shard, per_device", [
-    # ZeRO-1: full parameters and gradients, half the optimizer state (Adam, 2 x 976 = 1952)
-    ("optimizer", (976, 976, 976)),
+    # ZeRO-1: full parameters and gradients; the optimizer state (Adam, 2 x its parameters) of
+    # torch's greedy partition, largest first to the rank holding fewest: fc1's weight (512 B) on
+    # cuda:0; fc2's weight (256), bn's weight and bias and fc1's bias (64 each), fc2's bias (16) on cuda:1
+    ("optimizer", (976, 976, (2 * 512, 2 * 464))),
     # fully sharded: half of everything
-    ("full", (488, 488, 976)),
+    ("full", (488, 488, (976, 976))),
 ])
 def test_sharded_data_parallel(tmp_path, shard, per_device):
     plan, est = plan_of(tmp_path, f"""\
@@ -246,9 +254,9 @@ def test_sharded_data_parallel(tmp_path, shard, per_device):
           - {{layers: fc1..fc2, devices: [cuda:0, cuda:1], parallel: {{mode: data, shard: {shard}}}}}
         """, head=BN_HEAD, optimizer="{op: Adam, lr: 0.001}")
     params, grads, optim = per_device
-    for d in plan.devices:
+    for d, state in zip(plan.devices, optim):
         e = est.per_device[d]
-        assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (params, grads, optim)
+        assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (params, grads, state)
     kinds = sorted({r.op.kind.value for r in est.comm.rows})
     if shard == "optimizer":
         # as torch's ZeroRedundancyOptimizer runs: the gradients' bucket (976 B) all-reduced, each
