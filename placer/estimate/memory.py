@@ -28,9 +28,18 @@
   (backward prefetch) and the unit after it's whole gradients (the reduce-scatter's input, waited
   for at this unit's): the live set at the bench FSDP2 spec's backward peak. The step's
   temporaries are of a parameter's shard.
+- The loss (`LOSS_BUFFERS`): CrossEntropyLoss keeps its log-probabilities (the size of the last
+  layer's output) from the forward to the backward, which starts with two of that size live
+  (NLL's gradient and log_softmax's): the peak of a last stage whose output is a vocabulary's
+  logits (TinyGPT's rank 2, inside LogSoftmaxBackward). Another loss: its output's gradient.
 - Activation gradients (`act_grad_bytes`): in backward, while a layer runs, the gradient of its
   output (received from the next device where it is a segment's last) and the one of its input
-  that it makes are live beside the activations still kept for the layers before it.
+  that it makes are live beside the activations still kept for the layers before it. Inside a
+  layer of several ops, an inner op's output and input gradients may be larger than the layer's
+  input's (an MLP's 4x wider hidden): the most of them, less what the later ops saved and
+  freed (`LayerInfo.inner_grad_bytes`, found by the trace). TinyGPT's blocks: running mlp.proj's
+  backward first, its output's gradient (the block's, through the residual add) and its 4x wide
+  input's are live beside every activation of the block (the live set at rank 0's backward peak).
   A Conv's backward on CPU holds one more of each (oneDNN's reordered output gradient and its
   input-gradient scratch: measured, bench/memory.py).
 - Copies a mode keeps (`Mode.saved_copies`): spatial's Conv/Pool save their halo-padded band.
@@ -39,7 +48,10 @@
   too (their seed values, never stepped); of the placed layers, only its own segments'.
 - Boundary tensors (`boundary_bytes`): the last micro-batch's activations and gradients that
   crossed from or to another device stay referenced by the step's variables until the next step
-  makes new ones: held through the optimizer step and into the next step's backward.
+  makes new ones: held through the optimizer step and into the next step's backward. Each counts
+  once: a received output gradient is not also a gradient in flight, and a received input that
+  the first layer saves as its own storage (a transformer block's, whose producer saves none:
+  `keeps_received`) is among the activations, the boundary holding its gradient only.
 
 - Gradients made in backward (`backward_bytes`): a step starts with none (the program zeroes
   them with `set_to_none=True`); a layer's appear when its backward runs, last layer first, and
@@ -75,6 +87,10 @@ from placer.spec.types import Optimizer, batches_ahead
 KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
                "Adagrad": 1, "ASGD": 1}
 ASSUMED_SLOTS = 2
+LOSS_BUFFERS = {"CrossEntropyLoss": (1, 2)}
+"""Output-sized tensors a loss keeps for backward and its backward holds at once (others: none kept,
+the output's gradient): CrossEntropyLoss keeps log_softmax's output; its backward makes NLL's
+gradient of it and log_softmax's of the output."""
 STEP_TEMPORARIES = {"Adam": 2, "AdamW": 2, "RMSprop": 1}
 """Parameter-sized temporaries of one tensor's step on CPU (on CUDA, foreach: half as many of all)."""
 
@@ -304,10 +320,19 @@ def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:
             continue
         share = seg.degree * plan.microbatches * plan.accumulate
         if seg.index > 0 and plan.segments[seg.index - 1].devices != seg.devices:
-            total += 2 * graph.layer(seg.layers[0]).in_bytes // share
+            total += (1 if keeps_received(plan, graph, seg) else 2) * graph.layer(seg.layers[0]).in_bytes // share
         if sends_output(plan, seg):  # the output (a saved one: not among the activations) and its gradient
             total += 2 * graph.layer(seg.layers[-1]).out_bytes // share
     return total
+
+
+def keeps_received(plan: Plan, graph: ModelGraph, seg: PlacedSegment) -> bool:
+    """Whether the segment's first layer saves the input it receives from other devices as the
+    storage its `saved_bytes` already counts (the producer does not save it as its own output,
+    so the trace counted it here): the activations hold it once, the boundary its gradient only."""
+    prev = plan.segments[seg.index - 1]
+    return (prev.devices != seg.devices and graph.layer(seg.layers[0]).saves_input
+            and not graph.layer(prev.layers[-1]).saves_output)
 
 
 def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
@@ -315,7 +340,8 @@ def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
     """Activation bytes each layer of a chunk of a segment keeps for backward (global batch).
 
     A segment whose input arrived from elsewhere also keeps that copy when its first layer
-    saves its input (the producer's saved storage stays on the producer); a mode's own copies
+    saves its input and the producer saved it too (its storage counted there and staying there;
+    else `keeps_received`: the trace counted it for this layer already); a mode's own copies
     (`Mode.saved_copies`) count for the layer that keeps them."""
     info = [graph.layer(l) for l in layers]
     extra = MODES[seg.mode].saved_copies(seg, info, len(seg.devices), geometry)
@@ -323,7 +349,7 @@ def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
     first = graph.layer(seg.layers[0])
     if layers and layers[0] == seg.layers[0] and first.saves_input and seg.index > 0:
         prev = plan.segments[seg.index - 1]
-        if in_layout(prev) != in_layout(seg):
+        if in_layout(prev) != in_layout(seg) and not keeps_received(plan, graph, seg):
             out[0] += first.in_bytes
     last = graph.layer(seg.layers[-1])
     if (layers and layers[-1] == seg.layers[-1] and sends_output(plan, seg) and last.saves_output
@@ -355,16 +381,18 @@ def layer_grads(held: list[int], total: int) -> list[int]:
     return out
 
 
-def grads_in_flight(saved: list[int], info, share: int, made: list[int] | None = None) -> int:
+def grads_in_flight(saved: list[int], info, share: int, made: list[int] | None = None, received: int = 0) -> int:
     """The most that a chunk's backward holds above the activations kept before it starts, minus
     what it has freed: running layer i (last first), the layers after it have freed theirs and
     the gradients of i's output and of its input are live (one micro-batch's: `share`), and so
-    are the parameters' gradients that i and the layers after it have made (`made`, per layer)."""
+    are the parameters' gradients that i and the layers after it have made (`made`, per layer).
+    `received`: bytes of the last layer's output gradient that the boundary counts (received)."""
     freed, most, grads = 0, 0, 0
     for s, l, g in zip(reversed(saved), reversed(info), reversed(made or [0] * len(info))):
         scratch = 2 if l.op.startswith("Conv") else 1  # a Conv's backward: one more of each (above)
         grads += g
-        most = max(most, scratch * (l.out_bytes + l.in_bytes) // share - freed + grads)
+        pair = scratch * max(l.out_bytes + l.in_bytes, l.inner_grad_bytes) - (received if not freed else 0)
+        most = max(most, pair // share - freed + grads)
         freed += s // share
     return most
 
@@ -379,6 +407,8 @@ def activations(plan: Plan, graph: ModelGraph,
     gradients that no backward of its own makes (a parameter server's) are there throughout."""
     out = {}
     m = plan.microbatches
+    last = graph.layers[-1]
+    loss_kept, loss_grads = LOSS_BUFFERS.get(graph.loss, (0, 1)) if graph.loss else (0, 0)
     for dev in plan.devices:
         per_layer = (made or {}).get(dev, {})
         ops = [op for op in plan.ops.get(dev, ()) if op.kind == OpKind.COMPUTE]
@@ -402,12 +432,23 @@ def activations(plan: Plan, graph: ModelGraph,
             share *= 2 if plan.precision == "bf16" else 1  # autocast saves bfloat16 activations
             saved = saved_layers(plan, graph, seg, layers, geometry)
             b = sum(saved) // share
+            if layers[-1] == last.name:  # the loss: kept from its forward to its backward, which runs first
+                loss = loss_kept * last.out_bytes // share
+                if op.phase == "fwd":
+                    live += loss
+                else:
+                    grad_peak = max(grad_peak, live + loss_grads * last.out_bytes // share)
+                    top = max(top, live + grads + loss_grads * last.out_bytes // share)
+                    live -= loss
             if op.phase != "fwd":
                 info = [graph.layer(l) for l in layers]
                 unscaled = share // (2 if plan.precision == "bf16" else 1)
                 before = live + (b if seg.recompute else 0)
-                grad_peak = max(grad_peak, before + grads_in_flight(saved, info, unscaled))
-                top = max(top, before + grads + grads_in_flight(saved, info, unscaled, new))
+                # the output gradient received from the next device: the boundary counts it (one micro-batch)
+                got = (info[-1].out_bytes if layers[-1] == seg.layers[-1] and sends_output(plan, seg)
+                       and m * plan.accumulate == 1 else 0)
+                grad_peak = max(grad_peak, before + grads_in_flight(saved, info, unscaled, received=got))
+                top = max(top, before + grads + grads_in_flight(saved, info, unscaled, new, got))
                 grads += sum(new)
             if seg.recompute:  # forward keeps the chunk's input; backward holds b again while it runs
                 kept = graph.layer(layers[0]).in_bytes // share
