@@ -327,12 +327,12 @@ def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:
 
 
 def keeps_received(plan: Plan, graph: ModelGraph, seg: PlacedSegment) -> bool:
-    """Whether the segment's first layer saves the input it receives from other devices as the
+    """Whether the segment's first layer saves the input it receives from another device as the
     storage its `saved_bytes` already counts (the producer does not save it as its own output,
     so the trace counted it here): the activations hold it once, the boundary its gradient only."""
     prev = plan.segments[seg.index - 1]
-    return (prev.devices != seg.devices and graph.layer(seg.layers[0]).saves_input
-            and not graph.layer(prev.layers[-1]).saves_output)
+    return (len(prev.devices) == len(seg.devices) == 1 and prev.devices != seg.devices  # a plain copy, no split
+            and graph.layer(seg.layers[0]).saves_input and not graph.layer(prev.layers[-1]).saves_output)
 
 
 def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
@@ -444,9 +444,11 @@ def activations(plan: Plan, graph: ModelGraph,
                 info = [graph.layer(l) for l in layers]
                 unscaled = share // (2 if plan.precision == "bf16" else 1)
                 before = live + (b if seg.recompute else 0)
-                # the output gradient received from the next device: the boundary counts it (one micro-batch)
+                # the output gradient received from the next device: the boundary counts it (one micro-batch;
+                # a plain copy between single devices: a split or merge makes its own)
                 got = (info[-1].out_bytes if layers[-1] == seg.layers[-1] and sends_output(plan, seg)
-                       and m * plan.accumulate == 1 else 0)
+                       and m * plan.accumulate == 1 and len(seg.devices) == len(plan.segments[seg.index + 1].devices) == 1
+                       else 0)
                 grad_peak = max(grad_peak, before + grads_in_flight(saved, info, unscaled, received=got))
                 top = max(top, before + grads + grads_in_flight(saved, info, unscaled, new, got))
                 grads += sum(new)
