@@ -51,7 +51,9 @@
   makes new ones: held through the optimizer step and into the next step's backward. Each counts
   once: a received output gradient is not also a gradient in flight, and a received input that
   the first layer saves as its own storage (a transformer block's, whose producer saves none:
-  `keeps_received`) is among the activations, the boundary holding its gradient only.
+  `keeps_received`) is among the activations, the boundary holding its gradient only. A lockstep
+  rank makes that gradient at the end of its backward, sends it and lets it go with the step's
+  crossings (runtime/lockstep.py): it is never beside the backward peak, nor held through the step.
 
 - Gradients made in backward (`backward_bytes`): a step starts with none (the program zeroes
   them with `set_to_none=True`); a layer's appear when its backward runs, last layer first, and
@@ -267,7 +269,8 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
                 a["optimizer_bytes"] += state
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
                 a["step_bytes"] = max(a["step_bytes"], step)
-    for dev, glue in lockstep_glue(plan, graph).items():
+    glues = lockstep_glue(plan, graph)
+    for dev, glue in glues.items():
         acc[dev]["buffer_bytes"] += glue
     act = activations(plan, graph, geometry, made)
     builders: dict[str, str] = {}  # each machine's first worker (its LOCAL_RANK 0) builds the seed model
@@ -276,7 +279,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
     whole = (sum(l.param_bytes + l.buffer_bytes for l in graph.layers) + sum(r.bytes for r in graph.root_params))
     return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1],
                               backward_bytes=act[dev][2] + acc[dev].pop("unit_bytes"),
-                              boundary_bytes=boundary(plan, graph, dev), **acc[dev],
+                              boundary_bytes=boundary(plan, graph, dev, bool(glues)), **acc[dev],
                               setup_bytes=whole if dev in builders.values() and Device.parse(dev).is_host else 0)
             for dev in plan.devices}
 
@@ -310,17 +313,19 @@ def lockstep_glue(plan: Plan, graph: ModelGraph) -> dict[str, int]:
     return glue
 
 
-def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:
+def boundary(plan: Plan, graph: ModelGraph, dev: str, lockstep: bool = False) -> int:
     """Bytes of one micro-batch's activations and gradients crossing the boundaries of the
     segments `dev` runs, where the neighbour runs on other devices: the input received and the
-    gradient sent back for it, the output sent and the gradient received for it."""
+    gradient sent back for it, the output sent and the gradient received for it. In lockstep the
+    input's gradient is made at the end of its backward, sent, and let go with the step's crossings."""
     total = 0
     for seg in plan.segments:
         if dev not in seg.devices:
             continue
         share = seg.degree * plan.microbatches * plan.accumulate
         if seg.index > 0 and plan.segments[seg.index - 1].devices != seg.devices:
-            total += (1 if keeps_received(plan, graph, seg) else 2) * graph.layer(seg.layers[0]).in_bytes // share
+            held = (not keeps_received(plan, graph, seg)) + (not lockstep)  # the input, its gradient
+            total += held * graph.layer(seg.layers[0]).in_bytes // share
         if sends_output(plan, seg):  # the output (a saved one: not among the activations) and its gradient
             total += 2 * graph.layer(seg.layers[-1]).out_bytes // share
     return total
