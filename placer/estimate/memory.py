@@ -139,7 +139,6 @@ class DeviceMemory:
     """The backward peak: activations still kept, activation gradients in flight and the
     parameters' gradients made so far (a step starts with none: `zero_grad(set_to_none=True)`),
     and FSDP2's gathered units and whole gradients in flight."""
-
     setup_bytes: int = 0
     """The set-up's peak: the whole model, which the first worker of a machine builds from the
     seed (a CPU worker's; a GPU's is built on the host)."""
