@@ -260,7 +260,7 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
             if dev in stepping:
                 r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
                 state = slots * (sum(kb for _, kb in copies) if copies else b)  # (a server steps its copies only)
-                if shard == "optimizer" and reps == d and seg.mode == "data":  # ZeroRedundancyOptimizer's partition
+                if MODES[seg.mode].zero_whole(seg):  # ZeroRedundancyOptimizer's partition
                     b, largest = zero_partition(param_sizes(seg, graph), d)[r]
                     state = slots * b
                 elif shard == "optimizer":  # a 2-D segment's over its replicas (ZeroSlices)

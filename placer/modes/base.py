@@ -181,6 +181,11 @@ class Mode:
         parameter bytes it holds and those of its largest layer."""
         return 0
 
+    def zero_whole(self, seg) -> bool:
+        """Whether `shard: optimizer` runs torch's ZeroRedundancyOptimizer over whole parameters
+        (its greedy partition: memory.zero_partition), not an even share of slices (ZeroSlices)."""
+        return False
+
     def unit_buffers(self, seg, units: list[int], shards: int) -> int:
         """Bytes of buffers in flight at a device's backward peak only (freed before the optimizer
         step), given the parameter bytes of each layer it holds before sharding: FSDP2's

@@ -224,6 +224,9 @@ class Data(Mode):
                 "syncbn": seg.sync_batchnorm, "tensor": seg.shard == "full", "sharding": seg.shard != "none"}
         return {piece for piece, on in used.items() if on}
 
+    def zero_whole(self, seg):
+        return seg.options.get("shard") == "optimizer"
+
     def comm_buffers(self, seg, held, largest):
         if seg.options.get("shard") == "full":  # FSDP2's are in backward only (unit_buffers)
             return 0
