@@ -6,7 +6,10 @@
   a gradient buffer (a 2-D segment's: a copy of every slice position's slices).
 - Optimizer state: `state_slots(optimizer)` parameter-sized buffers on every
   device that steps the segment (the server for parameter_server, the first
-  device for broadcast sync), 1/d of it with `shard: optimizer` or `full`.
+  device for broadcast sync), 1/d of it with `shard: full` or a 2-D segment's `shard: optimizer`.
+  A data segment's `shard: optimizer` (ZeroRedundancyOptimizer) steps whole parameters: torch
+  gives them out largest first, each to the rank holding the fewest bytes so far
+  (`zero_partition`), so a rank's state and step temporaries are those of its partition.
 - Activations kept for backward: the `saved_bytes` of the layers a device
   computes, times its share of the batch (1/d in every parallel mode), per
   micro-batch in flight: the peak of a walk through the device's ops where a
@@ -18,11 +21,25 @@
 - Batches (`data_bytes`): every rank makes each step's whole input, `prefetch` ahead (`auto`:
   none on a CPU worker, 2 on a GPU) plus
   the one in use (targets left out).
-- Communication buffers (`comm_bytes`): DDP's gradient buckets (a copy of the gradients);
-  FSDP2 gathers one unit's whole parameters and its whole gradients before reduce-scatter.
+- Communication buffers (`comm_bytes`): DDP's gradient buckets (a copy of the gradients).
+  FSDP2's are in backward only (`Mode.unit_buffers`, in `backward_bytes`): it reshards each unit
+  after its backward, so none is left at the optimizer step. Running a unit's backward it holds
+  that unit's gathered parameters and whole gradients, the unit before it gathered ahead
+  (backward prefetch) and the unit after it's whole gradients (the reduce-scatter's input, waited
+  for at this unit's): the live set at the bench FSDP2 spec's backward peak. The step's
+  temporaries are of a parameter's shard.
+- The loss (`LOSS_BUFFERS`): CrossEntropyLoss keeps its log-probabilities (the size of the last
+  layer's output) from the forward to the backward, which starts with two of that size live
+  (NLL's gradient and log_softmax's): the peak of a last stage whose output is a vocabulary's
+  logits (TinyGPT's rank 2, inside LogSoftmaxBackward). Another loss: its output's gradient.
 - Activation gradients (`act_grad_bytes`): in backward, while a layer runs, the gradient of its
   output (received from the next device where it is a segment's last) and the one of its input
-  that it makes are live beside the activations still kept for the layers before it.
+  that it makes are live beside the activations still kept for the layers before it. Inside a
+  layer of several ops, an inner op's output and input gradients may be larger than the layer's
+  input's (an MLP's 4x wider hidden): the most of them, less what the later ops saved and
+  freed (`LayerInfo.inner_grad_bytes`, found by the trace). TinyGPT's blocks: running mlp.proj's
+  backward first, its output's gradient (the block's, through the residual add) and its 4x wide
+  input's are live beside every activation of the block (the live set at rank 0's backward peak).
   A Conv's backward on CPU holds one more of each (oneDNN's reordered output gradient and its
   input-gradient scratch: measured, bench/memory.py).
 - Copies a mode keeps (`Mode.saved_copies`): spatial's Conv/Pool save their halo-padded band.
@@ -31,17 +48,28 @@
   too (their seed values, never stepped); of the placed layers, only its own segments'.
 - Boundary tensors (`boundary_bytes`): the last micro-batch's activations and gradients that
   crossed from or to another device stay referenced by the step's variables until the next step
-  makes new ones: held through the optimizer step and into the next step's backward.
+  makes new ones: held through the optimizer step and into the next step's backward. Each counts
+  once: a received output gradient is not also a gradient in flight, and a received input that
+  the first layer saves as its own storage (a transformer block's, whose producer saves none:
+  `keeps_received`) is among the activations, the boundary holding its gradient only. A lockstep
+  rank makes that gradient at the end of its backward, sends it and lets it go with the step's
+  crossings (runtime/lockstep.py): it is never beside the backward peak, nor held through the step.
 
 - Gradients made in backward (`backward_bytes`): a step starts with none (the program zeroes
   them with `set_to_none=True`); a layer's appear when its backward runs, last layer first, and
   stay through the step. The backward peak (`backward_bytes`) is the most of activations still
-  kept, activation gradients in flight and the gradients made by then, along the device's ops.
+  kept, activation gradients in flight and the gradients made by then, along the device's ops,
+  plus FSDP2's buffers in flight.
 
-The peak (`total_bytes`): parameters, buffers, optimizer state, batches, communication buffers
+Set-up (`setup_bytes`): the first worker of each machine builds the whole model from the seed
+(runtime/seed.py) and saves it for the others, which map the file: its whole parameters and
+buffers are allocated at once. On a CPU worker that is its peak where it holds a small part of
+the model (bench/specs_memory/final_params_big.yaml's rank 0); a GPU worker builds it on the host.
+
+A step's peak (`step_peak_bytes`): parameters, buffers, optimizer state, batches, communication buffers
 and boundary tensors are held throughout; on top of them either the backward peak or every
 gradient and the optimizer step's temporaries, whichever is larger: the step runs after backward
-has freed the activations.
+has freed the activations. The peak (`total_bytes`) is the larger of it and the set-up's.
 """
 from __future__ import annotations
 
@@ -61,6 +89,10 @@ from placer.spec.types import Optimizer, batches_ahead
 KNOWN_SLOTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2,
                "Adagrad": 1, "ASGD": 1}
 ASSUMED_SLOTS = 2
+LOSS_BUFFERS = {"CrossEntropyLoss": (1, 2)}
+"""Output-sized tensors a loss keeps for backward and its backward holds at once (others: none kept,
+the output's gradient): CrossEntropyLoss keeps log_softmax's output; its backward makes NLL's
+gradient of it and log_softmax's of the output."""
 STEP_TEMPORARIES = {"Adam": 2, "AdamW": 2, "RMSprop": 1}
 """Parameter-sized temporaries of one tensor's step on CPU (on CUDA, foreach: half as many of all)."""
 
@@ -98,19 +130,28 @@ class DeviceMemory:
     data_bytes: int = 0
     """Batches made ahead and the one in use."""
     comm_bytes: int = 0
-    """DDP's gradient buckets, FSDP2's gathered unit."""
+    """DDP's gradient buckets (FSDP2's gathered units are in `backward_bytes`)."""
     act_grad_bytes: int = 0
     """Activation gradients live at the backward peak, beside the activations kept then."""
     boundary_bytes: int = 0
     """The last micro-batch's tensors that crossed devices, referenced until the next step's."""
     backward_bytes: int = 0
     """The backward peak: activations still kept, activation gradients in flight and the
-    parameters' gradients made so far (a step starts with none: `zero_grad(set_to_none=True)`)."""
+    parameters' gradients made so far (a step starts with none: `zero_grad(set_to_none=True)`),
+    and FSDP2's gathered units and whole gradients in flight."""
+    setup_bytes: int = 0
+    """The set-up's peak: the whole model, which the first worker of a machine builds from the
+    seed (a CPU worker's; a GPU's is built on the host)."""
 
     @property
     def total_bytes(self) -> int:
-        """The peak: what is held throughout, plus the backward peak or every gradient and the
-        step's temporaries."""
+        """The peak: the training step's (`step_peak_bytes`) or the set-up's, the larger."""
+        return max(self.step_peak_bytes, self.setup_bytes)
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """A step's peak: what is held throughout, plus the backward peak or every gradient and
+        the step's temporaries."""
         held = (self.param_bytes + self.buffer_bytes + self.optimizer_bytes
                 + self.data_bytes + self.comm_bytes + self.boundary_bytes)
         return held + max(self.backward_bytes, self.grad_bytes + self.step_bytes)
@@ -129,7 +170,7 @@ class DeviceMemory:
 
     @property
     def _beyond_model(self) -> int:
-        return (self.total_bytes - self.param_bytes - self.buffer_bytes - self.grad_bytes
+        return (self.step_peak_bytes - self.param_bytes - self.buffer_bytes - self.grad_bytes
                 - self.optimizer_bytes - self.activation_bytes)
 
 
@@ -185,7 +226,8 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
     for n in graph.input_shape:
         batch *= n
     acc = {dev: dict(params=0, param_bytes=0, buffer_bytes=0, grad_bytes=0, optimizer_bytes=0, step_bytes=0,
-                     data_bytes=batch * (batches_ahead(prefetch, Device.parse(dev).is_host) + 1), comm_bytes=0)
+                     data_bytes=batch * (batches_ahead(prefetch, Device.parse(dev).is_host) + 1), comm_bytes=0,
+                     unit_bytes=0)
            for dev in plan.devices}
     temps = STEP_TEMPORARIES.get(optimizer.op, 0)
     made: dict[str, dict[int, list[int]]] = {dev: {} for dev in plan.devices}  # gradient bytes per layer
@@ -211,18 +253,51 @@ def memory(plan: Plan, graph: ModelGraph, optimizer: Optimizer, prefetch: int | 
             made[dev][seg.index] = layer_grads(per_layer, b)
             largest = max(per_layer, default=0)
             a["comm_bytes"] += MODES[seg.mode].comm_buffers(seg, b, largest)
+            reps = seg.options.get("data", len(seg.devices))  # the shards of `shard: full`
+            a["unit_bytes"] += MODES[seg.mode].unit_buffers(seg, per_layer, reps)
+            if shard == "full":  # the step runs on each parameter's shard
+                largest = -(-largest // reps)
             if dev in stepping:
                 r, d = seg.devices.index(dev) if dev in seg.devices else 0, len(seg.devices)
                 state = slots * (sum(kb for _, kb in copies) if copies else b)  # (a server steps its copies only)
-                reps = seg.options.get("data", d)  # a 2-D segment shards over its replicas (ZeroSlices)
-                a["optimizer_bytes"] += _share(state, reps, r // (d // reps)) if shard == "optimizer" else state
+                if MODES[seg.mode].zero_whole(seg):  # ZeroRedundancyOptimizer's partition
+                    b, largest = zero_partition(param_sizes(seg, graph), d)[r]
+                    state = slots * b
+                elif shard == "optimizer":  # a 2-D segment's over its replicas (ZeroSlices)
+                    state = _share(state, reps, r // (d // reps))
+                a["optimizer_bytes"] += state
                 step = temps * b // 2 if dev.split("/")[-1].startswith("cuda") else temps * largest
                 a["step_bytes"] = max(a["step_bytes"], step)
-    for dev, glue in lockstep_glue(plan, graph).items():
+    glues = lockstep_glue(plan, graph)
+    for dev, glue in glues.items():
         acc[dev]["buffer_bytes"] += glue
     act = activations(plan, graph, geometry, made)
-    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1], backward_bytes=act[dev][2],
-                              boundary_bytes=boundary(plan, graph, dev), **acc[dev]) for dev in plan.devices}
+    builders: dict[str, str] = {}  # each machine's first worker (its LOCAL_RANK 0) builds the seed model
+    for dev in plan.devices:
+        builders.setdefault(dev.rpartition("/")[0], dev)
+    whole = (sum(l.param_bytes + l.buffer_bytes for l in graph.layers) + sum(r.bytes for r in graph.root_params))
+    return {dev: DeviceMemory(activation_bytes=act[dev][0], act_grad_bytes=act[dev][1],
+                              backward_bytes=act[dev][2] + acc[dev].pop("unit_bytes"),
+                              boundary_bytes=boundary(plan, graph, dev, bool(glues)), **acc[dev],
+                              setup_bytes=whole if dev in builders.values() and Device.parse(dev).is_host else 0)
+            for dev in plan.devices}
+
+
+def param_sizes(seg: PlacedSegment, graph: ModelGraph) -> list[int]:
+    """Bytes of each trainable parameter of a segment held whole: its layers' and the root ones it consumes."""
+    return ([rows * row for name in seg.layers for rows, row in graph.layer(name).param_rows]
+            + [r.bytes for r in graph.root_params if r.trainable and r.consumer in seg.layers])
+
+
+def zero_partition(sizes: list[int], d: int) -> list[tuple[int, int]]:
+    """(bytes, the largest parameter's) each of d ranks steps under ZeroRedundancyOptimizer: torch
+    gives the parameters out largest first, each to the rank holding the fewest so far (a tie:
+    the lowest rank)."""
+    held, largest = [0] * d, [0] * d
+    for size in sorted(sizes, reverse=True):
+        r = held.index(min(held))
+        held[r], largest[r] = held[r] + size, max(largest[r], size)
+    return list(zip(held, largest))
 
 
 def lockstep_glue(plan: Plan, graph: ModelGraph) -> dict[str, int]:
@@ -237,20 +312,31 @@ def lockstep_glue(plan: Plan, graph: ModelGraph) -> dict[str, int]:
     return glue
 
 
-def boundary(plan: Plan, graph: ModelGraph, dev: str) -> int:
+def boundary(plan: Plan, graph: ModelGraph, dev: str, lockstep: bool = False) -> int:
     """Bytes of one micro-batch's activations and gradients crossing the boundaries of the
     segments `dev` runs, where the neighbour runs on other devices: the input received and the
-    gradient sent back for it, the output sent and the gradient received for it."""
+    gradient sent back for it, the output sent and the gradient received for it. In lockstep the
+    input's gradient is made at the end of its backward, sent, and let go with the step's crossings."""
     total = 0
     for seg in plan.segments:
         if dev not in seg.devices:
             continue
         share = seg.degree * plan.microbatches * plan.accumulate
         if seg.index > 0 and plan.segments[seg.index - 1].devices != seg.devices:
-            total += 2 * graph.layer(seg.layers[0]).in_bytes // share
+            held = (not keeps_received(plan, graph, seg)) + (not lockstep)  # the input, its gradient
+            total += held * graph.layer(seg.layers[0]).in_bytes // share
         if sends_output(plan, seg):  # the output (a saved one: not among the activations) and its gradient
             total += 2 * graph.layer(seg.layers[-1]).out_bytes // share
     return total
+
+
+def keeps_received(plan: Plan, graph: ModelGraph, seg: PlacedSegment) -> bool:
+    """Whether the segment's first layer saves the input it receives from another device as the
+    storage its `saved_bytes` already counts (the producer does not save it as its own output,
+    so the trace counted it here): the activations hold it once, the boundary its gradient only."""
+    prev = plan.segments[seg.index - 1]
+    return (len(prev.devices) == len(seg.devices) == 1 and prev.devices != seg.devices  # a plain copy, no split
+            and graph.layer(seg.layers[0]).saves_input and not graph.layer(prev.layers[-1]).saves_output)
 
 
 def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
@@ -258,7 +344,8 @@ def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
     """Activation bytes each layer of a chunk of a segment keeps for backward (global batch).
 
     A segment whose input arrived from elsewhere also keeps that copy when its first layer
-    saves its input (the producer's saved storage stays on the producer); a mode's own copies
+    saves its input and the producer saved it too (its storage counted there and staying there;
+    else `keeps_received`: the trace counted it for this layer already); a mode's own copies
     (`Mode.saved_copies`) count for the layer that keeps them."""
     info = [graph.layer(l) for l in layers]
     extra = MODES[seg.mode].saved_copies(seg, info, len(seg.devices), geometry)
@@ -266,7 +353,7 @@ def saved_layers(plan: Plan, graph: ModelGraph, seg: PlacedSegment, layers,
     first = graph.layer(seg.layers[0])
     if layers and layers[0] == seg.layers[0] and first.saves_input and seg.index > 0:
         prev = plan.segments[seg.index - 1]
-        if in_layout(prev) != in_layout(seg):
+        if in_layout(prev) != in_layout(seg) and not keeps_received(plan, graph, seg):
             out[0] += first.in_bytes
     last = graph.layer(seg.layers[-1])
     if (layers and layers[-1] == seg.layers[-1] and sends_output(plan, seg) and last.saves_output
@@ -298,16 +385,18 @@ def layer_grads(held: list[int], total: int) -> list[int]:
     return out
 
 
-def grads_in_flight(saved: list[int], info, share: int, made: list[int] | None = None) -> int:
+def grads_in_flight(saved: list[int], info, share: int, made: list[int] | None = None, received: int = 0) -> int:
     """The most that a chunk's backward holds above the activations kept before it starts, minus
     what it has freed: running layer i (last first), the layers after it have freed theirs and
     the gradients of i's output and of its input are live (one micro-batch's: `share`), and so
-    are the parameters' gradients that i and the layers after it have made (`made`, per layer)."""
+    are the parameters' gradients that i and the layers after it have made (`made`, per layer).
+    `received`: bytes of the last layer's output gradient that the boundary counts (received)."""
     freed, most, grads = 0, 0, 0
     for s, l, g in zip(reversed(saved), reversed(info), reversed(made or [0] * len(info))):
         scratch = 2 if l.op.startswith("Conv") else 1  # a Conv's backward: one more of each (above)
         grads += g
-        most = max(most, scratch * (l.out_bytes + l.in_bytes) // share - freed + grads)
+        pair = scratch * max(l.out_bytes + l.in_bytes, l.inner_grad_bytes) - (received if not freed else 0)
+        most = max(most, pair // share - freed + grads)
         freed += s // share
     return most
 
@@ -322,6 +411,8 @@ def activations(plan: Plan, graph: ModelGraph,
     gradients that no backward of its own makes (a parameter server's) are there throughout."""
     out = {}
     m = plan.microbatches
+    last = graph.layers[-1]
+    loss_kept, loss_grads = LOSS_BUFFERS.get(graph.loss, (0, 1)) if graph.loss else (0, 0)
     for dev in plan.devices:
         per_layer = (made or {}).get(dev, {})
         ops = [op for op in plan.ops.get(dev, ()) if op.kind == OpKind.COMPUTE]
@@ -345,12 +436,25 @@ def activations(plan: Plan, graph: ModelGraph,
             share *= 2 if plan.precision == "bf16" else 1  # autocast saves bfloat16 activations
             saved = saved_layers(plan, graph, seg, layers, geometry)
             b = sum(saved) // share
+            if layers[-1] == last.name:  # the loss: kept from its forward to its backward, which runs first
+                loss = loss_kept * last.out_bytes // share
+                if op.phase == "fwd":
+                    live += loss
+                else:
+                    grad_peak = max(grad_peak, live + loss_grads * last.out_bytes // share)
+                    top = max(top, live + grads + loss_grads * last.out_bytes // share)
+                    live -= loss
             if op.phase != "fwd":
                 info = [graph.layer(l) for l in layers]
                 unscaled = share // (2 if plan.precision == "bf16" else 1)
                 before = live + (b if seg.recompute else 0)
-                grad_peak = max(grad_peak, before + grads_in_flight(saved, info, unscaled))
-                top = max(top, before + grads + grads_in_flight(saved, info, unscaled, new))
+                # the output gradient received from the next device: the boundary counts it (one micro-batch;
+                # a plain copy between single devices: a split or merge makes its own)
+                got = (info[-1].out_bytes if layers[-1] == seg.layers[-1] and sends_output(plan, seg)
+                       and m * plan.accumulate == 1 and len(seg.devices) == len(plan.segments[seg.index + 1].devices) == 1
+                       else 0)
+                grad_peak = max(grad_peak, before + grads_in_flight(saved, info, unscaled, received=got))
+                top = max(top, before + grads + grads_in_flight(saved, info, unscaled, new, got))
                 grads += sum(new)
             if seg.recompute:  # forward keeps the chunk's input; backward holds b again while it runs
                 kept = graph.layer(layers[0]).in_bytes // share

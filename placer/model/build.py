@@ -314,7 +314,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
             buffer_bytes=sum(_bytes(b) for b in buffers + frozen),
             in_shape=t.in_shape, out_shape=t.out_shape, out_dtype=t.out_dtype, out_bytes=t.out_bytes,
             in_bytes=t.in_bytes, saved_bytes=t.saved_bytes, saves_input=t.saves_input,
-            saves_output=t.saves_output, flops=t.flops,
+            saves_output=t.saves_output, inner_grad_bytes=t.inner_grad_bytes, flops=t.flops,
             shared_params=shared, inputs=inputs, out_kind=t.out_kind, calls=max(1, t.calls), homes=tr.homes.get(name, ()),
             out_leaves=_leaves_as_run(t.out_leaves, as_run.get(name)),
             consumers=tuple((i, tuple(sorted(c, key=order.__getitem__))) for i, c in sorted(t.consumers.items())),
@@ -341,7 +341,7 @@ def build_graph(spec: Spec, module: nn.Module | None = None) -> ModelGraph:
         input_dtype=dtype_name(first.dtype), traced_with="inline" if spec.model.inline else tr.traced_with,
         output_shape=tuple(out.shape) if out is not None else None,
         output_dtype=dtype_name(out.dtype) if out is not None else None, root_params=roots,
-        ties=find_ties(module, names),
+        ties=find_ties(module, names), loss=spec.model.loss,
     )
 
 

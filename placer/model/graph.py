@@ -39,6 +39,11 @@ class LayerInfo:
     saves_input: bool = False
     """Whether this layer keeps (a view of) its input for backward. Where a segment starts with
     it, the received copy of the input is kept there too: add `in_bytes` for that segment."""
+    inner_grad_bytes: int = 0
+    """The most that a backward through the layer's own ops holds in activation gradients (global
+    batch): an inner op's output and input gradients (a transformer block's mlp.proj: the block's
+    output gradient and the 4x wide hidden one), less what the ops after it saved, freed by then.
+    The op that makes the layer's output is left out (its pair is the layer's); 0 for one op."""
     saves_output: bool = False
     """Whether this layer keeps its own output for backward (a ReLU's, a Sigmoid's). Where a
     segment ends with it and sends that output on, the boundary holds it: not counted twice."""
@@ -161,6 +166,8 @@ class ModelGraph:
     root_params: tuple[RootParam, ...] = ()
     ties: tuple[Tie, ...] = ()
     """Parameters shared by several layers, which every placement keeps one value."""
+    loss: str = ""
+    """The spec's torch.nn loss on the last layer's output ("": the model's own, or none)."""
 
     @property
     def names(self) -> list[str]:

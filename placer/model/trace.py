@@ -44,6 +44,11 @@ class LayerTrace:
     saves_output: bool = False
     saved_keys: set = field(default_factory=set)
     """Storages saved for backward while this layer ran (its own ops')."""
+    grad_ops: list = field(default_factory=list)
+    """Per op of its first call that makes a new tensor needing a gradient: (bytes of its output's
+    and its inputs' gradients, bytes it saved, its outputs' storages)."""
+    inner_grad_bytes: int = 0
+    """LayerInfo.inner_grad_bytes."""
     calls: int = 0
     input_keys: frozenset = frozenset()
     out_kind: str = "tensor"
@@ -210,6 +215,7 @@ class _Recorder(TorchFunctionMode):
         self.root_params = root_params
         self.root_consumers: dict[str, str] = {}
         self.seen_storages = set(skip_storages)  # parameters and buffers are not activations
+        self.param_storages = frozenset(skip_storages)
         self.in_sdpa = 0
         self.keep: list[torch.Tensor] = []
         self.flops = FlopCounterMode(display=False)
@@ -301,6 +307,7 @@ class _Recorder(TorchFunctionMode):
                     t.out_shape, t.out_dtype = tuple(outs[0].shape), dtype_name(outs[0].dtype)
                 t.out_bytes = sum(_nbytes(x) for x in outs)
                 t.saves_output = any(_storage_key(x) in t.saved_keys for x in outs)
+                t.inner_grad_bytes = _inner_grads(t.grad_ops, {_storage_key(x) for x in outs})
                 t.out_kind, leaves = _structure(output)
                 t.out_leaves = tuple(None if x is None else (tuple(x.shape), dtype_name(x.dtype), x.requires_grad)
                                      for x in leaves)
@@ -363,7 +370,7 @@ class _Recorder(TorchFunctionMode):
                     elif name not in self.pending_roots:
                         self.pending_roots.append(name)
         if func is torch.nn.functional.scaled_dot_product_attention:
-            return self._sdpa(func, args, kwargs)
+            return self._noting_grads(lambda: self._sdpa(func, args, kwargs), args, kwargs)
         if func in _READ_VALUE and args and any(args[0] is t for t in self.alls):
             # `if padding_mask.all():` (HF's test to skip a mask nobody pads) read on meta data: there is no
             # data, so the general case, False: the mask is made (the run takes the path its data says).
@@ -371,7 +378,7 @@ class _Recorder(TorchFunctionMode):
             return False
         if func in _GROUPED_MM and args and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16:
             func = _as_matmul  # torch's meta kernel takes bf16 only
-        out = func(*args, **kwargs)
+        out = self._noting_grads(lambda: func(*args, **kwargs), args, kwargs)
         if func in _ALL and isinstance(out, torch.Tensor) and out.device.type == "meta" and out.numel() == 1:
             self.alls.append(out)
         if not self.hooking and _tensors(out):  # a value read (not .dtype or .shape)
@@ -385,6 +392,20 @@ class _Recorder(TorchFunctionMode):
                     self.sources[id(t)] = srcs | self.sources.get(id(t), frozenset())
                 self.made[id(t)] = len(self.calls)  # made before the next layer call
                 self.keep.append(t)
+        return out
+
+    def _noting_grads(self, run, args, kwargs):
+        """run(), an op of a layer's first call: note the gradients its backward holds (grad_ops)."""
+        t = self.traces[self.stack[-1]] if self.stack else None
+        before = t.saved_bytes if t else 0
+        out = run()
+        if t is None or t.calls != 1 or not torch.is_grad_enabled():
+            return out
+        ins = [x for x in _tensors((args, kwargs)) if x.requires_grad and _storage_key(x) not in self.param_storages]
+        keys = {_storage_key(x) for x in ins}
+        new = [x for x in _tensors(out) if x.requires_grad and _storage_key(x) not in keys]  # a view's: a view
+        if new:
+            t.grad_ops.append((sum(map(_nbytes, new + ins)), t.saved_bytes - before, {_storage_key(x) for x in new}))
         return out
 
     def _read_outside(self, args, kwargs):
@@ -404,6 +425,8 @@ class _Recorder(TorchFunctionMode):
             out = func(*args, **kwargs)
         finally:
             self.in_sdpa -= 1
+        if out.dim() == 4:  # the fused kernels' output is (batch, seq, heads, dim) in memory: the usual
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)  # transpose(1, 2) after it copies nothing
         q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")][len(args):])[:3]
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v) if isinstance(x, torch.Tensor)):
             lse = out.new_empty(out.shape[:-1], dtype=torch.float32)
@@ -444,6 +467,17 @@ def trace_module(module: torch.nn.Module, layers: list[str], args: tuple, use_fx
                        root_consumers=rec.root_consumers, root_users=rec.root_users, homes=rec.input_homes(),
                        glue_before=frozenset(rec.calls[n] for n in rec.glue_reads if n < len(rec.calls)),
                        calls=tuple(rec.calls), linear_reads={k: tuple(v) for k, v in rec.linear_reads.calls.items()})
+
+
+def _inner_grads(ops: list, out_keys: set) -> int:
+    """LayerInfo.inner_grad_bytes from a layer's grad_ops: backward runs its ops last first, each
+    freeing what it saved; the op that makes the layer's output is the layer's own pair."""
+    freed = most = 0
+    for grads, saved, keys in reversed(ops):
+        if not keys & out_keys:
+            most = max(most, grads - freed)
+        freed += saved
+    return most
 
 
 def _named(args: tuple) -> dict | None:

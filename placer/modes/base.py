@@ -197,9 +197,20 @@ class Mode:
         return [0] * len(info)
 
     def comm_buffers(self, seg, held: int, largest: int) -> int:
-        """Bytes of communication buffers a device of the segment allocates in a step, given the
+        """Bytes of communication buffers a device of the segment holds through a step, given the
         parameter bytes it holds and those of its largest layer."""
         return 0
+
+    def zero_whole(self, seg) -> bool:
+        """Whether `shard: optimizer` runs torch's ZeroRedundancyOptimizer over whole parameters
+        (its greedy partition: memory.zero_partition), not an even share of slices (ZeroSlices)."""
+        return False
+
+    def unit_buffers(self, seg, units: list[int], shards: int) -> int:
+        """Bytes of buffers in flight at a device's backward peak only (freed before the optimizer
+        step), given the parameter bytes of each layer it holds before sharding: FSDP2's
+        (`shard: full`, over `shards` devices), `fsdp_in_flight`."""
+        return fsdp_in_flight(units, shards) if seg.options.get("shard") == "full" else 0
 
     # -- the program --------------------------------------------------------------------------------
     def describe(self, seg, devices) -> str:
@@ -244,3 +255,14 @@ class Mode:
         (WHOLE_GRADS): DTensors here, by full_tensor; the group's first rank keeps them."""
         return [f"WHOLE_GRADS.update({{n: (p, rank == {seg.owner}) for n, p in named_params(seg{seg.k}, model).items()}})"
                 "  # run --check"]
+
+
+def fsdp_in_flight(units: list[int], shards: int) -> int:
+    """The most FSDP2 holds while one unit (a placed layer with parameters, of `units` bytes
+    whole) runs backward: its gathered parameters and its whole gradients, the unit before it
+    gathered ahead (backward prefetch), and the unit after it's whole gradients, the input of
+    the reduce-scatter that FSDP2 waits for only at this unit's own. Less this unit's gradient
+    shard, counted as made when its backward runs: it exists only after the reduce-scatter."""
+    units = [b for b in units if b]
+    return max((2 * p - p // shards + (units[i - 1] if i else 0) + (units[i + 1] if i + 1 < len(units) else 0)
+                for i, p in enumerate(units)), default=0)

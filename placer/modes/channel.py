@@ -208,9 +208,6 @@ class Channel(Mode):
     def recompute_blocker(self, p):
         return tensor.MODE.recompute_blocker(p)
 
-    def comm_buffers(self, seg, held, largest):
-        return tensor.MODE.comm_buffers(seg, held, largest)
-
     def emit_norm_share_sharded(self, seg, leaders):
         # FSDP2 over channel slices: each rank's shards of its slices, and of the layers run whole
         # in its replica on its first rank

@@ -233,9 +233,12 @@ class Data(Mode):
                 "syncbn": seg.sync_batchnorm, "tensor": seg.shard == "full", "sharding": seg.shard != "none"}
         return {piece for piece, on in used.items() if on}
 
+    def zero_whole(self, seg):
+        return seg.options.get("shard") == "optimizer"
+
     def comm_buffers(self, seg, held, largest):
-        if seg.options.get("shard") == "full":  # FSDP2: one unit gathered whole, then its whole gradients
-            return 2 * largest
+        if seg.options.get("shard") == "full":  # FSDP2's are in backward only (unit_buffers)
+            return 0
         if seg.options.get("sync") == "allreduce" and seg.options.get("overlap"):
             return held  # DDP's buckets: a copy of the gradients
         return 0

@@ -180,9 +180,6 @@ class Expert(Mode):
                 "them by their imbalance, and their sum equals the plan's; at worst one device's experts take every "
                 "row of the group")
 
-    def comm_buffers(self, seg, held, largest):
-        return 2 * largest if seg.options.get("shard") == "full" else 0  # FSDP2: one unit gathered, its gradients
-
     def describe(self, seg, devices):
         return (f"expert parallel, {seg.rows} rows each; each mixture of experts spread over the {len(seg.ranks)} "
                 "ranks, tokens sent to their experts and back by all-to-all; other gradients summed after backward")

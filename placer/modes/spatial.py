@@ -350,9 +350,6 @@ class Spatial(Mode):
     def recompute_blocker(self, p):
         return tensor.MODE.recompute_blocker(p)
 
-    def comm_buffers(self, seg, held, largest):
-        return tensor.MODE.comm_buffers(seg, held, largest)
-
     def chain_call(self, seg):
         return tensor.replica_rows(seg, f"SpatialWhole(seg{seg.k})")
 

@@ -604,9 +604,6 @@ class Tensor(Mode):
     def recompute_blocker(self, p):
         return "FSDP2 gathers the parameters in its forward" if p.shard == "full" else None
 
-    def comm_buffers(self, seg, held, largest):
-        return 2 * largest if seg.options.get("shard") == "full" else 0  # FSDP2: one unit gathered, its gradients
-
     def emit_sync(self, seg):
         return emit_sync(seg) if seg.replicas > 1 else super().emit_sync(seg)
 

@@ -67,9 +67,15 @@ def test_working_memory_follows_the_optimizer_the_device_and_the_sync(tmp_path):
     assert cpu.comm_bytes == cpu1.comm_bytes == 0
     _, sgd = plan_of(tmp_path, cpu_adam)
     assert sgd.per_device["cpu"].step_bytes == 0  # SGD steps in place
-    _, fsdp = plan_of(tmp_path, cpu_adam.replace("overlap: false", "shard: full"))
-    # FSDP2 gathers fc2 whole (272 B) and its whole gradient before reduce-scattering it
-    assert fsdp.per_device["cpu:1"].comm_bytes == 2 * 272
+    _, ddp = plan_of(tmp_path, cpu_adam, optimizer="{op: Adam, lr: 0.001}")
+    _, fsdp = plan_of(tmp_path, cpu_adam.replace("overlap: false", "shard: full"), optimizer="{op: Adam, lr: 0.001}")
+    whole, sharded = ddp.per_device["cpu:1"], fsdp.per_device["cpu:1"]
+    # FSDP2 gathers fc2 whole (272 B) and its whole gradient before reduce-scattering it, in
+    # backward only: nothing held through the step, whose temporaries are of fc2's shard (136 B)
+    assert sharded.comm_bytes == 0 and sharded.step_bytes == 2 * 136
+    # the backward peak, running fc2: its gathered parameters and whole gradients in place of
+    # the gradient shard the walk counts made there (2 * 272 - 136)
+    assert sharded.backward_bytes == whole.backward_bytes - 272 + 2 * 272
 
 
 def test_data_parallel_allreduce(tmp_path):
@@ -83,14 +89,15 @@ def test_data_parallel_allreduce(tmp_path):
         assert (e.params, e.param_bytes, e.grad_bytes) == (212, 848, 848)
         assert e.optimizer_bytes == 2 * 848  # Adam: exp_avg + exp_avg_sq
         # saved for backward, batch 16: fc1's input 16*8*4 = 512, ReLU's output 16*16*4 = 1024
-        # (fc2 saves the same tensor); each device has 1/4 of the batch: 1536 / 4
-        assert e.activation_bytes == 384
+        # (fc2 saves the same tensor), and CrossEntropyLoss's log-probabilities 16*4*4 = 256;
+        # each device has 1/4 of the batch: 1792 / 4
+        assert e.activation_bytes == 448
         # Adam on CUDA steps all tensors at once: a sqrt of every exp_avg_sq, 848; the whole input
         # batch 16*8*4 = 512 made on every rank, 2 ahead and 1 in use; DDP's buckets, 848
         assert (e.step_bytes, e.data_bytes, e.comm_bytes) == (848, 3 * 512, 848)
-        # activation gradients on top of the activations: 512 at most (act's output and input,
-        # 2 * 1024 / 4)
-        assert e.act_grad_bytes == 512
+        # activation gradients: 512 at most (act's output and input, 2 * 1024 / 4), on the 384
+        # left once the loss's backward has freed its log-probabilities: 448 above the activations' peak
+        assert e.act_grad_bytes == 384 + 512 - 448
         # backward's peak, running fc1: activations 384, its output's and input's gradients
         # (1024 + 512) / 4 less act's 256 freed, and every parameter's gradient made by then, 848:
         # 1360. The step holds every gradient and its temporaries, 848 + 848: the peak is the step's
@@ -125,8 +132,8 @@ def test_copies_direct_and_via_host(tmp_path):
     assert (e1.param_bytes, e1.optimizer_bytes, e1.grad_bytes) == (0, 0, 0)
     assert (e2.param_bytes, e2.optimizer_bytes) == (272, 272)
     # cuda:1's ReLU saves its output (1024), the one it sends on: the boundary counts it, once;
-    # cuda:2 keeps its received input (1024, fc2 saves it)
-    assert (e0.activation_bytes, e1.activation_bytes, e2.activation_bytes) == (512, 0, 1024)
+    # cuda:2 keeps its received input (1024, fc2 saves it) and the loss's log-probabilities (256)
+    assert (e0.activation_bytes, e1.activation_bytes, e2.activation_bytes) == (512, 0, 1024 + 256)
     assert e1.boundary_bytes == 4 * 1024  # its input and the gradient sent back, its output and the one received
     # FLOPs: fc1 3*4096 on cuda:0, fc2 3*2048 on cuda:2; mean over the two = 9216; busiest 12288
     assert (e0.flops, e1.flops, e2.flops) == (12288, 0, 6144)
@@ -152,7 +159,7 @@ def test_parameter_server_outside_the_group(tmp_path):
         (848, 848, 848, 0, 0)
     for w in (w0, w1):
         assert (w.param_bytes, w.grad_bytes, w.optimizer_bytes) == (848, 848, 0)
-        assert w.activation_bytes == 1536 // 2
+        assert w.activation_bytes == (1536 + 256) // 2  # and the loss's log-probabilities
     assert [op.kind.value for op in plan.ops["cpu"]] == ["reduce", "reduce", "step", "broadcast", "broadcast"]
 
 
@@ -169,10 +176,10 @@ def test_pipeline_sends_and_activations_in_flight(tmp_path, schedule, in_flight)
     sends = [(r.op.phase, r.op.microbatch, r.bytes) for r in est.comm.rows if r.op.kind.value == "send"]
     assert sorted(sends) == sorted([(p, mb, 256) for p in ("bwd", "fwd") for mb in range(4)])
     assert pairs(est) == {("cuda:0", "cuda:1"): 1024, ("cuda:1", "cuda:0"): 1024}
-    # per micro-batch: stage 0 keeps (512 + 1024) / 4 = 384, stage 1 its received input 1024 / 4 = 256;
-    # GPipe holds all 4 micro-batches, 1F1B min(m, p - stage) = 2 and 1
+    # per micro-batch: stage 0 keeps (512 + 1024) / 4 = 384, stage 1 its received input 1024 / 4 = 256
+    # and the loss's log-probabilities 256 / 4; GPipe holds all 4 micro-batches, 1F1B min(m, p - stage) = 2 and 1
     assert est.per_device["cuda:0"].activation_bytes == in_flight[0] * 384
-    assert est.per_device["cuda:1"].activation_bytes == in_flight[1] * 256
+    assert est.per_device["cuda:1"].activation_bytes == in_flight[1] * (256 + 64)
     # FLOPs do not depend on the micro-batching: 3 * 4096 and 3 * 2048
     assert (est.per_device["cuda:0"].flops, est.per_device["cuda:1"].flops) == (12288, 6144)
 
@@ -234,10 +241,12 @@ BN_HEAD = spec_head(FC1, "{name: bn, op: BatchNorm1d, args: [16]}", "{name: fc2,
 
 
 @pytest.mark.parametrize("shard, per_device", [
-    # ZeRO-1: full parameters and gradients, half the optimizer state (Adam, 2 x 976 = 1952)
-    ("optimizer", (976, 976, 976)),
+    # ZeRO-1: full parameters and gradients; the optimizer state (Adam, 2 x its parameters) of
+    # torch's greedy partition, largest first to the rank holding fewest: fc1's weight (512 B) on
+    # cuda:0; fc2's weight (256), bn's weight and bias and fc1's bias (64 each), fc2's bias (16) on cuda:1
+    ("optimizer", (976, 976, (2 * 512, 2 * 464))),
     # fully sharded: half of everything
-    ("full", (488, 488, 976)),
+    ("full", (488, 488, (976, 976))),
 ])
 def test_sharded_data_parallel(tmp_path, shard, per_device):
     plan, est = plan_of(tmp_path, f"""\
@@ -246,9 +255,9 @@ def test_sharded_data_parallel(tmp_path, shard, per_device):
           - {{layers: fc1..fc2, devices: [cuda:0, cuda:1], parallel: {{mode: data, shard: {shard}}}}}
         """, head=BN_HEAD, optimizer="{op: Adam, lr: 0.001}")
     params, grads, optim = per_device
-    for d in plan.devices:
+    for d, state in zip(plan.devices, optim):
         e = est.per_device[d]
-        assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (params, grads, optim)
+        assert (e.param_bytes, e.grad_bytes, e.optimizer_bytes) == (params, grads, state)
     kinds = sorted({r.op.kind.value for r in est.comm.rows})
     if shard == "optimizer":
         # as torch's ZeroRedundancyOptimizer runs: the gradients' bucket (976 B) all-reduced, each
@@ -316,12 +325,14 @@ def test_activation_gradients_at_the_backward_peak(tmp_path):
         """
     _, est = plan_of(tmp_path, one)
     e = est.per_device["cpu"]
-    # kept: fc1's input 16*8*4 = 512, act's output 16*16*4 = 1024 (fc2 saves the same tensor)
-    assert e.activation_bytes == 1536
-    # running fc2: its output's gradient 16*4*4 = 256 and its input's 1024, nothing freed yet: 1280;
-    # act: 1024 + 1024 = 2048, nothing freed yet (fc2 kept nothing of its own); fc1: 1024 + 512 with
-    # act's 1024 freed: 512. The most is 2048
-    assert e.act_grad_bytes == 2048
+    # kept: fc1's input 16*8*4 = 512, act's output 16*16*4 = 1024 (fc2 saves the same tensor), and
+    # CrossEntropyLoss's log-probabilities 16*4*4 = 256, freed by the loss's backward, which runs first
+    assert e.activation_bytes == 1536 + 256
+    # the loss's backward: two gradients of its size, 512; running fc2: its output's gradient 256 and
+    # its input's 1024, nothing freed yet: 1280; act: 1024 + 1024 = 2048, nothing freed yet (fc2 kept
+    # nothing of its own); fc1: 1024 + 512 with act's 1024 freed: 512. The most is act's 2048, on
+    # the 1536 left after the loss's backward: 1792 above the activations' peak
+    assert e.act_grad_bytes == 1536 + 2048 - (1536 + 256)
     # the parameters' gradients are made as backward goes: fc2's 272 exist while act runs, fc1's
     # 576 only once fc1 does (a step starts with none). The backward peak is act's:
     # 1536 + 2048 + 272; running fc1, 1536 + 512 + 848 is less
@@ -329,7 +340,8 @@ def test_activation_gradients_at_the_backward_peak(tmp_path):
     # SGD steps in place: the peak is backward's, on top of the weights and the batch in use (a
     # CPU worker makes none ahead: training.prefetch auto)
     assert e.total_bytes == 848 + 512 + 1536 + 2048 + 272
-    assert e.working_bytes == 512 + 2048 - 576  # (fc1's gradients are not made yet at that peak)
+    assert e.working_bytes == 512 + 2048 - 576 - 256  # (fc1's gradients are not made yet at that peak;
+    # the loss's log-probabilities are among the activations, freed by then)
 
 
 def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
@@ -342,7 +354,9 @@ def test_peak_is_the_backward_or_the_step_not_both(tmp_path):
         """
     _, est = plan_of(tmp_path, one, optimizer="{op: Adam, lr: 0.001}", batch=1)
     e = est.per_device["cpu"]
-    assert (e.activation_bytes, e.act_grad_bytes, e.step_bytes) == (96, 128, 2 * 576)
+    # activations: 96 and the loss's log-probabilities, 16; the most gradients above them: act's 128
+    # on the 96 left after the loss's backward
+    assert (e.activation_bytes, e.act_grad_bytes, e.step_bytes) == (96 + 16, 96 + 128 - 112, 2 * 576)
     assert e.total_bytes == 848 * 4 + 32 + 2 * 576  # the batch in use: none made ahead on a CPU
     _, big = plan_of(tmp_path, one, optimizer="{op: Adam, lr: 0.001}", batch=64)
     b = big.per_device["cpu"]
@@ -367,8 +381,9 @@ def test_spatial_conv_keeps_its_padded_band(tmp_path):
         """
     _, ref = plan_of(tmp_path, whole, head=SPATIAL, batch=8)
     e1 = est.per_device["cpu:1"]
-    # one device keeps conv's input 8*3*16*16*4 = 24576 and act's output 8*4*16*16*4 = 32768
-    assert ref.per_device["cpu:0"].activation_bytes == 24576 + 32768
+    # one device keeps conv's input 8*3*16*16*4 = 24576, act's output 8*4*16*16*4 = 32768 and the
+    # loss's log-probabilities 8*4*4 = 128
+    assert ref.per_device["cpu:0"].activation_bytes == 24576 + 32768 + 128
     # cpu:1's band: 8 rows of H plus a halo row and a padding row, made in one copy (the conv pads
     # W itself): 8*3*10*16*4 = 15360 instead of half the input (12288). Half of act's output, 16384,
     # is the band it sends to the head: the boundary holds it (with its gradient), not the activations

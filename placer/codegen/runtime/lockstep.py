@@ -209,7 +209,8 @@ class Lockstep:
         """Backward of one forward (`crossed`, from take) over every segment, last first: the ranks
         holding a segment's tensors send their gradients back, its rank sums them per tensor and
         backpropagates from them (and from the loss, on the last segment's rank). Graphs stay
-        until the step ends: a rank with two segments backpropagates through glue they share twice."""
+        until this rank's last backward: a rank with two segments backpropagates through glue they
+        share twice; that last one frees each saved tensor as it goes, as a plain backward does."""
         sent, received = crossed
         for k in reversed(range(len(self.segments))):
             posted, pairs = [], []
@@ -231,7 +232,7 @@ class Lockstep:
                 grads[id(t)] = (t, grads[id(t)][1] + g.to(self.device) if id(t) in grads else g.to(self.device))
             roots = list(grads.values()) + ([(loss, None)] if k == len(self.segments) - 1 and loss is not None else [])
             if roots:
-                torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=True)
+                torch.autograd.backward([t for t, _ in roots], [g for _, g in roots], retain_graph=k != self.held[0])
 
     def backward_own(self, loss, crossed):
         """1F1B, one segment per rank: this rank's backward of one forward (`crossed`, from take)
@@ -304,7 +305,7 @@ class Lockstep:
         stage), and posts the gradients of what the stage received to their makers."""
         self.mb = mb
         # graphs stay until the micro-batch's last stage here: stages may share glue
-        self._backward(self.crossed[mb], loss, stage, retain_graph=True)
+        self._backward(self.crossed[mb], loss, stage, retain_graph=stage != self.held[0])
         if stage == self.held[0]:
             del self.crossed[mb]
         self.pending = [p for p in self.pending if not p.done()]  # let go of what was sent
