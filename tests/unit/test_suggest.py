@@ -97,11 +97,15 @@ def test_nothing_fits_is_a001_naming_the_smallest_shortfall():
 
 
 def test_an_unlimited_device_beside_a_capped_one_takes_the_model():
+    """A device that states no memory has no limit (not none). The unlimited one is listed first: the
+    first CPU worker also builds the whole model from the seed at set-up (the estimate's setup_bytes),
+    about 1.1 MiB here, so a first device capped at 1 MiB could hold no plan at all."""
     spec = load_spec(str(MLP))
-    text = MLP.read_text().replace("{name: cpu:1, memory: 3MiB, hardware: h100}", "{name: cpu:1, hardware: h100}")
+    text = MLP.read_text().replace("{name: cpu, memory: 3MiB, hardware: h100}", "{name: cpu, hardware: h100}")
     text = text.replace("memory: 3MiB", "memory: 1MiB")
     found = search.suggest(load_spec_text(text, spec.file), "h100")
-    assert found.best.memory["cpu"] <= 2**20
+    assert found.best.memory.get("cpu:1", 0) <= 2**20
+    assert all(c.memory.get("cpu:1", 0) <= 2**20 for c in found.kept)
 
 
 def test_each_device_is_scored_on_its_own_hardware():
