@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import click
@@ -58,7 +57,7 @@ def command(spec_path, output, fmt, overrides, sbatch, k8s, image, slurm):
 
     -q prints only the line that says what was written; -v adds how long generating took.
     """
-    from placer.cli.main import fail, load_and_warn
+    from placer.cli.main import fail, load_and_warn, write_or_exit
     from placer.deps import require_torch
 
     require_torch("placer generate")
@@ -89,12 +88,7 @@ def command(spec_path, output, fmt, overrides, sbatch, k8s, image, slurm):
     if k8s:
         _write_k8s(spec, spec_path, k8s, program, image, overrides, fmt)
         return
-    try:
-        with open(output, "w") as f:
-            f.write(program.text)
-    except OSError as e:
-        click.echo(f"error: cannot write {output}: {e.strerror}", err=True)
-        sys.exit(1)
+    write_or_exit(output, program.text)
     command_line = program.command(output)
     if fmt == "json":
         click.echo(json.dumps({"program": output, "world_size": program.world_size,
@@ -107,7 +101,7 @@ def command(spec_path, output, fmt, overrides, sbatch, k8s, image, slurm):
 
 
 def _write_sbatch(spec, spec_path: str, path: str, slurm, overrides, fmt: str) -> None:
-    from placer.cli.main import fail
+    from placer.cli.main import fail, write_or_exit
     from placer.launch import slurm as jobs
 
     try:
@@ -116,12 +110,7 @@ def _write_sbatch(spec, spec_path: str, path: str, slurm, overrides, fmt: str) -
         shape = jobs.job_shape(spec)
     except PlacerError as e:
         fail(e, fmt)
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as e:
-        click.echo(f"error: cannot write {path}: {e.strerror}", err=True)
-        sys.exit(1)
+    write_or_exit(path, text)
     if fmt == "json":
         click.echo(json.dumps({"sbatch": path, "nodes": shape.nnodes, "workers_per_node": shape.per_node,
                                "gpus_per_node": shape.gpus_per_node, "command": f"sbatch {path}"}, indent=2))
@@ -134,7 +123,7 @@ def _write_sbatch(spec, spec_path: str, path: str, slurm, overrides, fmt: str) -
 def _write_k8s(spec, spec_path: str, path: str, program, image: str | None, overrides, fmt: str) -> None:
     from pathlib import Path
 
-    from placer.cli.main import fail
+    from placer.cli.main import fail, write_or_exit
     from placer.launch import k8s
     from placer.launch.resume import effective_spec
 
@@ -144,12 +133,7 @@ def _write_k8s(spec, spec_path: str, path: str, program, image: str | None, over
         shape = k8s.job_shape(spec)
     except PlacerError as e:
         fail(e, fmt)
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as e:
-        click.echo(f"error: cannot write {path}: {e.strerror}", err=True)
-        sys.exit(1)
+    write_or_exit(path, text)
     name = k8s.dns_name(spec.name)
     if fmt == "json":
         click.echo(json.dumps({"k8s": path, "name": name, "kind": "JobSet", "api_version": k8s.JOBSET_API,

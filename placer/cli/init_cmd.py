@@ -60,7 +60,7 @@ def command(output, model_ref, model_kwargs, devices, name, force):
 
     -q leaves out the notes on what to check; the last line says what was written.
     """
-    from placer.cli.main import fail
+    from placer.cli.main import fail, write_or_exit
     from placer.spec import starter
 
     if output != "-" and os.path.exists(output) and not force:
@@ -87,12 +87,7 @@ def command(output, model_ref, model_kwargs, devices, name, force):
     if output == "-":
         click.echo(text, nl=False)
         return
-    try:
-        with open(output, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as e:
-        click.echo(f"error: cannot write {output}: {e.strerror or e}", err=True)
-        sys.exit(1)
+    write_or_exit(output, text)
     for note in model.notes:
         echo(f"note: {note}", err=True)
     click.echo(f"wrote {output}; next: placer validate {output}" + (" --deep" if model_ref else ""))

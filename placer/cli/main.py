@@ -87,6 +87,16 @@ def fail(err: PlacerError, fmt: str = "text"):
     sys.exit(1)
 
 
+def write_or_exit(path: str, text: str) -> None:
+    """Write `text` to `path`, or say why not in one line and exit 1 (no traceback)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        click.echo(f"error: cannot write {path}: {e.strerror or e}", err=True)
+        sys.exit(1)
+
+
 @main.command()
 @click.argument("specs", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--deep", is_flag=True,

@@ -55,7 +55,7 @@ def command(spec_path, output, hardware, fmt, force, overrides):
     """
     import os
 
-    from placer.cli.main import fail, load_and_warn
+    from placer.cli.main import fail, load_and_warn, write_or_exit
     from placer.deps import require_torch
     from placer.diagnostics import PlacerError
 
@@ -82,12 +82,7 @@ def command(spec_path, output, hardware, fmt, force, overrides):
     if output:
         from placer.search import relocate
 
-        try:
-            with open(output, "w", encoding="utf-8") as f:
-                f.write(relocate(s.text, spec, os.path.dirname(os.path.abspath(output))))
-        except OSError as e:
-            click.echo(f"error: cannot write {output}: {e.strerror}", err=True)
-            sys.exit(1)
+        write_or_exit(output, relocate(s.text, spec, os.path.dirname(os.path.abspath(output))))
     if fmt == "json":
         click.echo(json.dumps({"format": JSON_FORMAT, "name": spec.name, "output": output,
                                "hardware": s.hardware, "capacities": s.caps, "evaluated": s.evaluated,
